@@ -1,0 +1,176 @@
+"""Where a request landed and how it is enforced: the content of the ``sharegpu.io/assignment`` annotation.
+
+An :class:`Assignment` is the single source of truth from which all cluster state can be rebuilt, so it
+round-trips through JSON exactly and its parser rejects anything it cannot vouch for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from sharegpu.model.request import FULL_MILLI
+
+ASSIGNMENT_VERSION = 1
+
+
+class Mechanism(StrEnum):
+    EXCLUSIVE = "exclusive"
+    TIME_SLICING = "time-slicing"
+    MPS = "mps"
+    MIG = "mig"
+
+
+class InvalidAssignment(ValueError):
+    """An assignment (e.g. a pod annotation) that is malformed or inconsistent."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigSlot:
+    """A MIG GPU instance: its profile and its start on the memory-slot axis."""
+
+    profile: str
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuShare:
+    """One GPU (or MIG instance) of an assignment.
+
+    ``mechanism`` is how the GPU is shared; for ``mig`` the share lives inside instance ``mig`` and
+    ``inner`` says how that instance is shared (exclusive, mps or time-slicing). ``compute_milli`` and
+    ``memory_mib`` are what was reserved — of the GPU, or of the instance for MIG.
+    """
+
+    gpu_index: int
+    gpu_uuid: str
+    mechanism: Mechanism
+    compute_milli: int
+    memory_mib: int = 0
+    mig: MigSlot | None = None
+    inner: Mechanism | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu_index < 0:
+            raise InvalidAssignment(f"GPU index {self.gpu_index} is negative")
+        if not 0 < self.compute_milli <= FULL_MILLI:
+            raise InvalidAssignment(f"compute {self.compute_milli} milli is outside 1–{FULL_MILLI}")
+        if self.memory_mib < 0:
+            raise InvalidAssignment(f"memory {self.memory_mib}Mi is negative")
+        if (self.mechanism is Mechanism.MIG) != (self.mig is not None):
+            raise InvalidAssignment("a MIG share needs its instance (profile and start), and only a MIG share has one")
+        if self.mechanism is Mechanism.MIG and self.inner not in (
+            Mechanism.EXCLUSIVE,
+            Mechanism.MPS,
+            Mechanism.TIME_SLICING,
+        ):
+            raise InvalidAssignment("a MIG share must say how its instance is shared: exclusive, mps or time-slicing")
+        if self.mechanism is not Mechanism.MIG and self.inner is not None:
+            raise InvalidAssignment("only a MIG share has an inner mechanism")
+
+    @property
+    def sharing(self) -> Mechanism:
+        """How the unit this share sits on (GPU or MIG instance) is shared."""
+        return self.inner if self.inner is not None else self.mechanism
+
+    @property
+    def memory_enforced(self) -> bool:
+        return self.mechanism is Mechanism.MIG or self.sharing in (Mechanism.MPS, Mechanism.EXCLUSIVE)
+
+    @property
+    def compute_enforced(self) -> bool:
+        # MPS caps SMs per client; MIG and whole GPUs are hardware boundaries; time-slicing enforces nothing.
+        return self.sharing is not Mechanism.TIME_SLICING
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    pod: str  # "namespace/name" on Kubernetes, the task name in a simulation
+    node: str
+    shares: tuple[GpuShare, ...]
+    cpu_milli: int = 0
+    host_memory_mib: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.pod or not self.node:
+            raise InvalidAssignment("an assignment needs a pod and a node")
+        units = [(s.gpu_index, s.mig.start if s.mig else None) for s in self.shares]
+        if len(set(units)) != len(units):
+            raise InvalidAssignment(f"assignment of {self.pod} names the same GPU or MIG instance twice")
+        if self.cpu_milli < 0 or self.host_memory_mib < 0:
+            raise InvalidAssignment(f"assignment of {self.pod} has negative CPU or memory")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": ASSIGNMENT_VERSION,
+            "pod": self.pod,
+            "node": self.node,
+            "cpuMilli": self.cpu_milli,
+            "hostMemoryMiB": self.host_memory_mib,
+            "gpus": [
+                {
+                    "index": s.gpu_index,
+                    "uuid": s.gpu_uuid,
+                    "mechanism": s.mechanism.value,
+                    "computeMilli": s.compute_milli,
+                    "memoryMiB": s.memory_mib,
+                    "memoryEnforced": s.memory_enforced,
+                    "computeEnforced": s.compute_enforced,
+                    **({"mig": {"profile": s.mig.profile, "start": s.mig.start}} if s.mig else {}),
+                    **({"inner": s.inner.value} if s.inner else {}),
+                }
+                for s in self.shares
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Assignment:
+        try:
+            if not isinstance(d, dict):
+                raise InvalidAssignment("assignment is not a JSON object")
+            if d.get("version") != ASSIGNMENT_VERSION:
+                raise InvalidAssignment(f"assignment version {d.get('version')!r} is not {ASSIGNMENT_VERSION}")
+            shares = []
+            for g in d["gpus"]:
+                mig = g.get("mig")
+                inner = g.get("inner")
+                shares.append(
+                    GpuShare(
+                        gpu_index=_int(g["index"]),
+                        gpu_uuid=str(g["uuid"]),
+                        mechanism=Mechanism(g["mechanism"]),
+                        compute_milli=_int(g["computeMilli"]),
+                        memory_mib=_int(g.get("memoryMiB", 0)),
+                        mig=MigSlot(str(mig["profile"]), _int(mig["start"])) if mig is not None else None,
+                        inner=Mechanism(inner) if inner is not None else None,
+                    )
+                )
+            return cls(
+                pod=str(d["pod"]),
+                node=str(d["node"]),
+                shares=tuple(shares),
+                cpu_milli=_int(d.get("cpuMilli", 0)),
+                host_memory_mib=_int(d.get("hostMemoryMiB", 0)),
+            )
+        except InvalidAssignment:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidAssignment(f"assignment is malformed: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Assignment:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise InvalidAssignment(f"assignment is not valid JSON: {e}") from None
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidAssignment(f"expected an integer, got {v!r}")
+    return v

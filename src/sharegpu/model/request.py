@@ -1,0 +1,189 @@
+"""What a workload asks for: GPUs, memory, compute, isolation — validated once, on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeVar
+
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel
+
+FULL_MILLI = 1000  # compute of one whole GPU (or one whole MIG instance) in milli-GPU
+MAX_GPUS_PER_REQUEST = 64
+
+
+class Isolation(StrEnum):
+    NONE = "none"  # time-slicing allowed: nothing enforced
+    MEMORY = "memory"  # the memory limit is enforced (MPS or MIG)
+    HARDWARE = "hardware"  # faults elsewhere must not reach it (MIG or a whole GPU)
+
+
+class Sharing(StrEnum):
+    AUTO = "auto"
+    EXCLUSIVE = "exclusive"
+    TIME_SLICING = "time-slicing"
+    MPS = "mps"
+    MIG = "mig"
+
+
+class InvalidRequest(ValueError):
+    """A request that can never be valid; the message says what to change."""
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def _parse_enum(kind: type[E], value: str | E, what: str) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = " | ".join(v.value for v in kind)
+        raise InvalidRequest(f"{what} {value!r} is not one of: {allowed}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRequest:
+    """One pod's (or trace task's) demand. Compute is in milli-GPU per GPU (1000 = a whole GPU).
+
+    ``compute_milli`` and ``memory_mib`` are per GPU; ``None`` means the workload did not say. With neither given
+    each GPU is a whole GPU; with only memory given, compute follows the share's memory (see :meth:`compute_on`).
+    ``allowed_models`` holds canonical catalog names; empty means any model.
+    """
+
+    name: str
+    gpu_count: int = 1
+    compute_milli: int | None = None
+    memory_mib: int | None = None
+    isolation: Isolation = Isolation.NONE
+    sharing: Sharing = Sharing.AUTO
+    allowed_models: frozenset[str] = frozenset()
+    mig_profile: str | None = None
+    cpu_milli: int = 0
+    host_memory_mib: int = 0
+    catalog: Catalog = field(default=DEFAULT_CATALOG, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "isolation", _parse_enum(Isolation, self.isolation, "isolation"))
+        object.__setattr__(self, "sharing", _parse_enum(Sharing, self.sharing, "sharing"))
+        object.__setattr__(self, "allowed_models", self.catalog.canonical(self.allowed_models))
+        self._validate()
+
+    def _validate(self) -> None:
+        who = f"request {self.name!r}: " if self.name else ""
+        if not isinstance(self.gpu_count, int) or not 0 <= self.gpu_count <= MAX_GPUS_PER_REQUEST:
+            raise InvalidRequest(f"{who}GPU count {self.gpu_count} must be an integer from 0 to {MAX_GPUS_PER_REQUEST}")
+        if self.cpu_milli < 0:
+            raise InvalidRequest(f"{who}CPU {self.cpu_milli}m is negative; ask for 0 or more")
+        if self.host_memory_mib < 0:
+            raise InvalidRequest(f"{who}host memory {self.host_memory_mib}Mi is negative; ask for 0 or more")
+        if self.compute_milli is not None and not 1 <= self.compute_milli <= FULL_MILLI:
+            raise InvalidRequest(
+                f"{who}GPU compute {self.compute_milli / 10:g}% is outside 1–100%; ask for a share of one GPU "
+                "(use more GPUs for more than one GPU's compute)"
+            )
+        if self.memory_mib is not None and self.memory_mib <= 0:
+            raise InvalidRequest(f"{who}GPU memory {self.memory_mib}Mi must be positive (or leave it unset)")
+        if self.gpu_count == 0:
+            if self.memory_mib is not None or self.compute_milli is not None or self.mig_profile:
+                raise InvalidRequest(
+                    f"{who}GPU memory, compute or a MIG profile was given with 0 GPUs; ask for ≥ 1 GPU"
+                )
+            return
+        candidates = self.candidate_models()
+        if self.allowed_models and not candidates:
+            raise InvalidRequest(f"{who}no known GPU model among {sorted(self.allowed_models)}")
+        if self.memory_mib is not None:
+            sized = [m for m in candidates if not m.generic]
+            largest = max((m.memory_mib for m in sized), default=0)
+            if sized and self.memory_mib > largest:
+                raise InvalidRequest(
+                    f"{who}GPU memory {self.memory_mib}Mi is above the largest allowed GPU ({largest}Mi); ask for "
+                    "less memory per GPU, or more GPUs"
+                )
+        self._validate_mechanism(who, candidates)
+
+    def _validate_mechanism(self, who: str, candidates: list[GpuModel]) -> None:
+        mig_models = [m for m in candidates if m.mig_capable]
+        if self.isolation is Isolation.HARDWARE and self.sharing in (Sharing.TIME_SLICING, Sharing.MPS):
+            raise InvalidRequest(
+                f"{who}isolation 'hardware' cannot be met by sharing '{self.sharing}'; use sharing mig, exclusive or auto"
+            )
+        if self.isolation is Isolation.MEMORY and self.sharing is Sharing.TIME_SLICING:
+            raise InvalidRequest(
+                f"{who}isolation 'memory' cannot be met by time-slicing (it enforces no memory limit); use mps, mig or auto"
+            )
+        if self.sharing is Sharing.MIG or self.mig_profile:
+            if not mig_models:
+                allowed = ", ".join(sorted(self.allowed_models)) or "any"
+                raise InvalidRequest(f"{who}MIG was asked but no allowed GPU model ({allowed}) supports MIG")
+            if self.mig_profile and not any(self.mig_profile in {p.name for p in m.mig_profiles} for m in mig_models):
+                raise InvalidRequest(
+                    f"{who}MIG profile {self.mig_profile!r} exists on no allowed model; profiles are e.g. "
+                    f"{', '.join(p.name for p in mig_models[0].mig_profiles)}"
+                )
+        if self.sharing is Sharing.MPS and not any(m.mps_capable for m in candidates):
+            raise InvalidRequest(f"{who}MPS was asked but no allowed GPU model supports it (Volta or later)")
+
+    def candidate_models(self) -> list[GpuModel]:
+        """Catalog models this request may run on (unknown allowed names resolve to generic entries)."""
+        if self.allowed_models:
+            return [self.catalog.get(n) for n in sorted(self.allowed_models)]
+        return list(self.catalog)
+
+    def allows_model(self, model_name: str) -> bool:
+        return not self.allowed_models or model_name in self.allowed_models
+
+    @property
+    def wants_gpu(self) -> bool:
+        return self.gpu_count > 0
+
+    @property
+    def is_whole(self) -> bool:
+        """Whole GPUs, exclusively: no memory or compute share asked and no sharing mechanism forced."""
+        return (
+            self.gpu_count > 0
+            and self.compute_milli in (None, FULL_MILLI)
+            and self.memory_mib is None
+            and self.mig_profile is None
+            and self.sharing in (Sharing.AUTO, Sharing.EXCLUSIVE)
+        ) or self.sharing is Sharing.EXCLUSIVE
+
+    @property
+    def total_milli(self) -> int:
+        """GPU demand in milli-GPU over all its GPUs (the trace's num_gpu × gpu_milli)."""
+        return self.gpu_count * self.milli
+
+    @property
+    def milli(self) -> int:
+        """Compute per GPU in milli-GPU as the trace counts it: a whole GPU unless a share was given."""
+        if self.compute_milli is not None:
+            return self.compute_milli
+        return FULL_MILLI if self.memory_mib is None else 1
+
+    def compute_on(self, model: GpuModel) -> int:
+        """Compute to reserve per GPU of ``model``: what was asked, else the memory share's fraction of the GPU.
+
+        Reserving compute in proportion to memory keeps a GPU from being promised to more memory-only
+        workloads than its compute can serve.
+        """
+        if self.compute_milli is not None:
+            return self.compute_milli
+        if self.memory_mib is None:
+            return FULL_MILLI
+        if model.memory_mib <= 0:
+            return 1
+        return max(1, min(FULL_MILLI, -(-self.memory_mib * FULL_MILLI // model.memory_mib)))
+
+    def shape_key(self) -> tuple[object, ...]:
+        """What placement scores depend on: equal keys score equally on equal nodes."""
+        return (
+            self.gpu_count,
+            self.compute_milli,
+            self.memory_mib,
+            self.isolation,
+            self.sharing,
+            self.allowed_models,
+            self.mig_profile,
+            self.cpu_milli,
+            self.host_memory_mib,
+        )

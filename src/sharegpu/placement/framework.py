@@ -1,0 +1,208 @@
+"""The placement framework: filter → score → select → reserve, in the shape of the kube-scheduler framework.
+
+A :class:`Policy` is a named set of score plugins with weights and a GPU selector. Filtering is common to all
+policies (a node either can host the request or it cannot, and every rejected node gets a reason a user can
+act on). Scores are vectorised over the feasible nodes. Plugins whose score of a node depends only on that
+node's state and the request's shape declare ``node_local``; the framework then caches their scores per shape
+and recomputes only nodes whose state changed since (the ledger bumps a node's version on every change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from sharegpu.ledger import Ledger
+from sharegpu.model.assignment import Assignment
+from sharegpu.model.request import GpuRequest
+from sharegpu.placement.mechanism import make_share, usable_gpus
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass
+class CycleState:
+    """Scratch data of one scheduling cycle, shared by its plugins (computed once, read by many)."""
+
+    request: GpuRequest
+    usable: BoolArray  # (N,G) GPUs that can host one share now
+    rng: np.random.Generator
+    data: dict[str, object] = field(default_factory=dict)
+
+
+class ScorePlugin(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def node_local(self) -> bool:
+        """True when a node's score depends only on that node's state and the request's shape (cacheable)."""
+        ...
+
+    def score(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
+        """Integer scores (higher is better) of ``nodes``, all of which passed the filter."""
+        ...
+
+
+class GpuSelector(Protocol):
+    def select(self, ledger: Ledger, state: CycleState, node: int) -> list[int]:
+        """GPU indices on ``node`` for the request's ``gpu_count`` shares, among ``state.usable[node]``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    scorers: tuple[tuple[ScorePlugin, int], ...]
+    selector: GpuSelector
+    tie_break: str = "order"  # "order": first node in tie-break order; "random": uniform among the best
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    assignment: Assignment
+    node_index: int
+    score: int
+    feasible: int  # nodes that passed the filter
+
+
+@dataclass(frozen=True)
+class Unschedulable:
+    request: GpuRequest
+    reason: str  # a summary a user can act on, e.g. "largest free share is 12Gi on node-3"
+    reasons: dict[str, int]  # reason → how many nodes it rejected
+
+
+class NoFit(Exception):
+    """Raised by :meth:`Scheduler.place` when a request fits nowhere; carries the explanation."""
+
+    def __init__(self, result: Unschedulable) -> None:
+        super().__init__(result.reason)
+        self.result = result
+
+
+@dataclass
+class _Cache:
+    versions: IntArray
+    scores: IntArray
+
+
+class Scheduler:
+    """Runs a policy's cycle against a ledger. ``rank`` is the tie-break order (default: node name order)."""
+
+    def __init__(
+        self, ledger: Ledger, policy: Policy, seed: int = 0, rank: Sequence[int] | IntArray | None = None
+    ) -> None:
+        self.ledger = ledger
+        self.policy = policy
+        self.rng = np.random.default_rng(seed)
+        n = len(ledger.nodes)
+        self.rank: IntArray = np.arange(n, dtype=np.int64) if rank is None else np.asarray(rank, dtype=np.int64)
+        if sorted(self.rank.tolist()) != list(range(n)):
+            raise ValueError("rank must be a permutation of the node indices")
+        self._cache: dict[tuple[str, tuple[object, ...]], _Cache] = {}
+
+    # ----- filter --------------------------------------------------------------------------------------------
+    def feasible(self, req: GpuRequest) -> tuple[BoolArray, BoolArray]:
+        """(N,) nodes that can host ``req`` and the (N,G) GPUs that can host one of its shares."""
+        led = self.ledger
+        usable = usable_gpus(led, req)
+        ok = (led.cpu_free >= req.cpu_milli) & (led.mem_free >= req.host_memory_mib)
+        if req.gpu_count > 0:
+            ok &= usable.sum(axis=1) >= req.gpu_count
+        return ok, usable
+
+    def explain(self, req: GpuRequest, usable: BoolArray) -> Unschedulable:
+        """Why no node fits, counted per reason, with the nearest miss named."""
+        led = self.ledger
+        reasons: dict[str, int] = {}
+        cpu_short = led.cpu_free < req.cpu_milli
+        mem_short = led.mem_free < req.host_memory_mib
+        allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
+        model_ok = np.asarray((allowed[led.model_id] & led.present).any(axis=1), dtype=bool)
+        gpus_short = usable.sum(axis=1) < req.gpu_count
+        for i in range(len(led.nodes)):
+            if req.gpu_count > 0 and not model_ok[i]:
+                r = "no GPU of an allowed model" if req.allowed_models else "no GPUs"
+            elif cpu_short[i]:
+                r = "not enough CPU"
+            elif mem_short[i]:
+                r = "not enough host memory"
+            elif req.gpu_count > 0 and gpus_short[i]:
+                r = f"fewer than {req.gpu_count} GPU(s) with room for the share"
+            else:
+                continue
+            reasons[r] = reasons.get(r, 0) + 1
+        summary = "; ".join(f"{c} node(s): {r}" for r, c in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        hint = self._nearest_miss(req)
+        return Unschedulable(req, f"{summary or 'no nodes'}{hint}", reasons)
+
+    def _nearest_miss(self, req: GpuRequest) -> str:
+        led = self.ledger
+        if req.gpu_count == 0 or led.free_mem.size == 0:
+            return ""
+        free = np.where(led.healthy, led.free_mem, 0)
+        if req.memory_mib is not None and free.max() < req.memory_mib:
+            n, g = np.unravel_index(int(free.argmax()), free.shape)
+            return f" (largest free share is {int(free[n, g]) // 1024}Gi on {led.nodes[int(n)].name}, {req.memory_mib // 1024}Gi asked)"
+        milli = np.where(led.healthy, led.free_milli, 0)
+        n, g = np.unravel_index(int(milli.argmax()), milli.shape)
+        return f" (most free compute is {int(milli[n, g]) / 10:g}% of a GPU on {led.nodes[int(n)].name})"
+
+    # ----- score and select ----------------------------------------------------------------------------------
+    def scores(self, state: CycleState, nodes: IntArray) -> IntArray:
+        total = np.zeros(len(nodes), dtype=np.int64)
+        key = state.request.shape_key()
+        for plugin, weight in self.policy.scorers:
+            if plugin.node_local:
+                s = self._cached(plugin, key, state, nodes)
+            else:
+                s = plugin.score(self.ledger, state, nodes)
+            total += weight * s
+        return total
+
+    def _cached(self, plugin: ScorePlugin, key: tuple[object, ...], state: CycleState, nodes: IntArray) -> IntArray:
+        versions = self.ledger.version
+        cache = self._cache.get((plugin.name, key))
+        if cache is None:
+            cache = _Cache(np.full(len(versions), -1, dtype=np.int64), np.zeros(len(versions), dtype=np.int64))
+            self._cache[(plugin.name, key)] = cache
+        stale = nodes[cache.versions[nodes] != versions[nodes]]
+        if len(stale):
+            cache.scores[stale] = plugin.score(self.ledger, state, stale)
+            cache.versions[stale] = versions[stale]
+        return cache.scores[nodes]
+
+    def decide(self, req: GpuRequest) -> Decision | Unschedulable:
+        ok, usable = self.feasible(req)
+        nodes = np.flatnonzero(ok).astype(np.int64)
+        state = CycleState(req, usable, self.rng)
+        if len(nodes) == 0:
+            return self.explain(req, usable)
+        scores = self.scores(state, nodes)
+        best = scores.max()
+        tied = nodes[scores == best]
+        if len(tied) == 1:
+            node = int(tied[0])
+        elif self.policy.tie_break == "random":
+            node = int(tied[self.rng.integers(len(tied))])
+        else:
+            node = int(tied[np.argmin(self.rank[tied])])
+        gpus = self.policy.selector.select(self.ledger, state, node) if req.gpu_count else []
+        shares = tuple(make_share(self.ledger, node, g, req) for g in gpus)
+        a = Assignment(req.name, self.ledger.nodes[node].name, shares, req.cpu_milli, req.host_memory_mib)
+        return Decision(a, node, int(best), len(nodes))
+
+    def place(self, req: GpuRequest) -> Decision:
+        """Decide and reserve in the ledger; raises :class:`NoFit` when nothing fits."""
+        d = self.decide(req)
+        if isinstance(d, Unschedulable):
+            raise NoFit(d)
+        self.ledger.place(d.assignment)
+        return d

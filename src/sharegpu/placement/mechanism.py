@@ -1,0 +1,216 @@
+"""The ``auto`` mechanism choice: which GPUs can host one share of a request, and as what.
+
+Rules (DESIGN §2):
+- whole GPUs (no share asked, or ``exclusive``) → an idle GPU, exclusively;
+- ``hardware`` isolation → its own MIG instance: the smallest profile that fits memory and compute at a free
+  valid placement; on a model without MIG, a whole GPU (the only other way to keep faults out);
+- ``memory`` isolation → MPS with enforced limits, or a MIG instance shared through MPS where MPS can't go;
+- ``none`` → time-slicing or MPS: it joins a GPU already shared either way (both serve it), and opens an idle
+  GPU as MPS where the model has MPS, since an MPS GPU can later take memory-isolated shares too (it fragments
+  less), and as time-slicing where it has not.
+
+One mechanism per GPU (or per MIG instance) is a ledger invariant, so a share can only join a GPU whose
+current mode it is compatible with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger, slot_mask
+from sharegpu.model.assignment import GpuShare, Mechanism, MigSlot
+from sharegpu.model.catalog import GpuModel, MigProfile
+from sharegpu.model.request import FULL_MILLI, GpuRequest, Isolation, Sharing
+
+BoolMatrix = npt.NDArray[np.bool_]
+
+
+class Route:
+    """How a request may be hosted, independent of any GPU's state."""
+
+    WHOLE = "whole"
+    SHARE = "share"  # time-slicing / MPS on a whole GPU
+    MIG = "mig"
+
+
+def route_for(req: GpuRequest, model: GpuModel) -> str | None:
+    """The route a request takes on ``model``, or None where the model cannot host it at all."""
+    if not req.allows_model(model.name):
+        return None
+    if req.is_whole:
+        return Route.WHOLE
+    s, iso = req.sharing, req.isolation
+    if s is Sharing.MIG or req.mig_profile is not None:
+        return Route.MIG if model.mig_capable else None
+    if s is Sharing.MPS:
+        return Route.SHARE if model.mps_capable else None
+    if s is Sharing.TIME_SLICING:
+        return Route.SHARE
+    if iso is Isolation.HARDWARE:
+        return Route.MIG if model.mig_capable else Route.WHOLE
+    if iso is Isolation.MEMORY:
+        if model.mps_capable:
+            return Route.SHARE
+        return Route.MIG if model.mig_capable else None
+    return Route.SHARE
+
+
+def share_modes(req: GpuRequest, model: GpuModel) -> tuple[GpuMode, ...]:
+    """GPU modes a (non-MIG) share of ``req`` may join on ``model``; the first opens an idle GPU."""
+    if req.sharing is Sharing.TIME_SLICING:
+        return (GpuMode.TIME_SLICING,)
+    if req.sharing is Sharing.MPS or req.isolation is Isolation.MEMORY:
+        return (GpuMode.MPS,)
+    if model.mps_capable:
+        return (GpuMode.MPS, GpuMode.TIME_SLICING)
+    return (GpuMode.TIME_SLICING,)
+
+
+def mig_profiles_for(req: GpuRequest, model: GpuModel) -> list[MigProfile]:
+    """Profiles of ``model`` that fit the request, smallest first (fewest compute slices, then memory)."""
+    if req.mig_profile is not None:
+        return [p for p in model.mig_profiles if p.name == req.mig_profile]
+    fits = []
+    for p in model.mig_profiles:
+        if req.memory_mib is not None and p.memory_mib < req.memory_mib:
+            continue
+        if req.compute_milli is not None and p.compute_slices * FULL_MILLI < req.compute_milli * model.compute_slices:
+            continue
+        fits.append(p)
+    return sorted(fits, key=lambda p: (p.compute_slices, p.memory_mib, p.memory_slots))
+
+
+@dataclass(frozen=True, slots=True)
+class MigChoice:
+    profile: MigProfile
+    start: int
+    existing: bool  # joins an instance that is already there
+
+
+def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | None:
+    """Where a MIG share of ``req`` goes on GPU (n, g): an instance to share (memory isolation) or a new one.
+
+    New instances take the valid start that leaves the most room for larger profiles later: the highest start
+    among those free, because the big profiles (3g, 4g, 7g) all begin at slot 0 or 4.
+    """
+    model = ledger.gpu_model(n, g)
+    mode = GpuMode(int(ledger.mode[n, g]))
+    if mode not in (GpuMode.FREE, GpuMode.MIG):
+        return None
+    inner = _mig_inner(req)
+    insts = ledger.instances_on(n, g)
+    profiles = mig_profiles_for(req, model)
+    names = {p.name for p in profiles}
+    for start, inst in sorted(insts.items()):
+        if inst.profile.name not in names:
+            continue
+        if inst.clients == 0 and inst.inner is None:
+            return MigChoice(inst.profile, start, True)
+        if inner is Mechanism.EXCLUSIVE or inst.inner is not inner:
+            continue
+        compute = _mig_compute(req, model, inst.profile)
+        mem = req.memory_mib or 0
+        if inst.free_milli >= compute and inst.free_mem >= mem and inst.clients < MPS_MAX_CLIENTS:
+            return MigChoice(inst.profile, start, True)
+    used = int(ledger.mig_slots_used[n, g])
+    free_slices = model.compute_slices - int(ledger.mig_slices_used[n, g])
+    for p in profiles:
+        if p.compute_slices > free_slices:
+            continue
+        for start in sorted(p.starts, reverse=True):
+            if not used & slot_mask(start, p.memory_slots):
+                return MigChoice(p, start, False)
+    return None
+
+
+def _mig_inner(req: GpuRequest) -> Mechanism:
+    # Hardware isolation wants an instance of its own; memory isolation may share one through MPS.
+    return Mechanism.MPS if req.isolation is Isolation.MEMORY else Mechanism.EXCLUSIVE
+
+
+def _mig_compute(req: GpuRequest, model: GpuModel, profile: MigProfile) -> int:
+    """Compute of the instance a share takes: the request's GPU share rescaled to the instance."""
+    if _mig_inner(req) is Mechanism.EXCLUSIVE or req.compute_milli is None:
+        return FULL_MILLI if _mig_inner(req) is Mechanism.EXCLUSIVE else _mem_fraction(req, profile)
+    scaled = -(-req.compute_milli * model.compute_slices // profile.compute_slices)
+    return max(1, min(FULL_MILLI, scaled))
+
+
+def _mem_fraction(req: GpuRequest, profile: MigProfile) -> int:
+    if req.memory_mib is None:
+        return FULL_MILLI
+    return max(1, min(FULL_MILLI, -(-req.memory_mib * FULL_MILLI // profile.memory_mib)))
+
+
+def usable_gpus(ledger: Ledger, req: GpuRequest) -> BoolMatrix:
+    """(nodes × GPU slots) mask of the GPUs that can host one share of ``req`` now."""
+    usable = np.zeros(ledger.present.shape, dtype=bool)
+    if req.gpu_count == 0 or usable.size == 0:
+        return usable
+    base = ledger.present & ledger.healthy
+    mode = ledger.mode
+    for mid, model in enumerate(ledger.models):
+        route = route_for(req, model)
+        if route is None:
+            continue
+        on_model = base & (ledger.model_id == mid)
+        if not on_model.any():
+            continue
+        if route == Route.WHOLE:
+            usable |= on_model & (mode == GpuMode.FREE)
+        elif route == Route.SHARE:
+            compute = req.compute_on(model)
+            mem = req.memory_mib or 0
+            fit = on_model & (ledger.free_milli >= compute) & (ledger.free_mem >= mem)
+            modes = share_modes(req, model)
+            ok_mode = mode == GpuMode.FREE
+            for m in modes:
+                ok_mode |= mode == m
+            if GpuMode.MPS in modes:
+                ok_mode &= (mode != GpuMode.MPS) | (ledger.clients < MPS_MAX_CLIENTS)
+            usable |= fit & ok_mode
+        else:
+            for n, g in zip(*np.nonzero(on_model & ((mode == GpuMode.FREE) | (mode == GpuMode.MIG))), strict=True):
+                usable[n, g] = mig_choice(ledger, int(n), int(g), req) is not None
+    return usable
+
+
+def make_share(ledger: Ledger, n: int, g: int, req: GpuRequest) -> GpuShare:
+    """The concrete share of ``req`` on GPU (n, g), which :func:`usable_gpus` said can host it."""
+    model = ledger.gpu_model(n, g)
+    uuid = ledger.nodes[n].gpus[g].uuid
+    route = route_for(req, model)
+    mode = GpuMode(int(ledger.mode[n, g]))
+    if route == Route.WHOLE:
+        return GpuShare(g, uuid, Mechanism.EXCLUSIVE, FULL_MILLI, model.memory_mib)
+    if route == Route.SHARE:
+        modes = share_modes(req, model)
+        chosen = mode if mode in modes else modes[0]
+        mech = Mechanism.MPS if chosen is GpuMode.MPS else Mechanism.TIME_SLICING
+        return GpuShare(g, uuid, mech, req.compute_on(model), req.memory_mib or 0)
+    choice = mig_choice(ledger, n, g, req)
+    if choice is None:
+        raise ValueError(f"no MIG placement for {req.name} on GPU {uuid}")
+    inner = _mig_inner(req)
+    if inner is Mechanism.EXCLUSIVE:
+        return GpuShare(
+            g,
+            uuid,
+            Mechanism.MIG,
+            FULL_MILLI,
+            choice.profile.memory_mib,
+            MigSlot(choice.profile.name, choice.start),
+            inner,
+        )
+    return GpuShare(
+        g,
+        uuid,
+        Mechanism.MIG,
+        _mig_compute(req, model, choice.profile),
+        req.memory_mib or 0,
+        MigSlot(choice.profile.name, choice.start),
+        inner,
+    )

@@ -1,0 +1,190 @@
+"""Runs requests through the same scheduler the cluster uses, and records what happened."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from sharegpu.ledger import Ledger
+from sharegpu.model.inventory import NodeSpec
+from sharegpu.model.request import GpuRequest
+from sharegpu.placement.framework import Policy, Scheduler, Unschedulable
+from sharegpu.sim.metrics import RunLog, allocation_curve, percentile
+from sharegpu.sim.openb import TraceTask
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    policy: str
+    seed: int
+    wall_s: float
+    pods: int
+    placed: int
+    failed: int
+    total_gpus: int
+    curve: list[float | None]  # allocation % at arrived 0..130 %
+    failures: dict[str, int]
+    latency_p50_ms: float
+    latency_p99_ms: float
+    fragmentation_pct: float | None  # free GPU milli that the workload cannot use, % of capacity, at the end
+    final_alloc_pct: float
+
+    def alloc_at(self, arrived_pct: int) -> float | None:
+        return self.curve[arrived_pct] if 0 <= arrived_pct < len(self.curve) else None
+
+    def to_dict(self) -> dict[str, object]:
+        a100, a130 = self.alloc_at(100), self.alloc_at(130)
+        return {
+            "policy": self.policy,
+            "seed": self.seed,
+            "wall_s": round(self.wall_s, 3),
+            "pods": self.pods,
+            "placed": self.placed,
+            "failed": self.failed,
+            "total_gpus": self.total_gpus,
+            "alloc_pct_at_arrived": {"100": a100, "130": a130},
+            "unallocated_gpu_pct_at_arrived": {
+                "100": None if a100 is None else round(100 - a100, 2),
+                "130": None if a130 is None else round(100 - a130, 2),
+            },
+            "final_alloc_pct": round(self.final_alloc_pct, 2),
+            "fragmentation_pct": None if self.fragmentation_pct is None else round(self.fragmentation_pct, 2),
+            "failures_by_reason": dict(sorted(self.failures.items(), key=lambda kv: -kv[1])),
+            "decision_latency_ms": {"p50": round(self.latency_p50_ms, 3), "p99": round(self.latency_p99_ms, 3)},
+            "curve_alloc_pct_by_arrived_pct": self.curve,
+        }
+
+
+def _summary_reason(d: Unschedulable) -> str:
+    return max(d.reasons.items(), key=lambda kv: kv[1])[0] if d.reasons else "no nodes"
+
+
+def run_arrivals(
+    nodes: Sequence[NodeSpec],
+    arrivals: Sequence[GpuRequest],
+    policy: Policy,
+    seed: int,
+    rank: Sequence[int] | npt.NDArray[np.int64] | None = None,
+    frag: Callable[[Ledger], float] | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    """The FGD protocol: submit one at a time; a request that fits nowhere is skipped for good; none leave."""
+    t0 = time.perf_counter()
+    ledger = Ledger(nodes)
+    sched = Scheduler(ledger, policy, seed=seed, rank=rank)
+    log = RunLog(ledger.total_gpu_milli)
+    arrived = allocated = 0
+    for i, req in enumerate(arrivals):
+        arrived += req.total_milli
+        t = time.perf_counter()
+        d = sched.decide(req)
+        if isinstance(d, Unschedulable):
+            log.latencies_s.append(time.perf_counter() - t)
+            log.fail(_summary_reason(d))
+        else:
+            ledger.place(d.assignment)
+            log.latencies_s.append(time.perf_counter() - t)
+            log.placed += 1
+            allocated += ledger.gpu_milli_of(d.assignment)
+        log.record(arrived, allocated)
+        if progress is not None and i % 256 == 0:
+            progress(i)
+    return _result(policy.name, seed, ledger, log, t0, len(arrivals), frag)
+
+
+def _result(
+    policy: str, seed: int, ledger: Ledger, log: RunLog, t0: float, pods: int, frag: Callable[[Ledger], float] | None
+) -> RunResult:
+    total = ledger.total_gpu_milli
+    return RunResult(
+        policy=policy,
+        seed=seed,
+        wall_s=time.perf_counter() - t0,
+        pods=pods,
+        placed=log.placed,
+        failed=log.failed,
+        total_gpus=total // 1000,
+        curve=allocation_curve(log.arrived, log.allocated, total),
+        failures=log.failures,
+        latency_p50_ms=percentile(log.latencies_s, 50) * 1000,
+        latency_p99_ms=percentile(log.latencies_s, 99) * 1000,
+        fragmentation_pct=None if frag is None else 100 * frag(ledger) / total,
+        final_alloc_pct=100 * ledger.allocated_gpu_milli / total if total else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    run: RunResult
+    waited: int  # requests that waited in the pending queue at least once
+    never_placed: int
+    peak_pending: int
+
+
+def replay_timed(
+    nodes: Sequence[NodeSpec],
+    tasks: Sequence[TraceTask],
+    policy: Policy,
+    seed: int = 0,
+    max_pending: int = 10_000,
+) -> ReplayResult:
+    """Honours creation and deletion times: pods leave, and a FIFO pending queue is retried whenever
+    capacity is freed. Tasks without a creation time arrive at 0; without a deletion time they never leave."""
+    t0 = time.perf_counter()
+    ledger = Ledger(nodes)
+    sched = Scheduler(ledger, policy, seed=seed)
+    log = RunLog(ledger.total_gpu_milli)
+    events: list[tuple[int, int, int, str]] = []  # (time, kind 0=delete first, seq, name)
+    by_name = {t.name: t for t in tasks}
+    for seq, t in enumerate(sorted(tasks, key=lambda t: (t.creation_time or 0, t.name))):
+        heapq.heappush(events, (t.creation_time or 0, 1, seq, t.name))
+    pending: deque[str] = deque()
+    waited: set[str] = set()
+    arrived = 0
+    peak = 0
+
+    def try_place(name: str) -> bool:
+        t = by_name[name]
+        start = time.perf_counter()
+        d = sched.decide(t.request)
+        log.latencies_s.append(time.perf_counter() - start)
+        if isinstance(d, Unschedulable):
+            return False
+        ledger.place(d.assignment)
+        log.placed += 1
+        if t.deletion_time is not None:
+            heapq.heappush(events, (t.deletion_time, 0, len(events), name))
+        return True
+
+    while events:
+        _, kind, _, name = heapq.heappop(events)
+        if kind == 0:
+            ledger.release(name)
+            still: deque[str] = deque()
+            while pending:
+                p = pending.popleft()
+                if not try_place(p):
+                    still.append(p)
+            pending = still
+        else:
+            arrived += by_name[name].request.total_milli
+            if not try_place(name):
+                waited.add(name)
+                if len(pending) < max_pending:
+                    pending.append(name)
+                else:
+                    log.fail("pending queue full")
+        peak = max(peak, len(pending))
+        log.record(arrived, int(ledger.total_gpu_milli - np.where(ledger.healthy, ledger.free_milli, 0).sum()))
+    for _ in pending:
+        log.fail("still pending at the end of the trace")
+    run = _result(policy.name, seed, ledger, log, t0, len(tasks), None)
+    return ReplayResult(run, len(waited), len(pending), peak)

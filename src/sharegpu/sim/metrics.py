@@ -1,0 +1,60 @@
+"""What a simulation run measured, and the allocation-vs-arrived curve as the FGD reference computes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+CURVE_MAX = 130  # arrived % levels 0..130
+
+
+@dataclass
+class RunLog:
+    """Per-event samples: GPU milli arrived (submitted so far) and allocated, after each event."""
+
+    total_milli: int
+    arrived: list[int] = field(default_factory=lambda: [0])
+    allocated: list[int] = field(default_factory=lambda: [0])
+    latencies_s: list[float] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)
+    placed: int = 0
+    failed: int = 0
+    fragmentation: list[float] = field(default_factory=list)
+
+    def record(self, arrived: int, allocated: int) -> None:
+        self.arrived.append(arrived)
+        self.allocated.append(allocated)
+
+    def fail(self, reason: str) -> None:
+        self.failed += 1
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+def allocation_curve(arrived: npt.ArrayLike, allocated: npt.ArrayLike, total_milli: int) -> list[float | None]:
+    """Allocation % at arrived % = 0..130, the reference's way (merge_alloc_discrete).
+
+    Each sample's arrived % is rounded to an integer (half to even, as numpy does) and its allocation % to two
+    decimals; a level's value is the mean allocation of its samples, or of the samples within ±1 % when it has
+    none. Small clusters step past levels in jumps; there a level takes the allocation of the last sample at or
+    below it, and ``None`` only beyond the last sample.
+    """
+    total = total_milli / 1000  # in GPUs; the reference divides milli by GPUs and by 10
+    arr = np.round(np.asarray(arrived, dtype=np.float64) / total / 10, 0)
+    alloc = np.round(np.asarray(allocated, dtype=np.float64) / total / 10, 2)
+    out: list[float | None] = []
+    for x in range(CURVE_MAX + 1):
+        sel = alloc[arr == x]
+        if sel.size == 0:
+            sel = alloc[(arr >= x - 1) & (arr <= x + 1)]
+        if sel.size == 0:
+            sel = alloc[arr <= x][-1:]
+            if x > arr.max():
+                sel = sel[:0]
+        out.append(round(float(sel.mean()), 2) if sel.size else None)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0

@@ -1,0 +1,57 @@
+"""The FGD paper's arrival protocol: seeded shuffle, tune to a load ratio, submit one by one, no departures."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from sharegpu.model.request import GpuRequest
+from sharegpu.sim.openb import TraceTask
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'42-51' → [42..51]; '42,45' → [42, 45]; '7' → [7]."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi or lo)
+            if a < 0 or b < a:
+                raise ValueError
+            seeds.extend(range(a, b + 1))
+        except ValueError:
+            raise ValueError(f"seeds {text!r}: {part!r} is not a seed or a range like 42-51") from None
+    if not seeds:
+        raise ValueError(f"seeds {text!r}: no seed given; use e.g. 42 or 42-51")
+    return seeds
+
+
+def fgd_arrivals(tasks: Sequence[TraceTask], capacity_milli: int, seed: int, tune: float) -> list[GpuRequest]:
+    """Pods ordered by name and shuffled with ``seed``, then grown by uniform draws (with replacement, from the
+    trace before tuning) until the next draw would push the GPU asked for past ``tune`` × capacity; a trace
+    already above that target loses random pods instead."""
+    rng = np.random.default_rng(seed)
+    base = sorted((t.request for t in tasks), key=lambda r: r.name)
+    order = rng.permutation(len(base))
+    pods = [base[i] for i in order]
+    target = tune * capacity_milli
+    total = sum(r.total_milli for r in pods)
+    if total > target:
+        while pods and total > target:
+            victim = pods.pop(int(rng.integers(len(pods))))
+            total -= victim.total_milli
+        return pods
+    i = 0
+    while base:
+        pick = base[int(rng.integers(len(base)))]
+        if total + pick.total_milli > target:
+            break
+        pods.append(dataclasses.replace(pick, name=f"{pick.name}-tuned-{i}"))
+        total += pick.total_milli
+        i += 1
+    return pods
