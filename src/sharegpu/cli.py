@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sharegpu.node.cli import node_agent
 from sharegpu.placement.policies import UnknownPolicy, parse_policies
 from sharegpu.sim.engine import RunResult
 from sharegpu.sim.openb import TraceError, TraceTask, load_nodes, load_pods
@@ -136,6 +137,9 @@ def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[Run
             progress.update(bar, advance=1, description=f"{r.policy} seed {r.seed}: {r.wall_s:.1f}s")
 
         return run_experiment(exp, jobs, done)
+
+
+app.command("node-agent")(node_agent)
 
 
 def main() -> None:

@@ -130,37 +130,48 @@ class Assignment:
 
     @classmethod
     def from_dict(cls, d: Any) -> Assignment:
+        """Parse strictly: wrong types are rejected, never coerced, since this text comes from the cluster."""
         try:
-            if not isinstance(d, dict):
-                raise InvalidAssignment("assignment is not a JSON object")
-            if d.get("version") != ASSIGNMENT_VERSION:
-                raise InvalidAssignment(f"assignment version {d.get('version')!r} is not {ASSIGNMENT_VERSION}")
+            obj = _obj(d, "assignment")
+            version = obj.get("version")
+            if isinstance(version, bool) or not isinstance(version, int) or version != ASSIGNMENT_VERSION:
+                raise InvalidAssignment(f"assignment version {version!r} is not {ASSIGNMENT_VERSION}")
+            gpus = obj["gpus"]
+            if not isinstance(gpus, list):
+                raise InvalidAssignment("assignment 'gpus' is not a list")
             shares = []
-            for g in d["gpus"]:
+            for raw in gpus:
+                g = _obj(raw, "an entry of 'gpus'")
                 mig = g.get("mig")
                 inner = g.get("inner")
+                slot = None
+                if mig is not None:
+                    m = _obj(mig, "'mig'")
+                    slot = MigSlot(_str(m["profile"]), _int(m["start"]))
                 shares.append(
                     GpuShare(
                         gpu_index=_int(g["index"]),
-                        gpu_uuid=str(g["uuid"]),
-                        mechanism=Mechanism(g["mechanism"]),
+                        gpu_uuid=_str(g["uuid"]),
+                        mechanism=Mechanism(_str(g["mechanism"])),
                         compute_milli=_int(g["computeMilli"]),
                         memory_mib=_int(g.get("memoryMiB", 0)),
-                        mig=MigSlot(str(mig["profile"]), _int(mig["start"])) if mig is not None else None,
-                        inner=Mechanism(inner) if inner is not None else None,
+                        mig=slot,
+                        inner=Mechanism(_str(inner)) if inner is not None else None,
                     )
                 )
             return cls(
-                pod=str(d["pod"]),
-                node=str(d["node"]),
+                pod=_str(obj["pod"]),
+                node=_str(obj["node"]),
                 shares=tuple(shares),
-                cpu_milli=_int(d.get("cpuMilli", 0)),
-                host_memory_mib=_int(d.get("hostMemoryMiB", 0)),
+                cpu_milli=_int(obj.get("cpuMilli", 0)),
+                host_memory_mib=_int(obj.get("hostMemoryMiB", 0)),
             )
         except InvalidAssignment:
             raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidAssignment(f"assignment is malformed: {type(e).__name__}: {e}") from None
+        except KeyError as e:
+            raise InvalidAssignment(f"assignment is missing the key {e}") from None
+        except (TypeError, ValueError) as e:
+            raise InvalidAssignment(f"assignment is malformed: {e}") from None
 
     @classmethod
     def from_json(cls, text: str) -> Assignment:
@@ -168,6 +179,18 @@ class Assignment:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as e:
             raise InvalidAssignment(f"assignment is not valid JSON: {e}") from None
+
+
+def _obj(v: Any, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise InvalidAssignment(f"{what} is not a JSON object")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise InvalidAssignment(f"expected a string, got {v!r}")
+    return v
 
 
 def _int(v: Any) -> int:

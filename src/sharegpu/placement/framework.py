@@ -107,6 +107,7 @@ class Scheduler:
         if sorted(self.rank.tolist()) != list(range(n)):
             raise ValueError("rank must be a permutation of the node indices")
         self._cache: dict[tuple[str, tuple[object, ...]], _Cache] = {}
+        self._reasons: dict[tuple[str, tuple[object, ...]], tuple[IntArray, list[str]]] = {}
 
     # ----- filter --------------------------------------------------------------------------------------------
     def feasible(self, req: GpuRequest) -> tuple[BoolArray, BoolArray]:
@@ -186,18 +187,77 @@ class Scheduler:
         if len(nodes) == 0:
             return self.explain(req, usable)
         scores = self.scores(state, nodes)
+        node = self.pick(nodes, scores)
+        return Decision(self.assignment_on(state, node), node, int(scores.max()), len(nodes))
+
+    def pick(self, nodes: IntArray, scores: IntArray) -> int:
+        """The node a decision takes among scored ``nodes``: the best score, ties broken by the policy's rule."""
         best = scores.max()
         tied = nodes[scores == best]
         if len(tied) == 1:
-            node = int(tied[0])
-        elif self.policy.tie_break == "random":
-            node = int(tied[self.rng.integers(len(tied))])
-        else:
-            node = int(tied[np.argmin(self.rank[tied])])
+            return int(tied[0])
+        if self.policy.tie_break == "random":
+            return int(tied[self.rng.integers(len(tied))])
+        return int(tied[np.argmin(self.rank[tied])])
+
+    def assignment_on(self, state: CycleState, node: int) -> Assignment:
+        """The assignment of ``state.request`` on ``node`` (which passed the filter): the selector picks GPUs."""
+        req = state.request
         gpus = self.policy.selector.select(self.ledger, state, node) if req.gpu_count else []
         shares = tuple(make_share(self.ledger, node, g, req) for g in gpus)
-        a = Assignment(req.name, self.ledger.nodes[node].name, shares, req.cpu_milli, req.host_memory_mib)
-        return Decision(a, node, int(best), len(nodes))
+        return Assignment(req.name, self.ledger.nodes[node].name, shares, req.cpu_milli, req.host_memory_mib)
+
+    def decide_on(self, req: GpuRequest, node: int) -> Decision | Unschedulable:
+        """Like :meth:`decide`, but on the one node that something else (the kube-scheduler) chose."""
+        ok, usable = self.feasible(req)
+        if not ok[node]:
+            reason = self.explain_nodes(req, usable, np.array([node], dtype=np.int64))[0]
+            return Unschedulable(req, f"{self.ledger.nodes[node].name}: {reason}", {reason: 1})
+        state = CycleState(req, usable, self.rng)
+        nodes = np.array([node], dtype=np.int64)
+        return Decision(self.assignment_on(state, node), node, int(self.scores(state, nodes)[0]), int(ok.sum()))
+
+    def explain_nodes(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[str]:
+        """Why each of ``nodes`` (rejected by :meth:`feasible`) cannot host ``req``, in words a user can act on.
+
+        A node's reason depends only on its state and the request's shape, so reasons are cached per shape and
+        recomputed only for nodes whose ledger version moved (the extender explains every rejected node of every
+        cycle).
+        """
+        led = self.ledger
+        key = ("explain", req.shape_key())
+        cache = self._reasons.get(key)
+        if cache is None or len(cache[0]) != len(led.nodes):
+            cache = (np.full(len(led.nodes), -1, dtype=np.int64), [""] * len(led.nodes))
+            self._reasons[key] = cache
+        versions, reasons = cache
+        stale = nodes[versions[nodes] != led.version[nodes]]
+        if len(stale):
+            for n, text in zip(stale.tolist(), self._node_reasons(req, usable, stale), strict=True):
+                reasons[n] = text
+            versions[stale] = led.version[stale]
+        return [reasons[n] for n in nodes.tolist()]
+
+    def _node_reasons(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[str]:
+        led = self.ledger
+        allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
+        gpu_ok = allowed[led.model_id[nodes]] & led.present[nodes]
+        healthy = gpu_ok & led.healthy[nodes]
+        free_mem = np.where(healthy, led.free_mem[nodes], -1).max(axis=1, initial=-1).tolist()
+        free_milli = np.where(healthy, led.free_milli[nodes], -1).max(axis=1, initial=-1).tolist()
+        n_allowed = gpu_ok.sum(axis=1).tolist()
+        n_healthy = healthy.sum(axis=1).tolist()
+        n_usable = usable[nodes].sum(axis=1).tolist()
+        cpu_free = led.cpu_free[nodes].tolist()
+        mem_free = led.mem_free[nodes].tolist()
+        out = []
+        for k in range(len(nodes)):
+            out.append(
+                _node_reason(
+                    req, n_allowed[k], n_healthy[k], n_usable[k], free_mem[k], free_milli[k], cpu_free[k], mem_free[k]
+                )
+            )
+        return out
 
     def place(self, req: GpuRequest) -> Decision:
         """Decide and reserve in the ledger; raises :class:`NoFit` when nothing fits."""
@@ -206,3 +266,47 @@ class Scheduler:
             raise NoFit(d)
         self.ledger.place(d.assignment)
         return d
+
+
+def fmt_mib(mib: int) -> str:
+    """Memory as a user writes it: 12Gi, 1.5Gi or 512Mi."""
+    if mib >= 1024:
+        return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib / 1024:.1f}Gi"
+    return f"{mib}Mi"
+
+
+def _node_reason(
+    req: GpuRequest,
+    n_allowed: int,
+    n_healthy: int,
+    n_usable: int,
+    free_mem: int,
+    free_milli: int,
+    cpu_free: int,
+    mem_free: int,
+) -> str:
+    """One node's reason, most fundamental first (no GPUs of the model before "GPUs are busy")."""
+    if req.gpu_count > 0 and n_allowed == 0:
+        if req.allowed_models:
+            return f"no GPU of an allowed model ({', '.join(sorted(req.allowed_models))})"
+        return "no sharegpu GPUs"
+    if cpu_free < req.cpu_milli:
+        return f"free CPU {cpu_free}m < {req.cpu_milli}m asked"
+    if mem_free < req.host_memory_mib:
+        return f"free memory {fmt_mib(mem_free)} < {fmt_mib(req.host_memory_mib)} asked"
+    if req.gpu_count == 0:
+        return "fits (no GPU asked)"
+    if n_healthy < req.gpu_count:
+        return f"{n_healthy} healthy GPU(s) of an allowed model < {req.gpu_count} asked"
+    if req.memory_mib is not None and free_mem < req.memory_mib:
+        return f"largest free share {fmt_mib(free_mem)} < {fmt_mib(req.memory_mib)} asked"
+    if req.compute_milli is not None and free_milli < req.compute_milli:
+        return f"most free compute {free_milli / 10:g}% < {req.compute_milli / 10:g}% asked"
+    if req.is_whole:
+        return f"{n_usable} idle GPU(s) < {req.gpu_count} asked (whole GPUs need idle ones)"
+    if n_usable == 0:
+        return (
+            "no GPU has room for this share as its mechanism needs (GPUs with room are shared another way, "
+            "or no free MIG placement fits)"
+        )
+    return f"{n_usable} GPU(s) with room for the share < {req.gpu_count} asked"

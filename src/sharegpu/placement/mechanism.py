@@ -24,6 +24,7 @@ from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger, slot_mask
 from sharegpu.model.assignment import GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import GpuModel, MigProfile
 from sharegpu.model.request import FULL_MILLI, GpuRequest, Isolation, Sharing
+from sharegpu.partition.planner import best_start
 
 BoolMatrix = npt.NDArray[np.bool_]
 
@@ -93,8 +94,8 @@ class MigChoice:
 def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | None:
     """Where a MIG share of ``req`` goes on GPU (n, g): an instance to share (memory isolation) or a new one.
 
-    New instances take the valid start that leaves the most room for larger profiles later: the highest start
-    among those free, because the big profiles (3g, 4g, 7g) all begin at slot 0 or 4.
+    A new instance goes where the partition planner says: at the free valid start that keeps the most MIG
+    layouts reachable, since the driver's own choice can leave no aligned room for a later 3g.
     """
     model = ledger.gpu_model(n, g)
     mode = GpuMode(int(ledger.mode[n, g]))
@@ -120,9 +121,10 @@ def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | N
     for p in profiles:
         if p.compute_slices > free_slices:
             continue
-        for start in sorted(p.starts, reverse=True):
-            if not used & slot_mask(start, p.memory_slots):
-                return MigChoice(p, start, False)
+        starts = [s for s in p.starts if not used & slot_mask(s, p.memory_slots)]
+        if starts:
+            existing = [(i.profile.name, st) for st, i in insts.items()]
+            return MigChoice(p, best_start(model, existing, p, starts), False)
     return None
 
 

@@ -14,6 +14,8 @@ from sharegpu.placement.scorers import (
     DotProductScore,
     FgdGpus,
     FgdScore,
+    FragmentationDeltaGpus,
+    FragmentationDeltaScore,
     FragmentationModel,
     GpuClusteringScore,
     GpuPackingScore,
@@ -63,6 +65,16 @@ def _fgd(ctx: PolicyContext) -> Policy:
     return Policy("fgd", ((FgdScore(model), 1),), FgdGpus(model), description="fragmentation gradient descent")
 
 
+def _sharegpu(ctx: PolicyContext) -> Policy:
+    model = ctx.fragmentation("sharegpu")
+    return Policy(
+        "sharegpu",
+        ((FragmentationDeltaScore(model), 1),),
+        FragmentationDeltaGpus(model),
+        description="least exact fragmentation growth, then best fit",
+    )
+
+
 POLICIES: dict[str, Callable[[PolicyContext], Policy]] = {
     "random": _random,
     "dotprod": _dotprod,
@@ -70,6 +82,7 @@ POLICIES: dict[str, Callable[[PolicyContext], Policy]] = {
     "packing": _packing,
     "bestfit": _bestfit,
     "fgd": _fgd,
+    "sharegpu": _sharegpu,
 }
 
 

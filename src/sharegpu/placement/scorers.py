@@ -168,6 +168,21 @@ class FragmentationModel:
         out[has] = table[ids[has]]
         return out
 
+    @property
+    def cpu_per_gpu_milli(self) -> float:
+        """CPU milli the typical workload asks per milli-GPU (CPU-only tasks included)."""
+        wl = self.workload
+        gpu = float((wl.weights * wl.milli * wl.count).sum())
+        return float((wl.weights * wl.cpu).sum()) / gpu if gpu > 0 else 0.0
+
+    def stranded(self, gpu_free: FloatArray | IntArray, cpu_free: FloatArray | IntArray) -> FloatArray:
+        """Free GPU milli beyond what the free CPU can feed at the workload's CPU per GPU."""
+        ratio = self.cpu_per_gpu_milli
+        if ratio <= 0:
+            return np.zeros(np.shape(gpu_free), dtype=np.float64)
+        out: FloatArray = np.maximum(0.0, gpu_free - np.maximum(cpu_free, 0) / ratio)
+        return out
+
     def before(self, ledger: Ledger, nodes: IntArray) -> FloatArray:
         return node_fragmentation(
             free_milli(ledger, nodes), ledger.cpu_free[nodes], self.access(ledger, nodes), self.workload
@@ -255,3 +270,67 @@ class FgdGpus:
         per_gpu = fgd_score(self.model.before(ledger, nodes)[:, None], self.model.per_gpu_after(ledger, req, nodes))[0]
         per_gpu = np.where(state.usable[node], per_gpu, -1)
         return [int(np.argmax(per_gpu))]
+
+
+# ----- sharegpu -----------------------------------------------------------------------------------------------
+TIE_SCALE = 1000  # the secondary score lives in [0, TIE_SCALE)
+
+
+@dataclass(frozen=True)
+class FragmentationDeltaScore:
+    """sharegpu's score: the least growth of GPU that the expected workload cannot use, tighter nodes first.
+
+    Two kinds of waste grow with a placement. Fragmentation (FGD): free GPU milli that the typical tasks cannot
+    use, measured here exactly, since FGD's int(100 · sigmoid(ΔF / 1000)) cannot tell apart changes below about
+    40 milli-GPU and leaves most decisions to a tie-break by node name. And stranding, which FGD sees only once
+    a node crosses a task's CPU threshold: free GPUs that the node's free CPU cannot feed at the workload's
+    typical CPU per GPU. CPU-only and CPU-heavy tasks therefore go where CPU is in surplus rather than onto
+    GPU-rich nodes whose CPU they would use up. Among equal waste the node left with the least free GPU and CPU
+    (best fit) wins, so that idle nodes stay idle for the large requests that need them.
+    """
+
+    model: FragmentationModel
+    name: str = "sharegpu"
+    node_local: bool = True
+
+    def score(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
+        req = state.request
+        before = self.model.before(ledger, nodes)
+        if is_sharing(req):
+            after = self.model.per_gpu_after(ledger, req, nodes)
+            delta = np.where(state.usable[nodes], after - before[:, None], np.inf).min(axis=1)
+        else:
+            delta = self.model.whole_after(ledger, req, nodes) - before
+        gpu = free_milli(ledger, nodes).sum(axis=1)
+        cpu = ledger.cpu_free[nodes]
+        stranding = self.model.stranded(gpu - req.total_milli, cpu - req.cpu_milli) - self.model.stranded(gpu, cpu)
+        primary: IntArray = -np.round(delta + stranding).astype(np.int64)
+        return primary * TIE_SCALE + _tightness(ledger, req, nodes)
+
+
+def _tightness(ledger: Ledger, req: GpuRequest, nodes: IntArray) -> IntArray:
+    """Best fit in [0, TIE_SCALE): higher when less GPU and CPU stay free on the node after placement."""
+    gpu_left = (free_milli(ledger, nodes).sum(axis=1) - req.total_milli) / np.maximum(
+        ledger.gpu_count[nodes] * FULL_MILLI, 1
+    )
+    cpu_left = (ledger.cpu_free[nodes] - req.cpu_milli) / np.maximum(ledger.cpu_total[nodes], 1)
+    frac = np.clip(0.5 * gpu_left + 0.5 * cpu_left, 0.0, 1.0)
+    out: IntArray = ((1.0 - frac) * (TIE_SCALE - 1)).astype(np.int64)
+    return out
+
+
+@dataclass(frozen=True)
+class FragmentationDeltaGpus:
+    """A share on the GPU whose fragmentation grows least, the tightest such GPU first; whole GPUs best-fit."""
+
+    model: FragmentationModel
+
+    def select(self, ledger: Ledger, state: CycleState, node: int) -> list[int]:
+        req = state.request
+        if not is_sharing(req):
+            return BestFitGpus().select(ledger, state, node)
+        nodes = np.array([node], dtype=np.int64)
+        delta = self.model.per_gpu_after(ledger, req, nodes)[0] - self.model.before(ledger, nodes)[0]
+        usable = np.flatnonzero(state.usable[node])
+        key = np.lexsort((usable, ledger.free_milli[node, usable], np.round(delta[usable])))
+        return [int(usable[key[0]])]

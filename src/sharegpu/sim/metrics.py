@@ -40,6 +40,8 @@ def allocation_curve(arrived: npt.ArrayLike, allocated: npt.ArrayLike, total_mil
     none. Small clusters step past levels in jumps; there a level takes the allocation of the last sample at or
     below it, and ``None`` only beyond the last sample.
     """
+    if total_milli <= 0:
+        return [None] * (CURVE_MAX + 1)
     total = total_milli / 1000  # in GPUs; the reference divides milli by GPUs and by 10
     arr = np.round(np.asarray(arrived, dtype=np.float64) / total / 10, 0)
     alloc = np.round(np.asarray(allocated, dtype=np.float64) / total / 10, 2)

@@ -17,6 +17,9 @@ from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 NODE_REQUIRED = NODE_COLUMNS
 POD_REQUIRED = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+# Bounds that no real machine or pod reaches; beyond them a value is a typo, not a cluster.
+MAX_VALUE = 10**12
+MAX_GPUS_PER_NODE = 64
 POD_OPTIONAL = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
 
 
@@ -97,6 +100,8 @@ def _int(path: Path, line: int, row: dict[str, str], col: str, optional: bool = 
         value = int(f)
     if value < 0:
         raise TraceError(path, line, f"{col} is {value}; it must not be negative")
+    if value > MAX_VALUE:
+        raise TraceError(path, line, f"{col} is {value}, beyond any real machine; check the value")
     return value
 
 
@@ -117,6 +122,8 @@ def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> list[NodeSpec]
             raise TraceError(path, line, f"node {name!r} is listed twice")
         seen.add(name)
         gpus = _req_int(path, line, row, "gpu")
+        if gpus > MAX_GPUS_PER_NODE:
+            raise TraceError(path, line, f"node {name!r} has {gpus} GPUs; at most {MAX_GPUS_PER_NODE} are supported")
         model = row["model"]
         if gpus and not model:
             raise TraceError(path, line, f"node {name!r} has {gpus} GPUs but no model")

@@ -19,8 +19,8 @@ def parse_seeds(text: str) -> list[int]:
         if not part:
             continue
         try:
-            lo, _, hi = part.partition("-")
-            a, b = int(lo), int(hi or lo)
+            lo, dash, hi = part.partition("-")
+            a, b = int(lo), int(hi if dash else lo)
             if a < 0 or b < a:
                 raise ValueError
             seeds.extend(range(a, b + 1))
@@ -46,8 +46,10 @@ def fgd_arrivals(tasks: Sequence[TraceTask], capacity_milli: int, seed: int, tun
             victim = pods.pop(int(rng.integers(len(pods))))
             total -= victim.total_milli
         return pods
+    if not any(r.total_milli for r in base):
+        return pods  # nothing asks for a GPU: no draw can ever reach the target
     i = 0
-    while base:
+    while True:
         pick = base[int(rng.integers(len(base)))]
         if total + pick.total_milli > target:
             break

@@ -65,20 +65,13 @@ def _fmt(v: float | None, digits: int = 2) -> str:
 
 
 def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
-    t = Table(title=title)
-    for col in (
-        "policy",
-        "seeds",
-        "alloc % @100",
-        "alloc % @130",
-        "unalloc GPUs @100",
-        "frag % (end)",
-        "failed pods",
-        "wall s (median)",
-        "decision p50 ms",
-        "p99 ms",
-    ):
-        t.add_column(col, justify="left" if col == "policy" else "right")
+    t = Table(
+        title=title,
+        caption="alloc: allocated GPU % of capacity when arrived demand is 100 % / 130 %; unalloc: GPUs left "
+        "idle at 100 %; frag: GPU the typical workload cannot use, at the end; decision latency in ms",
+    )
+    for col in ("policy", "seeds", "alloc@100", "alloc@130", "unalloc", "frag%", "failed", "wall s", "p50", "p99"):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for s in summarize(runs):
         unalloc = None if s.unalloc_100 is None else s.unalloc_100 * total_gpus / 100
         t.add_row(

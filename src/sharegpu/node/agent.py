@@ -1,0 +1,268 @@
+"""The node agent: one loop that keeps the node's inventory, MIG instances, MPS daemons and metrics current.
+
+Every ``interval_s`` it reads the GPUs, lists the pods bound to this node, reconciles MIG instances and MPS
+daemons with their assignments, publishes the inventory and refreshes the metrics. The device plugin serves
+the kubelet beside it. A restarted agent adopts what it finds (MIG instances it recorded as its own, MPS daemons
+that still answer, containers already allocated) and changes nothing a running pod depends on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sharegpu.model.assignment import Assignment, InvalidAssignment, Mechanism
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.node.allocation import Allocator
+from sharegpu.node.backends.base import BackendError, GpuBackend
+from sharegpu.node.device_plugin import TOKENS_PER_GPU, DevicePluginServer, device_tokens
+from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, KubeApi, KubeError, PodInfo
+from sharegpu.node.metrics import (
+    GpuSample,
+    MetricsServer,
+    MetricsSnapshot,
+    MigSample,
+    PodUsage,
+    ShareSample,
+    new_registry,
+)
+from sharegpu.node.mig import MigManager, MigNeed
+from sharegpu.node.mps import MpsDaemon, MpsManager
+from sharegpu.node.publish import InventoryPublisher, build_node_spec
+from sharegpu.node.state import AgentState, StateError
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "agent-state.json"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    node_name: str
+    plugin_dir: Path
+    state_dir: Path  # MPS pipe/log directories and the agent's state; a host path that pods can mount
+    metrics_listen: tuple[str, int] | None = None
+    interval_s: float = 10.0
+    tokens_per_gpu: int = TOKENS_PER_GPU
+    allocate_wait_s: float = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileResult:
+    assignments: tuple[Assignment, ...]
+    invalid: tuple[str, ...] = ()  # one message per pod whose assignment cannot be used
+    errors: tuple[str, ...] = ()
+    published: bool = False
+
+
+@dataclass(slots=True)
+class _Desired:
+    mig: set[MigNeed] = field(default_factory=set)
+    non_mig_gpus: set[int] = field(default_factory=set)
+    mps_gpus: set[str] = field(default_factory=set)  # GPU UUIDs with MPS shares outside MIG
+    mps_mig: set[MigNeed] = field(default_factory=set)  # MIG instances whose shares use MPS
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        backend: GpuBackend,
+        kube: KubeApi,
+        mps_daemon: MpsDaemon,
+        catalog: Catalog = DEFAULT_CATALOG,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.kube = kube
+        self.catalog = catalog
+        self.state = AgentState(config.state_dir / STATE_FILE)
+        self.mig = MigManager(backend, self.state, catalog)
+        self.mps = MpsManager(config.state_dir / "mps", mps_daemon)
+        self.allocator = Allocator(
+            config.node_name, backend, kube, self.mig, self.mps, self.state, wait_s=config.allocate_wait_s
+        )
+        self.plugin = DevicePluginServer(config.plugin_dir, self.allocator)
+        self.publisher = InventoryPublisher(kube, config.node_name)
+        self.snapshot = MetricsSnapshot(config.node_name)
+        self.registry = new_registry(lambda: self.snapshot)
+        self._recovered = False
+        self.metrics_server: MetricsServer | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop``; MIG instances and MPS daemons are left running for the next agent."""
+        metrics = None
+        if self.config.metrics_listen is not None:
+            metrics = MetricsServer(self.registry, *self.config.metrics_listen)
+            await metrics.start()
+            self.metrics_server = metrics
+        plugin_task = asyncio.create_task(self.plugin.run(stop))
+        try:
+            while not stop.is_set():
+                try:
+                    await self.reconcile_once()
+                except (KubeError, BackendError, StateError) as e:
+                    log.warning("reconcile failed, retrying in %gs: %s", self.config.interval_s, e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.config.interval_s)
+        finally:
+            stop.set()
+            await plugin_task
+            if metrics is not None:
+                await metrics.close()
+
+    async def reconcile_once(self) -> ReconcileResult:
+        if not self._recovered:
+            await self.mps.recover()
+            self._recovered = True
+        devices = self.backend.devices()
+        await self.plugin.set_devices(device_tokens(devices, self.config.tokens_per_gpu))
+        node = await self.kube.get_node(self.config.node_name)
+        pods = [p for p in await self.kube.pods_on_node(self.config.node_name) if p.node_name == self.config.node_name]
+        live = [p for p in pods if not p.finished]
+        assignments, invalid = self._assignments(live)
+        desired = self._desired(assignments, invalid)
+        errors = list(self.mig.reconcile(desired.mig, desired.non_mig_gpus).errors)
+        mps_units = set(desired.mps_gpus)
+        instances = {
+            MigNeed(d.index, i.start, i.profile): i.uuid
+            for d in self.backend.devices()
+            if d.mig_enabled
+            for i in self.backend.mig_instances(d.index)
+        }
+        for need in desired.mps_mig:
+            if need in instances:
+                mps_units.add(instances[need])
+            else:
+                errors.append(f"GPU {need.gpu_index}: no {need.profile} instance at slot {need.start} for MPS")
+        errors += await self.mps.reconcile(mps_units)
+        self.state.forget_pods_except({p.uid for p in pods})
+        spec = build_node_spec(
+            self.config.node_name, self.backend, self.mig.is_managed, node.cpu_milli, node.memory_mib, self.catalog
+        )
+        published = await self.publisher.publish(spec, node.labels, node.annotations)
+        self.snapshot = self._snapshot(pods, assignments, len(invalid), len(errors))
+        return ReconcileResult(tuple(assignments), tuple(invalid), tuple(errors), published)
+
+    def _assignments(self, pods: list[PodInfo]) -> tuple[list[Assignment], list[str]]:
+        out: list[Assignment] = []
+        invalid: list[str] = []
+        for p in pods:
+            text = p.annotations.get(ASSIGNMENT_ANNOTATION)
+            if text is None:
+                continue
+            try:
+                a = Assignment.from_json(text)
+            except InvalidAssignment as e:
+                invalid.append(f"pod {p.key}: {e}")
+                continue
+            if a.node != self.config.node_name or a.pod != p.key:
+                invalid.append(f"pod {p.key}: its assignment is for {a.pod} on node {a.node}; ignored")
+                continue
+            out.append(a)
+        for message in invalid:
+            log.warning("%s", message)
+        return out, invalid
+
+    def _desired(self, assignments: list[Assignment], invalid: list[str]) -> _Desired:
+        by_index = {d.index: d for d in self.backend.devices()}
+        want = _Desired()
+        for a in assignments:
+            for s in a.shares:
+                dev = by_index.get(s.gpu_index)
+                if dev is None or dev.uuid != s.gpu_uuid:
+                    invalid.append(f"pod {a.pod}: names GPU {s.gpu_index} ({s.gpu_uuid}), which this node lacks")
+                    continue
+                if s.mig is not None:
+                    need = MigNeed(s.gpu_index, s.mig.start, s.mig.profile)
+                    want.mig.add(need)
+                    if s.sharing is Mechanism.MPS:
+                        want.mps_mig.add(need)
+                else:
+                    want.non_mig_gpus.add(s.gpu_index)
+                    if s.sharing is Mechanism.MPS:
+                        want.mps_gpus.add(s.gpu_uuid)
+        return want
+
+    def _gpu_fraction(self, gpu_index: int, profile: str | None) -> float:
+        if profile is None:
+            return 1.0
+        try:
+            model = self.catalog.get(next(d.model for d in self.backend.devices() if d.index == gpu_index))
+            return model.profile(profile).compute_slices / model.compute_slices
+        except (StopIteration, ValueError, ZeroDivisionError):
+            return 0.0
+
+    def _snapshot(
+        self, pods: list[PodInfo], assignments: list[Assignment], invalid: int, errors: int
+    ) -> MetricsSnapshot:
+        by_uid = {p.uid: p for p in pods}
+        gpus: list[GpuSample] = []
+        usage: list[PodUsage] = []
+        mig: list[MigSample] = []
+        for d in self.backend.devices():
+            try:
+                u = self.backend.utilization(d.index)
+                used = self.backend.memory_used_mib(d.index)
+                procs = self.backend.processes(d.index)
+                sm = self.backend.process_utilization(d.index)
+                instances = self.backend.mig_instances(d.index) if d.mig_enabled else ()
+            except BackendError as e:
+                log.warning("GPU %d: cannot sample: %s", d.index, e)
+                continue
+            gpus.append(
+                GpuSample(
+                    d.index,
+                    d.uuid,
+                    d.model,
+                    d.healthy,
+                    d.mig_enabled,
+                    d.memory_mib,
+                    used,
+                    u.gpu_percent,
+                    u.memory_percent,
+                )
+            )
+            mig += [MigSample(d.index, i.uuid, i.profile, i.start, self.mig.is_managed(i.uuid)) for i in instances]
+            per_pod: dict[tuple[str, str], list[int]] = {}
+            for proc in procs:
+                uid = self.backend.pod_uid_of(proc.pid)
+                owner = by_uid.get(uid) if uid else None
+                if owner is None:
+                    continue
+                acc = per_pod.setdefault((owner.uid, proc.unit_uuid), [0, 0])
+                acc[0] += proc.used_memory_mib
+                acc[1] += sm.get(proc.pid, 0)
+            for (uid, unit), (mem, util) in sorted(per_pod.items()):
+                owner = by_uid[uid]
+                usage.append(PodUsage(owner.namespace, owner.name, d.index, unit, mem, util))
+        shares = [
+            ShareSample(
+                a.pod.split("/", 1)[0],
+                a.pod.split("/", 1)[-1],
+                s.gpu_index,
+                s.gpu_uuid,
+                f"{s.mig.profile}@{s.mig.start}" if s.mig else "gpu",
+                s.sharing.value,
+                s.memory_mib,
+                s.compute_milli,
+                s.memory_enforced,
+                s.compute_enforced,
+                self._gpu_fraction(s.gpu_index, s.mig.profile if s.mig else None),
+            )
+            for a in assignments
+            for s in a.shares
+        ]
+        return MetricsSnapshot(
+            self.config.node_name,
+            tuple(gpus),
+            tuple(usage),
+            tuple(shares),
+            tuple(mig),
+            self.mps.status(),
+            invalid,
+            errors,
+        )

@@ -1,0 +1,151 @@
+"""The GPU backend interface: what the node agent needs from a GPU driver, and the errors it can raise.
+
+Two implementations stand behind it: :mod:`sharegpu.node.backends.nvml` (the real driver through NVML) and
+:mod:`sharegpu.node.backends.sim` (a simulated node that follows the same MIG rules). Everything above this
+interface — device plugin, MIG and MPS managers, metrics — is the same for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class BackendError(Exception):
+    """A GPU operation failed; the message says what and, where it can, what to do."""
+
+
+class GpuNotFound(BackendError):
+    pass
+
+
+class MigNotEnabled(BackendError):
+    pass
+
+
+class MigUnsupported(BackendError):
+    pass
+
+
+class InsufficientResources(BackendError):
+    """The driver refused an instance: no room at that placement, or too few compute slices left."""
+
+
+class InvalidPlacement(BackendError):
+    """A start slot that the profile cannot use on this GPU model."""
+
+
+class InstanceInUse(BackendError):
+    """An instance (or a GPU whose MIG mode should change) still runs processes."""
+
+
+class MigInstanceNotFound(BackendError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class MigPlacement:
+    start: int
+    size: int  # width on the memory-slot axis
+
+
+@dataclass(frozen=True, slots=True)
+class MigProfileInfo:
+    """A GPU-instance profile as the driver reports it, named as in the catalog (e.g. ``3g.40gb``)."""
+
+    name: str
+    compute_slices: int
+    memory_mib: int
+    placements: tuple[MigPlacement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstanceInfo:
+    """A GPU instance with its (single, full-size) compute instance."""
+
+    gpu_index: int
+    profile: str
+    start: int
+    size: int
+    uuid: str  # MIG-… UUID of the compute instance's device
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    index: int
+    uuid: str
+    product: str  # driver's name, e.g. "NVIDIA H100 80GB HBM3"
+    model: str  # catalog name the product resolves to
+    memory_mib: int
+    sms: int
+    mig_enabled: bool
+    healthy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """A process that holds a context on a GPU or on one of its MIG instances."""
+
+    pid: int
+    gpu_index: int
+    unit_uuid: str  # the GPU's UUID, or the MIG instance's when the process runs inside one
+    used_memory_mib: int
+
+
+@dataclass(frozen=True, slots=True)
+class Utilization:
+    gpu_percent: int  # share of time a kernel ran (NVML's / DCGM's GPU utilisation)
+    memory_percent: int  # share of time device memory was read or written
+
+
+class GpuBackend(Protocol):
+    """What the node agent asks of a GPU driver. Indices are the driver's device indices (0..n-1)."""
+
+    def devices(self) -> tuple[DeviceInfo, ...]: ...
+
+    def mig_profiles(self, gpu_index: int) -> tuple[MigProfileInfo, ...]:
+        """The GPU-instance profiles and their valid placements; empty for a GPU without MIG."""
+        ...
+
+    def mig_instances(self, gpu_index: int) -> tuple[MigInstanceInfo, ...]: ...
+
+    def set_mig_mode(self, gpu_index: int, enabled: bool) -> None:
+        """Switch MIG mode; refused while the GPU runs processes or (to disable) still has instances."""
+        ...
+
+    def create_mig_instance(self, gpu_index: int, profile: str, start: int | None = None) -> MigInstanceInfo:
+        """Create a GPU instance and its full compute instance.
+
+        With ``start`` the instance goes exactly there or fails; without it the driver picks a placement,
+        which can leave no aligned room for a later, larger instance — callers that plan a layout pass it.
+        """
+        ...
+
+    def destroy_mig_instance(self, gpu_index: int, start: int) -> None:
+        """Destroy the instance at ``start``; refused with :class:`InstanceInUse` while it runs processes."""
+        ...
+
+    def processes(self, gpu_index: int) -> tuple[ProcessInfo, ...]: ...
+
+    def utilization(self, gpu_index: int) -> Utilization: ...
+
+    def memory_used_mib(self, gpu_index: int) -> int:
+        """Device memory in use on the whole GPU (all processes and instances)."""
+        ...
+
+    def process_utilization(self, gpu_index: int) -> dict[int, int]:
+        """SM utilisation per pid over the last sampling period; empty where the driver cannot tell."""
+        ...
+
+    def pod_uid_of(self, pid: int) -> str | None:
+        """The Kubernetes pod UID a process belongs to, or None for processes outside any pod."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def device(backend: GpuBackend, gpu_index: int) -> DeviceInfo:
+    for d in backend.devices():
+        if d.index == gpu_index:
+            return d
+    raise GpuNotFound(f"this node has no GPU with index {gpu_index}")

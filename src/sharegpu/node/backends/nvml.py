@@ -1,0 +1,503 @@
+"""The real GPU backend: NVML through nvidia-ml-py (``pynvml``).
+
+Two layers: :class:`PynvmlApi` is the only code that touches pynvml and ctypes (run only on a GPU node), and
+:class:`NvmlBackend` maps what it returns to sharegpu's terms — catalog model and profile names, placements,
+MIG UUIDs, typed errors. Tests drive :class:`NvmlBackend` through a fake of :class:`NvmlApi`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel
+from sharegpu.node.backends.base import (
+    BackendError,
+    DeviceInfo,
+    GpuNotFound,
+    InstanceInUse,
+    InsufficientResources,
+    InvalidPlacement,
+    MigInstanceInfo,
+    MigInstanceNotFound,
+    MigNotEnabled,
+    MigPlacement,
+    MigProfileInfo,
+    MigUnsupported,
+    ProcessInfo,
+    Utilization,
+)
+
+MIB = 1024 * 1024
+
+
+class NvmlCallError(Exception):
+    """An NVML call failed; ``kind`` is one of insufficient, in_use, invalid, not_supported, not_found, other."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class GiProfile:
+    id: int  # NVML's profile id, used to create instances
+    slices: int
+    memory_mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiInfo:
+    id: int
+    profile_id: int
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlProcess:
+    pid: int
+    used_bytes: int
+    gpu_instance_id: int | None  # None outside MIG
+
+
+class NvmlApi(Protocol):
+    """What :class:`NvmlBackend` needs from NVML, in plain Python values (handles are opaque)."""
+
+    def init(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def device_count(self) -> int: ...
+    def handle(self, index: int) -> Any: ...
+    def uuid(self, h: Any) -> str: ...
+    def name(self, h: Any) -> str: ...
+    def memory(self, h: Any) -> tuple[int, int]: ...  # total and used, bytes
+    def sm_count(self, h: Any) -> int | None: ...
+    def mig_mode(self, h: Any) -> tuple[bool, bool]: ...  # current, pending
+    def set_mig_mode(self, h: Any, enabled: bool) -> bool: ...  # True when active now (no reset needed)
+    def gi_profiles(self, h: Any) -> list[GiProfile]: ...  # ascending NVML profile constant
+    def gi_placements(self, h: Any, profile_id: int) -> list[tuple[int, int]]: ...
+    def gpu_instances(self, h: Any, profile_id: int) -> list[Any]: ...
+    def gi_info(self, gi: Any) -> GiInfo: ...
+    def create_gi(self, h: Any, profile_id: int, start: int | None, size: int) -> Any: ...
+    def create_full_ci(self, gi: Any, slices: int) -> None: ...
+    def destroy_gi(self, gi: Any) -> None: ...  # its compute instances first
+    def mig_uuids(self, h: Any) -> dict[int, str]: ...  # GPU-instance id → MIG UUID
+    def processes(self, h: Any) -> list[NvmlProcess]: ...
+    def utilization(self, h: Any) -> tuple[int, int]: ...
+    def process_utilization(self, h: Any) -> dict[int, int]: ...
+
+
+_ERRORS: dict[str, type[BackendError]] = {
+    "insufficient": InsufficientResources,
+    "in_use": InstanceInUse,
+    "invalid": InvalidPlacement,
+    "not_supported": MigUnsupported,
+    "not_found": MigInstanceNotFound,
+}
+
+
+def _err(e: NvmlCallError, what: str) -> BackendError:
+    return _ERRORS.get(e.kind, BackendError)(f"{what}: {e}")
+
+
+def resolve_model(product: str, memory_mib: int, catalog: Catalog = DEFAULT_CATALOG) -> GpuModel:
+    """The catalog model for a driver product name such as "NVIDIA H100 80GB HBM3" or "Tesla T4"."""
+    name = re.sub(r"^(NVIDIA|Tesla|GeForce)\s+", "", product.strip(), flags=re.I).strip()
+    dashed = re.sub(r"\s+", "-", name)
+    for candidate in (dashed, name, product):
+        if candidate and catalog.known(candidate):
+            return catalog.get(candidate)
+    family = re.split(r"[-\s]", name.upper())[0] if name else ""
+    same_family = [m for m in catalog if not m.generic and m.name.upper().split("-")[0] == family]
+    if same_family:
+        return min(same_family, key=lambda m: abs(m.memory_mib - memory_mib))
+    return catalog.get(dashed or "unknown-gpu")
+
+
+def pod_uid_from_cgroup(text: str) -> str | None:
+    """The pod UID in a process's /proc/<pid>/cgroup (cgroupfs and systemd spellings)."""
+    m = re.search(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})", text)
+    return m.group(1).replace("_", "-") if m else None
+
+
+class NvmlBackend:
+    def __init__(self, api: NvmlApi, catalog: Catalog = DEFAULT_CATALOG, proc_root: Path = Path("/proc")) -> None:
+        self._api = api
+        self._catalog = catalog
+        self._proc = proc_root
+        try:
+            api.init()
+        except NvmlCallError as e:
+            raise BackendError(
+                f"cannot initialise NVML: {e}; is the NVIDIA driver installed and the GPU visible?"
+            ) from None
+        self._profiles: dict[int, list[tuple[MigProfileInfo, int]]] = {}
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        out = []
+        try:
+            for i in range(self._api.device_count()):
+                h = self._api.handle(i)
+                total, _ = self._api.memory(h)
+                product = self._api.name(h)
+                model = resolve_model(product, total // MIB, self._catalog)
+                try:
+                    current, _ = self._api.mig_mode(h)
+                except NvmlCallError:
+                    current = False  # not MIG-capable
+                healthy = True
+                try:
+                    self._api.utilization(h)  # a GPU that fell off the bus fails every query
+                except NvmlCallError as e:
+                    healthy = e.kind == "not_supported"
+                out.append(
+                    DeviceInfo(
+                        index=i,
+                        uuid=self._api.uuid(h),
+                        product=product,
+                        model=model.name,
+                        memory_mib=total // MIB,
+                        sms=self._api.sm_count(h) or model.sms,
+                        mig_enabled=current,
+                        healthy=healthy,
+                    )
+                )
+        except NvmlCallError as e:
+            raise _err(e, "listing GPUs") from None
+        return tuple(out)
+
+    def mig_profiles(self, gpu_index: int) -> tuple[MigProfileInfo, ...]:
+        return tuple(p for p, _ in self._profile_table(gpu_index))
+
+    def mig_instances(self, gpu_index: int) -> tuple[MigInstanceInfo, ...]:
+        h = self._handle(gpu_index)
+        out = []
+        try:
+            uuids = self._api.mig_uuids(h)
+            for profile, pid in self._profile_table(gpu_index):
+                for gi in self._api.gpu_instances(h, pid):
+                    info = self._api.gi_info(gi)
+                    uuid = uuids.get(info.id)
+                    if uuid is None:
+                        continue  # a GPU instance without a compute instance is no usable device
+                    out.append(MigInstanceInfo(gpu_index, profile.name, info.start, info.size, uuid))
+        except NvmlCallError as e:
+            raise _err(e, f"GPU {gpu_index}: listing MIG instances") from None
+        return tuple(sorted(out, key=lambda i: i.start))
+
+    def set_mig_mode(self, gpu_index: int, enabled: bool) -> None:
+        h = self._handle(gpu_index)
+        if enabled and any(self.processes(gpu_index)):
+            raise InstanceInUse(f"GPU {gpu_index} runs processes; MIG mode can change only on an idle GPU")
+        try:
+            active = self._api.set_mig_mode(h, enabled)
+        except NvmlCallError as e:
+            raise _err(e, f"GPU {gpu_index}: switching MIG mode") from None
+        if not active:
+            raise BackendError(
+                f"GPU {gpu_index}: MIG mode change is pending a GPU reset (nvidia-smi -r -i {gpu_index})"
+            )
+
+    def create_mig_instance(self, gpu_index: int, profile: str, start: int | None = None) -> MigInstanceInfo:
+        h = self._handle(gpu_index)
+        try:
+            if not self._api.mig_mode(h)[0]:
+                raise MigNotEnabled(f"MIG mode is off on GPU {gpu_index}; enable it before creating instances")
+        except NvmlCallError as e:
+            raise MigUnsupported(f"GPU {gpu_index} has no MIG: {e}") from None
+        match = [(p, pid) for p, pid in self._profile_table(gpu_index) if p.name == profile]
+        if not match:
+            known = ", ".join(p.name for p, _ in self._profile_table(gpu_index)) or "none"
+            raise MigUnsupported(f"GPU {gpu_index} has no MIG profile {profile}; it has: {known}")
+        info, pid = match[0]
+        size = info.placements[0].size if info.placements else 0
+        if start is not None and start not in {p.start for p in info.placements}:
+            raise InvalidPlacement(
+                f"{profile} cannot start at slot {start}; valid: {[p.start for p in info.placements]}"
+            )
+        try:
+            gi = self._api.create_gi(h, pid, start, size)
+        except NvmlCallError as e:
+            where = f"at slot {start}" if start is not None else "where the driver chose"
+            raise _err(e, f"GPU {gpu_index}: creating {profile} {where}") from None
+        try:
+            self._api.create_full_ci(gi, info.compute_slices)
+            gi_info = self._api.gi_info(gi)
+            uuid = self._api.mig_uuids(h)[gi_info.id]
+        except (NvmlCallError, KeyError) as e:
+            self._api.destroy_gi(gi)  # never leave a GPU instance that no container can use
+            raise BackendError(f"GPU {gpu_index}: {profile} created but its compute instance failed: {e}") from None
+        return MigInstanceInfo(gpu_index, profile, gi_info.start, gi_info.size, uuid)
+
+    def destroy_mig_instance(self, gpu_index: int, start: int) -> None:
+        h = self._handle(gpu_index)
+        target = next((i for i in self.mig_instances(gpu_index) if i.start == start), None)
+        if target is None:
+            raise MigInstanceNotFound(f"GPU {gpu_index} has no MIG instance at slot {start}")
+        if any(p.unit_uuid == target.uuid for p in self.processes(gpu_index)):
+            raise InstanceInUse(f"MIG instance {target.uuid} on GPU {gpu_index} runs processes; it cannot be destroyed")
+        try:
+            for _, pid in self._profile_table(gpu_index):
+                for gi in self._api.gpu_instances(h, pid):
+                    if self._api.gi_info(gi).start == start:
+                        self._api.destroy_gi(gi)
+                        return
+        except NvmlCallError as e:
+            raise _err(e, f"GPU {gpu_index}: destroying the instance at slot {start}") from None
+
+    def processes(self, gpu_index: int) -> tuple[ProcessInfo, ...]:
+        h = self._handle(gpu_index)
+        try:
+            gpu_uuid = self._api.uuid(h)
+            uuids = self._api.mig_uuids(h) if self._api.mig_mode(h)[0] else {}
+            procs = self._api.processes(h)
+        except NvmlCallError as e:
+            raise _err(e, f"GPU {gpu_index}: listing processes") from None
+        return tuple(
+            ProcessInfo(
+                p.pid,
+                gpu_index,
+                uuids.get(p.gpu_instance_id, gpu_uuid) if p.gpu_instance_id is not None else gpu_uuid,
+                p.used_bytes // MIB,
+            )
+            for p in procs
+        )
+
+    def utilization(self, gpu_index: int) -> Utilization:
+        try:
+            gpu, mem = self._api.utilization(self._handle(gpu_index))
+        except NvmlCallError as e:
+            if e.kind == "not_supported":  # in MIG mode the whole-GPU counters are not kept
+                return Utilization(0, 0)
+            raise _err(e, f"GPU {gpu_index}: reading utilisation") from None
+        return Utilization(gpu, mem)
+
+    def memory_used_mib(self, gpu_index: int) -> int:
+        try:
+            return self._api.memory(self._handle(gpu_index))[1] // MIB
+        except NvmlCallError as e:
+            raise _err(e, f"GPU {gpu_index}: reading memory") from None
+
+    def process_utilization(self, gpu_index: int) -> dict[int, int]:
+        try:
+            return self._api.process_utilization(self._handle(gpu_index))
+        except NvmlCallError:
+            return {}  # no samples yet, or not kept in MIG mode: nothing to report rather than an error
+
+    def pod_uid_of(self, pid: int) -> str | None:
+        try:
+            return pod_uid_from_cgroup((self._proc / str(pid) / "cgroup").read_text())
+        except OSError:
+            return None
+
+    def close(self) -> None:
+        with contextlib.suppress(NvmlCallError):
+            self._api.shutdown()
+
+    # ----- internals ------------------------------------------------------------------------------------------
+    def _handle(self, gpu_index: int) -> Any:
+        try:
+            if not 0 <= gpu_index < self._api.device_count():
+                raise GpuNotFound(f"this node has no GPU with index {gpu_index}")
+            return self._api.handle(gpu_index)
+        except NvmlCallError as e:
+            raise _err(e, f"GPU {gpu_index}") from None
+
+    def _profile_table(self, gpu_index: int) -> list[tuple[MigProfileInfo, int]]:
+        """Profiles named as in the catalog (matched on compute slices and memory-slot width), with NVML ids."""
+        if gpu_index in self._profiles:
+            return self._profiles[gpu_index]
+        h = self._handle(gpu_index)
+        try:
+            total, _ = self._api.memory(h)
+            model = resolve_model(self._api.name(h), total // MIB, self._catalog)
+            raw = self._api.gi_profiles(h)
+            table: list[tuple[MigProfileInfo, int]] = []
+            seen: set[str] = set()
+            for p in raw:
+                placements = tuple(MigPlacement(s, n) for s, n in self._api.gi_placements(h, p.id))
+                name = _profile_name(model, p, placements)
+                if name in seen:
+                    continue  # a later variant (e.g. "+me" media extensions) of a profile already named
+                seen.add(name)
+                table.append((MigProfileInfo(name, p.slices, p.memory_mb, placements), p.id))
+        except NvmlCallError as e:
+            if e.kind == "not_supported":
+                table = []
+            else:
+                raise _err(e, f"GPU {gpu_index}: reading MIG profiles") from None
+        self._profiles[gpu_index] = table
+        return table
+
+
+def _profile_name(model: GpuModel, p: GiProfile, placements: Sequence[MigPlacement]) -> str:
+    width = placements[0].size if placements else 0
+    for cp in model.mig_profiles:
+        if cp.compute_slices == p.slices and cp.memory_slots == width:
+            return cp.name
+    return f"{p.slices}g.{-(-p.memory_mb // 1024)}gb"  # a model the catalog lacks: the driver's own naming
+
+
+class PynvmlApi:
+    """:class:`NvmlApi` over pynvml (nvidia-ml-py). Needs libnvidia-ml.so, i.e. a node with the NVIDIA driver."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self._n: Any = pynvml
+
+    def _call(self, fn: str, *args: Any) -> Any:
+        n = self._n
+        try:
+            return getattr(n, fn)(*args)
+        except n.NVMLError as e:
+            kinds = {
+                n.NVML_ERROR_INSUFFICIENT_RESOURCES: "insufficient",
+                n.NVML_ERROR_IN_USE: "in_use",
+                n.NVML_ERROR_INVALID_ARGUMENT: "invalid",
+                n.NVML_ERROR_NOT_SUPPORTED: "not_supported",
+                n.NVML_ERROR_NOT_FOUND: "not_found",
+            }
+            raise NvmlCallError(kinds.get(e.value, "other"), f"{fn}: {e}") from None
+
+    def init(self) -> None:
+        self._call("nvmlInit")
+
+    def shutdown(self) -> None:
+        self._call("nvmlShutdown")
+
+    def device_count(self) -> int:
+        return int(self._call("nvmlDeviceGetCount"))
+
+    def handle(self, index: int) -> Any:
+        return self._call("nvmlDeviceGetHandleByIndex", index)
+
+    def uuid(self, h: Any) -> str:
+        return _text(self._call("nvmlDeviceGetUUID", h))
+
+    def name(self, h: Any) -> str:
+        return _text(self._call("nvmlDeviceGetName", h))
+
+    def memory(self, h: Any) -> tuple[int, int]:
+        m = self._call("nvmlDeviceGetMemoryInfo", h)
+        return int(m.total), int(m.used)
+
+    def sm_count(self, h: Any) -> int | None:
+        try:
+            return int(self._call("nvmlDeviceGetAttributes_v2", h).multiprocessorCount)
+        except NvmlCallError:
+            return None  # only MIG device handles report it on some drivers; the catalog knows
+
+    def mig_mode(self, h: Any) -> tuple[bool, bool]:
+        current, pending = self._call("nvmlDeviceGetMigMode", h)
+        return bool(current), bool(pending)
+
+    def set_mig_mode(self, h: Any, enabled: bool) -> bool:
+        n = self._n
+        status = self._call(
+            "nvmlDeviceSetMigMode", h, n.NVML_DEVICE_MIG_ENABLE if enabled else n.NVML_DEVICE_MIG_DISABLE
+        )
+        return bool(status == n.NVML_SUCCESS)
+
+    def gi_profiles(self, h: Any) -> list[GiProfile]:
+        out = []
+        for const in range(self._n.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            try:
+                info = self._call("nvmlDeviceGetGpuInstanceProfileInfo", h, const)
+            except NvmlCallError:
+                continue  # a profile this GPU lacks
+            out.append(GiProfile(int(info.id), int(info.sliceCount), int(info.memorySizeMB)))
+        return out
+
+    def gi_placements(self, h: Any, profile_id: int) -> list[tuple[int, int]]:
+        import ctypes
+
+        n = self._n
+        arr = (n.c_nvmlGpuInstancePlacement_t * 8)()
+        count = ctypes.c_uint(len(arr))
+        self._call("nvmlDeviceGetGpuInstancePossiblePlacements", h, profile_id, arr, ctypes.byref(count))
+        return [(int(arr[i].start), int(arr[i].size)) for i in range(count.value)]
+
+    def gpu_instances(self, h: Any, profile_id: int) -> list[Any]:
+        import ctypes
+
+        n = self._n
+        arr = (n.c_nvmlGpuInstance_t * 8)()
+        count = ctypes.c_uint(0)
+        self._call("nvmlDeviceGetGpuInstances", h, profile_id, arr, ctypes.byref(count))
+        return [arr[i] for i in range(count.value)]
+
+    def gi_info(self, gi: Any) -> GiInfo:
+        info = self._call("nvmlGpuInstanceGetInfo", gi)
+        return GiInfo(int(info.id), int(info.profileId), int(info.placement.start), int(info.placement.size))
+
+    def create_gi(self, h: Any, profile_id: int, start: int | None, size: int) -> Any:
+        if start is None:
+            return self._call("nvmlDeviceCreateGpuInstance", h, profile_id)
+        placement = self._n.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, size
+        return self._call("nvmlDeviceCreateGpuInstanceWithPlacement", h, profile_id, placement)
+
+    def create_full_ci(self, gi: Any, slices: int) -> None:
+        n = self._n
+        for const in range(n.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                info = self._call(
+                    "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+                    gi,
+                    const,
+                    n.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                )
+            except NvmlCallError:
+                continue
+            if int(info.sliceCount) == slices:
+                self._call("nvmlGpuInstanceCreateComputeInstance", gi, info.id)
+                return
+        raise NvmlCallError("not_supported", f"no compute-instance profile spans {slices} slices")
+
+    def destroy_gi(self, gi: Any) -> None:
+        import ctypes
+
+        n = self._n
+        for const in range(n.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            arr = (n.c_nvmlComputeInstance_t * 8)()
+            count = ctypes.c_uint(0)
+            try:
+                self._call("nvmlGpuInstanceGetComputeInstances", gi, const, arr, ctypes.byref(count))
+            except NvmlCallError:
+                continue
+            for i in range(count.value):
+                self._call("nvmlComputeInstanceDestroy", arr[i])
+        self._call("nvmlGpuInstanceDestroy", gi)
+
+    def mig_uuids(self, h: Any) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for i in range(int(self._call("nvmlDeviceGetMaxMigDeviceCount", h))):
+            try:
+                mig = self._call("nvmlDeviceGetMigDeviceHandleByIndex", h, i)
+            except NvmlCallError:
+                continue  # an empty slot
+            out[int(self._call("nvmlDeviceGetGpuInstanceId", mig))] = _text(self._call("nvmlDeviceGetUUID", mig))
+        return out
+
+    def processes(self, h: Any) -> list[NvmlProcess]:
+        out = []
+        for p in self._call("nvmlDeviceGetComputeRunningProcesses", h):
+            gi = getattr(p, "gpuInstanceId", 0xFFFFFFFF)
+            out.append(NvmlProcess(int(p.pid), int(p.usedGpuMemory or 0), None if gi == 0xFFFFFFFF else int(gi)))
+        return out
+
+    def utilization(self, h: Any) -> tuple[int, int]:
+        u = self._call("nvmlDeviceGetUtilizationRates", h)
+        return int(u.gpu), int(u.memory)
+
+    def process_utilization(self, h: Any) -> dict[int, int]:
+        return {int(s.pid): int(s.smUtil) for s in self._call("nvmlDeviceGetProcessUtilization", h, 0)}
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,282 @@
+"""A simulated GPU node that follows the hardware's rules, so everything above the backend runs unchanged.
+
+It keeps the catalog's MIG geometry and the driver's refusals: an instance at an explicit placement that
+overlaps another fails, compute slices run out, MIG mode cannot change under running processes, and an
+instance with processes cannot be destroyed. Without an explicit placement it picks the highest free valid
+start, as the driver tends to, which is exactly what lets small instances created first block a later 3g.
+Processes and utilisation are put in by tests (or a demo) through :meth:`SimBackend.add_process`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel, MigProfile
+from sharegpu.node.backends.base import (
+    BackendError,
+    DeviceInfo,
+    GpuNotFound,
+    InstanceInUse,
+    InsufficientResources,
+    InvalidPlacement,
+    MigInstanceInfo,
+    MigInstanceNotFound,
+    MigNotEnabled,
+    MigPlacement,
+    MigProfileInfo,
+    MigUnsupported,
+    ProcessInfo,
+    Utilization,
+)
+from sharegpu.node.backends.sim_config import SimConfig, SimConfigError
+
+_UUID_NAMESPACE = uuid.UUID("6b1f0c52-6a53-4c0e-9a55-3c1b8c0de001")
+
+
+@dataclass(slots=True)
+class _SimInstance:
+    profile: MigProfile
+    uuid: str
+
+
+@dataclass(slots=True)
+class _SimProcess:
+    info: ProcessInfo
+    pod_uid: str | None
+    sm_percent: int
+
+
+@dataclass(slots=True)
+class _SimGpu:
+    index: int
+    uuid: str
+    model: GpuModel
+    mig_enabled: bool
+    healthy: bool
+    instances: dict[int, _SimInstance] = field(default_factory=dict)
+    utilization: Utilization = field(default_factory=lambda: Utilization(0, 0))
+
+
+class SimBackend:
+    """A GPU node in memory; with ``state_file`` its MIG layout outlives the agent, as on real hardware."""
+
+    def __init__(self, config: SimConfig, seed: str = "sim", catalog: Catalog = DEFAULT_CATALOG) -> None:
+        self._seed = config.uuid_seed or seed
+        self._state_file = config.state_file
+        self._serial = 0
+        self._gpus: list[_SimGpu] = []
+        self._procs: dict[int, _SimProcess] = {}
+        for group in config.gpus:
+            model = catalog.strict(group.model)
+            for _ in range(group.count):
+                i = len(self._gpus)
+                gpu_uuid = f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{self._seed}/{i}')}"
+                self._gpus.append(_SimGpu(i, gpu_uuid, model, group.mig, group.healthy))
+        if self._state_file is not None and self._state_file.exists():
+            self._load_state(self._state_file)
+            return
+        for group_start, group in _group_starts(config):
+            for i in range(group_start, group_start + group.count):
+                for slot in group.mig_instances:
+                    try:
+                        self.create_mig_instance(i, slot.profile, slot.start)
+                    except BackendError as e:
+                        raise SimConfigError(f"GPU {i} ({group.model}): static MIG layout is impossible: {e}") from None
+
+    # ----- GpuBackend --------------------------------------------------------------------------------------
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        return tuple(
+            DeviceInfo(
+                index=g.index,
+                uuid=g.uuid,
+                product=f"Simulated {g.model.name}",
+                model=g.model.name,
+                memory_mib=g.model.memory_mib,
+                sms=g.model.sms,
+                mig_enabled=g.mig_enabled,
+                healthy=g.healthy,
+            )
+            for g in self._gpus
+        )
+
+    def mig_profiles(self, gpu_index: int) -> tuple[MigProfileInfo, ...]:
+        g = self._gpu(gpu_index)
+        return tuple(
+            MigProfileInfo(p.name, p.compute_slices, p.memory_mib, tuple(MigPlacement(s, n) for s, n in p.placements()))
+            for p in g.model.mig_profiles
+        )
+
+    def mig_instances(self, gpu_index: int) -> tuple[MigInstanceInfo, ...]:
+        g = self._gpu(gpu_index)
+        return tuple(
+            MigInstanceInfo(g.index, inst.profile.name, start, inst.profile.memory_slots, inst.uuid)
+            for start, inst in sorted(g.instances.items())
+        )
+
+    def set_mig_mode(self, gpu_index: int, enabled: bool) -> None:
+        g = self._gpu(gpu_index)
+        if enabled == g.mig_enabled:
+            return
+        if enabled and not g.model.mig_capable:
+            raise MigUnsupported(f"GPU {gpu_index} ({g.model.name}) has no MIG")
+        if self._procs_on(gpu_index):
+            raise InstanceInUse(f"GPU {gpu_index} runs processes; MIG mode can change only on an idle GPU")
+        if not enabled and g.instances:
+            raise InstanceInUse(f"GPU {gpu_index} still has MIG instances; destroy them before disabling MIG")
+        g.mig_enabled = enabled
+        self._save_state()
+
+    def create_mig_instance(self, gpu_index: int, profile: str, start: int | None = None) -> MigInstanceInfo:
+        g = self._gpu(gpu_index)
+        if not g.model.mig_capable:
+            raise MigUnsupported(f"GPU {gpu_index} ({g.model.name}) has no MIG")
+        if not g.mig_enabled:
+            raise MigNotEnabled(f"MIG mode is off on GPU {gpu_index}; enable it before creating instances")
+        try:
+            p = g.model.profile(profile)
+        except ValueError as e:
+            raise MigUnsupported(str(e)) from None
+        used_slices = sum(i.profile.compute_slices for i in g.instances.values())
+        if used_slices + p.compute_slices > g.model.compute_slices:
+            raise InsufficientResources(
+                f"GPU {gpu_index}: {p.name} needs {p.compute_slices} compute slices, "
+                f"{g.model.compute_slices - used_slices} are free"
+            )
+        if start is None:
+            free = [s for s in p.starts if not self._overlaps(g, s, p.memory_slots)]
+            if not free:
+                raise InsufficientResources(f"GPU {gpu_index}: no free placement for {p.name} (Insufficient Resources)")
+            start = max(free)
+        elif start not in p.starts:
+            raise InvalidPlacement(f"{p.name} cannot start at slot {start} on {g.model.name}; valid: {list(p.starts)}")
+        elif self._overlaps(g, start, p.memory_slots):
+            raise InsufficientResources(
+                f"GPU {gpu_index}: {p.name} at slot {start} overlaps an existing instance (Insufficient Resources)"
+            )
+        self._serial += 1
+        mig_uuid = f"MIG-{uuid.uuid5(_UUID_NAMESPACE, f'{g.uuid}/{p.name}@{start}#{self._serial}')}"
+        g.instances[start] = _SimInstance(p, mig_uuid)
+        self._save_state()
+        return MigInstanceInfo(gpu_index, p.name, start, p.memory_slots, mig_uuid)
+
+    def destroy_mig_instance(self, gpu_index: int, start: int) -> None:
+        g = self._gpu(gpu_index)
+        inst = g.instances.get(start)
+        if inst is None:
+            raise MigInstanceNotFound(f"GPU {gpu_index} has no MIG instance at slot {start}")
+        if any(p.info.unit_uuid == inst.uuid for p in self._procs.values()):
+            raise InstanceInUse(f"MIG instance {inst.uuid} on GPU {gpu_index} runs processes; it cannot be destroyed")
+        del g.instances[start]
+        self._save_state()
+
+    def processes(self, gpu_index: int) -> tuple[ProcessInfo, ...]:
+        self._gpu(gpu_index)
+        return tuple(p.info for p in self._procs_on(gpu_index))
+
+    def utilization(self, gpu_index: int) -> Utilization:
+        return self._gpu(gpu_index).utilization
+
+    def memory_used_mib(self, gpu_index: int) -> int:
+        self._gpu(gpu_index)
+        return sum(p.info.used_memory_mib for p in self._procs_on(gpu_index))
+
+    def process_utilization(self, gpu_index: int) -> dict[int, int]:
+        return {p.info.pid: p.sm_percent for p in self._procs_on(gpu_index)}
+
+    def pod_uid_of(self, pid: int) -> str | None:
+        p = self._procs.get(pid)
+        return p.pod_uid if p else None
+
+    def close(self) -> None:
+        pass
+
+    # ----- driving the simulation ---------------------------------------------------------------------------
+    def add_process(
+        self, pid: int, unit_uuid: str, used_memory_mib: int, pod_uid: str | None = None, sm_percent: int = 0
+    ) -> None:
+        """A process that opened a context on a GPU or MIG instance (named by UUID)."""
+        gpu_index = self._unit_gpu(unit_uuid)
+        self._procs[pid] = _SimProcess(ProcessInfo(pid, gpu_index, unit_uuid, used_memory_mib), pod_uid, sm_percent)
+
+    def remove_process(self, pid: int) -> None:
+        self._procs.pop(pid, None)
+
+    def set_health(self, gpu_index: int, healthy: bool) -> None:
+        self._gpu(gpu_index).healthy = healthy
+
+    def set_utilization(self, gpu_index: int, gpu_percent: int, memory_percent: int = 0) -> None:
+        self._gpu(gpu_index).utilization = Utilization(gpu_percent, memory_percent)
+
+    # ----- internals ------------------------------------------------------------------------------------------
+    def _gpu(self, gpu_index: int) -> _SimGpu:
+        if not 0 <= gpu_index < len(self._gpus):
+            raise GpuNotFound(f"this node has no GPU with index {gpu_index}; it has {len(self._gpus)}")
+        return self._gpus[gpu_index]
+
+    def _unit_gpu(self, unit_uuid: str) -> int:
+        for g in self._gpus:
+            if g.uuid == unit_uuid or any(i.uuid == unit_uuid for i in g.instances.values()):
+                return g.index
+        raise GpuNotFound(f"no GPU or MIG instance has UUID {unit_uuid}")
+
+    def _procs_on(self, gpu_index: int) -> list[_SimProcess]:
+        return [p for p in self._procs.values() if p.info.gpu_index == gpu_index]
+
+    @staticmethod
+    def _overlaps(g: _SimGpu, start: int, size: int) -> bool:
+        return any(s < start + size and start < s + i.profile.memory_slots for s, i in g.instances.items())
+
+    def _save_state(self) -> None:
+        if self._state_file is None:
+            return
+        state = {
+            "serial": self._serial,
+            "gpus": [
+                {
+                    "uuid": g.uuid,
+                    "mig": g.mig_enabled,
+                    "instances": [
+                        {"start": s, "profile": i.profile.name, "uuid": i.uuid} for s, i in g.instances.items()
+                    ],
+                }
+                for g in self._gpus
+            ],
+        }
+        tmp = self._state_file.with_suffix(self._state_file.suffix + ".tmp")
+        self._state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self._state_file)  # atomic: a crash leaves the old state or the new one, never half
+
+    def _load_state(self, path: Path) -> None:
+        try:
+            state: Any = json.loads(path.read_text())
+            self._serial = int(state["serial"])
+            saved = state["gpus"]
+            if [s["uuid"] for s in saved] != [g.uuid for g in self._gpus]:
+                raise SimConfigError(
+                    f"simulated state {path} describes other GPUs than the config; delete it to start afresh"
+                )
+            for g, s in zip(self._gpus, saved, strict=True):
+                g.mig_enabled = bool(s["mig"])
+                g.instances = {
+                    int(i["start"]): _SimInstance(g.model.profile(str(i["profile"])), str(i["uuid"]))
+                    for i in s["instances"]
+                }
+        except SimConfigError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SimConfigError(f"simulated state {path} is unreadable ({e}); delete it to start afresh") from None
+
+
+def _group_starts(config: SimConfig) -> list[tuple[int, Any]]:
+    out = []
+    start = 0
+    for group in config.gpus:
+        out.append((start, group))
+        start += group.count
+    return out

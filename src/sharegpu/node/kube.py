@@ -1,0 +1,186 @@
+"""The node agent's view of the Kubernetes API: its Node and the pods bound to it, behind a small interface.
+
+:class:`LightkubeApi` talks to a real API server through ``lightkube.AsyncClient``; tests use an in-memory fake.
+Only the pods bound to this node are ever listed (a field selector on ``spec.nodeName``), so the agent cannot
+act on another node's pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+GPU_RESOURCE = "sharegpu.io/gpu"
+ASSIGNMENT_ANNOTATION = "sharegpu.io/assignment"
+
+
+class KubeError(Exception):
+    """The API server could not be reached or refused a request; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerInfo:
+    name: str
+    gpus: int  # the container's sharegpu.io/gpu limit
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    namespace: str
+    name: str
+    uid: str
+    node_name: str
+    phase: str = "Pending"
+    created: str = ""  # RFC 3339, so string order is time order
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    containers: tuple[ContainerInfo, ...] = ()
+    init_containers: tuple[ContainerInfo, ...] = ()
+    deleting: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def gpu_containers(self) -> tuple[ContainerInfo, ...]:
+        """Containers that ask for sharegpu.io/gpu, in the order the kubelet allocates them."""
+        return tuple(c for c in (*self.init_containers, *self.containers) if c.gpus > 0)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    cpu_milli: int = 0  # allocatable
+    memory_mib: int = 0
+
+
+class KubeApi(Protocol):
+    async def get_node(self, name: str) -> NodeInfo: ...
+
+    async def patch_node_metadata(
+        self, name: str, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
+    ) -> None:
+        """Merge-patch labels and annotations; a None value removes the key."""
+        ...
+
+    async def pods_on_node(self, node: str) -> list[PodInfo]: ...
+
+    async def close(self) -> None: ...
+
+
+def pod_info_from_dict(d: Mapping[str, Any]) -> PodInfo:
+    """A pod as the API server returns it (JSON) → :class:`PodInfo`."""
+    meta = d.get("metadata") or {}
+    spec = d.get("spec") or {}
+    status = d.get("status") or {}
+    return PodInfo(
+        namespace=str(meta.get("namespace", "")),
+        name=str(meta.get("name", "")),
+        uid=str(meta.get("uid", "")),
+        node_name=str(spec.get("nodeName") or ""),
+        phase=str(status.get("phase") or "Pending"),
+        created=_time(meta.get("creationTimestamp")),
+        annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
+        containers=tuple(_container(c) for c in spec.get("containers") or ()),
+        init_containers=tuple(_container(c) for c in spec.get("initContainers") or ()),
+        deleting=meta.get("deletionTimestamp") is not None,
+    )
+
+
+def node_info_from_dict(d: Mapping[str, Any]) -> NodeInfo:
+    meta = d.get("metadata") or {}
+    alloc = (d.get("status") or {}).get("allocatable") or {}
+    return NodeInfo(
+        name=str(meta.get("name", "")),
+        labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
+        annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
+        cpu_milli=_quantity(alloc.get("cpu"), 1000),
+        memory_mib=_quantity(alloc.get("memory"), 1 / (1024 * 1024)),
+    )
+
+
+def _container(c: Mapping[str, Any]) -> ContainerInfo:
+    limits = (c.get("resources") or {}).get("limits") or {}
+    return ContainerInfo(str(c.get("name", "")), _quantity(limits.get(GPU_RESOURCE), 1))
+
+
+def _quantity(q: Any, scale: float) -> int:
+    from lightkube.utils.quantity import parse_quantity
+
+    if q is None:
+        return 0
+    try:
+        value = parse_quantity(str(q))
+    except ValueError:
+        return 0
+    return int(float(value) * scale) if value is not None else 0
+
+
+def _time(t: Any) -> str:
+    if isinstance(t, datetime):
+        return t.isoformat()
+    return str(t) if t else ""
+
+
+class LightkubeApi:
+    """:class:`KubeApi` over ``lightkube.AsyncClient`` (in-cluster config, or a kubeconfig file)."""
+
+    def __init__(self, kubeconfig: Path | None = None) -> None:
+        from lightkube import AsyncClient, KubeConfig
+        from lightkube.core.exceptions import ConfigError
+
+        try:
+            config = KubeConfig.from_file(kubeconfig) if kubeconfig is not None else KubeConfig.from_env()
+        except (ConfigError, OSError) as e:
+            where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster service account or $KUBECONFIG"
+            raise KubeError(f"cannot load Kubernetes credentials from {where}: {e}") from None
+        self._client = AsyncClient(config=config, field_manager="sharegpu-node-agent")
+
+    async def get_node(self, name: str) -> NodeInfo:
+        from lightkube.resources.core_v1 import Node
+
+        try:
+            node = await self._client.get(Node, name)
+        except Exception as e:
+            raise KubeError(f"cannot read node {name}: {_why(e)}") from None
+        return node_info_from_dict(node.to_dict())
+
+    async def patch_node_metadata(
+        self, name: str, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
+    ) -> None:
+        from lightkube.resources.core_v1 import Node
+        from lightkube.types import PatchType
+
+        body = {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}}
+        try:
+            await self._client.patch(Node, name, body, patch_type=PatchType.MERGE)
+        except Exception as e:
+            raise KubeError(f"cannot update node {name}: {_why(e)}") from None
+
+    async def pods_on_node(self, node: str) -> list[PodInfo]:
+        from lightkube.resources.core_v1 import Pod
+
+        try:
+            return [
+                pod_info_from_dict(p.to_dict())
+                async for p in self._client.list(Pod, namespace="*", fields={"spec.nodeName": node})
+            ]
+        except Exception as e:
+            raise KubeError(f"cannot list the pods of node {node}: {_why(e)}") from None
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+def _why(e: Exception) -> str:
+    # lightkube raises ApiError (with the server's Status message) or httpx errors; both read well as text.
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

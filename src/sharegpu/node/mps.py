@@ -1,0 +1,221 @@
+"""The MPS manager: one MPS control daemon per GPU or MIG instance that hosts MPS shares.
+
+Each daemon has its own pipe and log directories under ``<root>/<unit UUID>/`` so that a client selects its
+daemon with ``CUDA_MPS_PIPE_DIRECTORY`` alone. Daemons are started when an assignment first needs them,
+health-checked on every reconcile, restarted after a failure and stopped when no assignment uses their unit.
+The daemon itself sits behind :class:`MpsDaemon`: :class:`NvidiaMpsDaemon` drives ``nvidia-cuda-mps-control``
+on a real node; :class:`SimMpsDaemon` stands in for it with the simulated backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+_COMMAND_TIMEOUT_S = 10.0
+
+
+class MpsError(Exception):
+    """An MPS daemon cannot be started or stopped; the message carries what the daemon said."""
+
+
+@dataclass(frozen=True, slots=True)
+class MpsDaemonSpec:
+    unit_uuid: str  # GPU-… or MIG-…: the one device the daemon serves
+    pipe_dir: Path
+    log_dir: Path
+
+
+class MpsDaemon(Protocol):
+    async def start(self, spec: MpsDaemonSpec) -> None: ...
+
+    async def healthy(self, spec: MpsDaemonSpec) -> bool: ...
+
+    async def stop(self, spec: MpsDaemonSpec) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MpsDaemonStatus:
+    unit_uuid: str
+    up: bool
+    restarts: int
+
+
+class MpsManager:
+    def __init__(self, root: Path, daemon: MpsDaemon) -> None:
+        self.root = root
+        self._daemon = daemon
+        self._running: set[str] = set()
+        self._restarts: dict[str, int] = {}
+        self._lock = asyncio.Lock()  # Allocate and the reconcile loop must not start one daemon twice
+
+    def spec(self, unit_uuid: str) -> MpsDaemonSpec:
+        if not unit_uuid or "/" in unit_uuid or unit_uuid.startswith("."):
+            raise MpsError(f"{unit_uuid!r} is not a GPU or MIG UUID")
+        base = self.root / unit_uuid
+        return MpsDaemonSpec(unit_uuid, base / "pipe", base / "log")
+
+    async def recover(self) -> set[str]:
+        """After a restart: adopt the daemons that still answer, so their clients are not disturbed."""
+        found: set[str] = set()
+        if not self.root.is_dir():
+            return found
+        async with self._lock:
+            for entry in sorted(self.root.iterdir()):
+                if entry.is_dir() and await self._daemon.healthy(self.spec(entry.name)):
+                    self._running.add(entry.name)
+                    found.add(entry.name)
+        if found:
+            log.info("adopted running MPS daemons for %s", ", ".join(sorted(found)))
+        return found
+
+    async def ensure(self, unit_uuid: str) -> MpsDaemonSpec:
+        """A healthy daemon for ``unit_uuid``, started if needed (what Allocate calls before it answers)."""
+        spec = self.spec(unit_uuid)
+        async with self._lock:
+            if unit_uuid in self._running and await self._daemon.healthy(spec):
+                return spec
+            if unit_uuid in self._running:
+                self._restarts[unit_uuid] = self._restarts.get(unit_uuid, 0) + 1
+                log.warning("MPS daemon for %s failed its health check; restarting it", unit_uuid)
+                await self._stop_quietly(spec)
+            await self._start(spec)
+        return spec
+
+    async def reconcile(self, needed: set[str]) -> list[str]:
+        """Start or restart daemons for ``needed`` units and stop the others; returns the errors met."""
+        errors: list[str] = []
+        for unit in sorted(needed):
+            try:
+                await self.ensure(unit)
+            except MpsError as e:
+                errors.append(str(e))
+        async with self._lock:
+            on_disk = {e.name for e in self.root.iterdir() if e.is_dir()} if self.root.is_dir() else set()
+            for unit in sorted((self._running | on_disk) - needed):
+                spec = self.spec(unit)
+                try:
+                    if unit in self._running or await self._daemon.healthy(spec):
+                        await self._daemon.stop(spec)
+                        log.info("stopped MPS daemon for %s: no assignment uses it", unit)
+                    shutil.rmtree(self.root / unit, ignore_errors=True)
+                except MpsError as e:
+                    errors.append(str(e))
+                    continue
+                self._running.discard(unit)
+        for message in errors:
+            log.warning("MPS reconcile: %s", message)
+        return errors
+
+    def status(self) -> tuple[MpsDaemonStatus, ...]:
+        units = self._running | set(self._restarts)
+        return tuple(MpsDaemonStatus(u, u in self._running, self._restarts.get(u, 0)) for u in sorted(units))
+
+    async def _start(self, spec: MpsDaemonSpec) -> None:
+        try:
+            spec.pipe_dir.mkdir(parents=True, exist_ok=True)
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MpsError(f"cannot create the MPS directories under {self.root}: {e.strerror or e}") from None
+        await self._daemon.start(spec)
+        if not await self._daemon.healthy(spec):
+            self._running.discard(spec.unit_uuid)
+            raise MpsError(f"the MPS daemon for {spec.unit_uuid} started but does not answer; see {spec.log_dir}")
+        self._running.add(spec.unit_uuid)
+        log.info("started MPS daemon for %s (pipe %s)", spec.unit_uuid, spec.pipe_dir)
+
+    async def _stop_quietly(self, spec: MpsDaemonSpec) -> None:
+        try:
+            await self._daemon.stop(spec)
+        except MpsError as e:
+            log.warning("stopping the failed MPS daemon for %s: %s", spec.unit_uuid, e)
+        self._running.discard(spec.unit_uuid)
+
+
+class NvidiaMpsDaemon:
+    """``nvidia-cuda-mps-control`` on a real node: ``-d`` starts it, ``get_server_list`` probes it, ``quit`` stops it."""
+
+    def __init__(self, control: str = MPS_CONTROL, timeout_s: float = _COMMAND_TIMEOUT_S) -> None:
+        self._control = control
+        self._timeout_s = timeout_s
+
+    async def start(self, spec: MpsDaemonSpec) -> None:
+        code, out = await self._run(spec, ["-d"], None)
+        if code != 0:
+            raise MpsError(f"{self._control} -d for {spec.unit_uuid} exited with {code}: {out.strip() or 'no output'}")
+
+    async def healthy(self, spec: MpsDaemonSpec) -> bool:
+        if not spec.pipe_dir.is_dir():
+            return False
+        try:
+            code, _ = await self._run(spec, [], "get_server_list\n")
+        except MpsError:
+            return False
+        return code == 0
+
+    async def stop(self, spec: MpsDaemonSpec) -> None:
+        code, out = await self._run(spec, [], "quit\n")
+        if code != 0:
+            raise MpsError(f"quitting the MPS daemon for {spec.unit_uuid} failed ({code}): {out.strip()}")
+
+    async def _run(self, spec: MpsDaemonSpec, args: list[str], stdin: str | None) -> tuple[int, str]:
+        env = dict(os.environ)
+        # The daemon sees only its unit, so a client's device 0 (and its pinned memory limit "0=…") is that unit.
+        env["CUDA_VISIBLE_DEVICES"] = spec.unit_uuid
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(spec.pipe_dir)
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(spec.log_dir)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self._control,
+                *args,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+            )
+        except OSError as e:
+            raise MpsError(f"cannot run {self._control}: {e.strerror or e}; is the NVIDIA driver installed?") from None
+        try:
+            out, _ = await asyncio.wait_for(
+                proc.communicate(stdin.encode() if stdin is not None else None), self._timeout_s
+            )
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise MpsError(f"{self._control} did not answer within {self._timeout_s:g}s") from None
+        return proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace")
+
+
+class SimMpsDaemon:
+    """A stand-in daemon for the simulated backend: its "process" is a file in the pipe directory.
+
+    Being on disk, it outlives an agent restart exactly like a real daemon; deleting the file is a crash.
+    """
+
+    MARKER = "sim-mps-daemon.json"
+
+    def __init__(self) -> None:
+        self.starts = 0
+
+    async def start(self, spec: MpsDaemonSpec) -> None:
+        spec.pipe_dir.mkdir(parents=True, exist_ok=True)
+        (spec.pipe_dir / self.MARKER).write_text(json.dumps({"unit": spec.unit_uuid}))
+        self.starts += 1
+
+    async def healthy(self, spec: MpsDaemonSpec) -> bool:
+        return (spec.pipe_dir / self.MARKER).is_file()
+
+    async def stop(self, spec: MpsDaemonSpec) -> None:
+        (spec.pipe_dir / self.MARKER).unlink(missing_ok=True)
+
+    def crash(self, spec: MpsDaemonSpec) -> None:
+        (spec.pipe_dir / self.MARKER).unlink(missing_ok=True)

@@ -1,0 +1,1 @@
+"""The kubelet device plugin API (v1beta1): the .proto and the Python modules generated from it (committed)."""

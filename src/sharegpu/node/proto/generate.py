@@ -1,0 +1,38 @@
+"""Regenerate ``deviceplugin_pb2*.py`` from ``deviceplugin.proto`` (needs the dev dependency grpcio-tools).
+
+The generated modules are committed so that installing sharegpu needs no code generation; a test checks they
+still match the .proto.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+PROTO = Path(__file__).with_name("deviceplugin.proto")
+
+
+def generate(out_root: Path) -> None:
+    """Write the modules under ``out_root/sharegpu/node/proto/``."""
+    from grpc_tools import protoc  # a dev dependency: only needed when the .proto changes
+
+    src_root = PROTO.parents[3]
+    rel = PROTO.relative_to(src_root)
+    (out_root / rel.parent).mkdir(parents=True, exist_ok=True)
+    code = protoc.main(
+        [
+            "grpc_tools.protoc",
+            f"-I{src_root}",
+            f"--python_out={out_root}",
+            f"--pyi_out={out_root}",
+            f"--grpc_python_out={out_root}",
+            str(rel),
+        ]
+    )
+    if code != 0:
+        raise RuntimeError(f"protoc failed with exit code {code} on {PROTO}")
+
+
+if __name__ == "__main__":
+    generate(PROTO.parents[3])
+    sys.exit(0)

@@ -1,0 +1,1 @@
+"""MIG layout planning: where on a GPU a new instance should go."""

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+from node_fakes import SIM_YAML, FakeKube
+from typer.testing import CliRunner
+
+from sharegpu.node.agent import NodeAgent
+from sharegpu.node.cli import BackendKind, build_agent, node_agent
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("node-agent")(node_agent)
+
+    @app.command("noop")
+    def _noop() -> None:  # a second command, so typer keeps "node-agent" as a subcommand as in the real CLI
+        pass
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "sim"], "--sim-config"),
+        (["--backend", "sim", "--sim-config", "{missing}"], "cannot read"),
+        (["--backend", "sim", "--sim-config", "{bad}"], "unknown GPU model 'Z1'"),
+        (["--backend", "sim", "--sim-config", "{good}", "--metrics-listen", "nope"], "HOST:PORT"),
+        (["--backend", "sim", "--sim-config", "{good}", "--device-plugin-dir", "/" + "x" * 120], "shorter"),
+        (["--backend", "sim", "--sim-config", "{good}", "--kubeconfig", "{missing}"], "Kubernetes credentials"),
+    ],
+)
+def test_bad_input_exits_with_a_message_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    (tmp_path / "bad.yaml").write_text("gpus: [{model: Z1}]")
+    (tmp_path / "good.yaml").write_text(SIM_YAML)
+    monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
+    files = {"missing": tmp_path / "missing.yaml", "bad": tmp_path / "bad.yaml", "good": tmp_path / "good.yaml"}
+    argv = ["node-agent", "--node-name", "node-a", *(a.format(**files) for a in args)]
+    result = CliRunner().invoke(_app(), argv)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_flags_are_exactly_the_issues(tmp_path: Path) -> None:
+    result = CliRunner().invoke(_app(), ["node-agent", "--help"], terminal_width=200)
+    for flag in ("--node-name", "--kubeconfig", "--backend", "--sim-config", "--device-plugin-dir", "--metrics-listen"):
+        assert flag in result.output
+    assert "nvml" in result.output and "sim" in result.output
+
+
+def test_build_agent_wires_a_sim_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "sim.yaml").write_text(SIM_YAML)
+    monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
+    agent = build_agent(
+        "node-a", None, BackendKind.SIM, tmp_path / "sim.yaml", tmp_path / "dp", "127.0.0.1:0", FakeKube()
+    )
+    assert isinstance(agent, NodeAgent)
+    assert [d.model for d in agent.backend.devices()] == ["H100-80GB", "H100-80GB", "A30-24GB"]
+    assert agent.config.state_dir == tmp_path / "state" and agent.config.metrics_listen == ("127.0.0.1", 0)

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from sharegpu.node.kube import LightkubeApi, node_info_from_dict, pod_info_from_dict
+from sharegpu.node.proto.generate import PROTO, generate
+
+
+def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (a dev dependency) regenerates the stubs")
+    generate(tmp_path)
+    here = PROTO.parent
+    for name in ("deviceplugin_pb2.py", "deviceplugin_pb2.pyi", "deviceplugin_pb2_grpc.py"):
+        fresh = (tmp_path / "sharegpu" / "node" / "proto" / name).read_text()
+        assert fresh == (here / name).read_text(), f"{name} is stale: run uv run python -m sharegpu.node.proto.generate"
+
+
+def test_pod_and_node_from_api_json() -> None:
+    p = pod_info_from_dict(
+        {
+            "metadata": {
+                "namespace": "ml",
+                "name": "train",
+                "uid": "u1",
+                "creationTimestamp": "2024-05-01T10:00:00Z",
+                "annotations": {"sharegpu.io/assignment": "{}"},
+            },
+            "spec": {
+                "nodeName": "node-a",
+                "initContainers": [{"name": "init", "resources": {"limits": {"sharegpu.io/gpu": "1"}}}],
+                "containers": [
+                    {"name": "main", "resources": {"limits": {"sharegpu.io/gpu": "2", "cpu": "1"}}},
+                    {"name": "side"},
+                ],
+            },
+            "status": {"phase": "Pending"},
+        }
+    )
+    assert p.key == "ml/train" and p.node_name == "node-a" and not p.deleting
+    assert [(c.name, c.gpus) for c in p.gpu_containers] == [("init", 1), ("main", 2)]
+    n = node_info_from_dict(
+        {
+            "metadata": {"name": "node-a", "labels": {"a": "b"}},
+            "status": {"allocatable": {"cpu": "15500m", "memory": "64Gi"}},
+        }
+    )
+    assert (n.cpu_milli, n.memory_mib, n.labels) == (15500, 65536, {"a": "b"})
+
+
+@pytest.mark.skipif(
+    not os.environ.get("SHAREGPU_TEST_KUBECONFIG"), reason="needs a real API server: set SHAREGPU_TEST_KUBECONFIG"
+)
+def test_lightkube_api_against_a_real_server() -> None:
+    async def main() -> None:
+        api = LightkubeApi(Path(os.environ["SHAREGPU_TEST_KUBECONFIG"]))
+        try:
+            from lightkube import AsyncClient, KubeConfig
+            from lightkube.resources.core_v1 import Node
+
+            raw = AsyncClient(config=KubeConfig.from_file(os.environ["SHAREGPU_TEST_KUBECONFIG"]))
+            names = [n.metadata.name async for n in raw.list(Node)]
+            name = names[0]
+            await raw.close()
+            node = await api.get_node(name)
+            assert node.name == name and node.cpu_milli > 0
+            await api.patch_node_metadata(name, {"sharegpu.io/test": "1"}, {})
+            assert (await api.get_node(name)).labels["sharegpu.io/test"] == "1"
+            await api.patch_node_metadata(name, {"sharegpu.io/test": None}, {})
+            assert "sharegpu.io/test" not in (await api.get_node(name)).labels
+            assert all(p.node_name == name for p in await api.pods_on_node(name))
+        finally:
+            await api.close()
+
+    asyncio.run(main())
