@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def sim(
     jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
 ) -> None:
     """Replay a workload through the placement policies and report GPU allocation (FGD paper protocol)."""
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     try:
         exp = _experiment(nodes, pods, policy, seeds, tune, replay)
     except (TraceError, UnknownPolicy, UsageError, ValueError) as e:

@@ -363,6 +363,7 @@ class Ledger:
         mem = np.zeros_like(self.mem_free)
         mechs: dict[tuple[int, int, int | None], set[Mechanism]] = {}
         inst_use: dict[tuple[int, int, int], list[GpuShare]] = {}
+        plain: dict[tuple[int, int], list[GpuShare]] = {}
         for a in self.assignments.values():
             n = self.index[a.node]
             cpu[n] += a.cpu_milli
@@ -371,6 +372,7 @@ class Ledger:
                 unit = (n, s.gpu_index, s.mig.start if s.mig else None)
                 mechs.setdefault(unit, set()).add(s.sharing)
                 if s.mig is None:
+                    plain.setdefault((n, s.gpu_index), []).append(s)
                     use_milli[n, s.gpu_index] += s.compute_milli
                     use_mem[n, s.gpu_index] += s.memory_mib
                 else:
@@ -394,7 +396,20 @@ class Ledger:
                     raise InvariantViolation(f"GPU {dev.uuid} has MIG instances and non-MIG shares")
                 if insts:
                     self._check_mig_gpu(n, g, model, insts, inst_use)
+                    if GpuMode(int(self.mode[n, g])) is not GpuMode.MIG or self.clients[n, g] != 0:
+                        raise InvariantViolation(f"GPU {dev.uuid} holds MIG instances but is not in MIG mode")
+                    free_slices = model.compute_slices - int(self.mig_slices_used[n, g])
+                    free_slots = model.memory_slots - int(self.mig_slots_used[n, g]).bit_count()
+                    if (
+                        self.free_milli[n, g] != free_slices * FULL_MILLI // model.compute_slices
+                        or self.free_mem[n, g] != free_slots * model.memory_mib // model.memory_slots
+                    ):
+                        raise InvariantViolation(f"free compute or memory of MIG GPU {dev.uuid} disagrees")
                     continue
+                shares = plain.get((n, g), [])
+                expect_mode = MODE_OF[shares[0].mechanism] if shares else GpuMode.FREE
+                if self.mode[n, g] != expect_mode or self.clients[n, g] != len(shares):
+                    raise InvariantViolation(f"mode or client count of {dev.uuid} disagrees with its shares")
                 if use_milli[n, g] > FULL_MILLI or use_mem[n, g] > model.memory_mib:
                     raise InvariantViolation(f"GPU {dev.uuid} is over-allocated")
                 if self.free_milli[n, g] != FULL_MILLI - use_milli[n, g] or self.free_mem[n, g] != (

@@ -179,6 +179,8 @@ class Assignment:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as e:
             raise InvalidAssignment(f"assignment is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidAssignment("assignment JSON is nested too deeply") from None
 
 
 def _obj(v: Any, what: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ class MigProfile:
     memory_slots: int  # width on the memory-slot axis
     memory_mib: int
     starts: tuple[int, ...]  # valid start slots
+    sms: int = 0  # SMs of an instance where NVIDIA's table differs from slices × SMs per slice (H100 3g, 7g)
 
     @property
     def max_instances(self) -> int:
@@ -59,7 +60,7 @@ class GpuModel:
         raise UnknownMigProfile(f"MIG profile {name!r} does not exist on {self.name}; its profiles are: {known}")
 
     def profile_sms(self, profile: MigProfile) -> int:
-        return profile.compute_slices * self.sms_per_slice
+        return profile.sms or profile.compute_slices * self.sms_per_slice
 
 
 class CatalogError(ValueError):
@@ -96,6 +97,15 @@ def _mig_a30() -> tuple[MigProfile, ...]:
     )
 
 
+def _hopper(profiles: tuple[MigProfile, ...]) -> tuple[MigProfile, ...]:
+    """Hopper's SM counts per profile (NVIDIA's MIG guide): 3g has 60 and 7g all 132, not slices × 16."""
+    extra = {3: 60, 4: 64, 7: 132}
+    return tuple(
+        MigProfile(p.name, p.compute_slices, p.memory_slots, p.memory_mib, p.starts, extra.get(p.compute_slices, 0))
+        for p in profiles
+    )
+
+
 def _builtin_models() -> tuple[GpuModel, ...]:
     # Profile memory is the nominal size in the profile's name, so "10Gi" fits "1g.10gb" as a user expects.
     a100_40 = _mig_8slot((5, 10, 10, 20, 20, 40), 5 * GIB)
@@ -111,8 +121,8 @@ def _builtin_models() -> tuple[GpuModel, ...]:
     return (
         GpuModel("A100-40GB", 40 * GIB, 108, a100_40, 8, 7, 14, ("A100-SXM4-40GB", "A100-PCIE-40GB")),
         GpuModel("A100-80GB", 80 * GIB, 108, a100_80, 8, 7, 14, ("A100-SXM4-80GB", "A100-PCIE-80GB")),
-        GpuModel("H100-80GB", 80 * GIB, 132, a100_80, 8, 7, 16, ("H100-SXM5-80GB", "H100-80GB-HBM3", "H100")),
-        GpuModel("H200-141GB", 141 * GIB, 132, h200, 8, 7, 16, ("H200", "H200-SXM-141GB")),
+        GpuModel("H100-80GB", 80 * GIB, 132, _hopper(a100_80), 8, 7, 16, ("H100-SXM5-80GB", "H100-80GB-HBM3", "H100")),
+        GpuModel("H200-141GB", 141 * GIB, 132, _hopper(h200), 8, 7, 16, ("H200", "H200-SXM-141GB")),
         GpuModel("A30-24GB", 24 * GIB, 56, _mig_a30(), 4, 4, 14, ("A30",)),
         GpuModel("T4", 16 * GIB, 40, aliases=("Tesla-T4",)),
         GpuModel("V100-16GB", 16 * GIB, 80, aliases=("V100M16", "V100-SXM2-16GB")),

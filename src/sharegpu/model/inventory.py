@@ -121,6 +121,8 @@ class NodeSpec:
             data = json.loads(text)
         except (json.JSONDecodeError, TypeError) as e:
             raise InvalidInventory(f"inventory is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidInventory("inventory JSON is nested too deeply") from None
         return cls.from_dict(data, catalog)
 
 

@@ -63,8 +63,18 @@ class GpuRequest:
     catalog: Catalog = field(default=DEFAULT_CATALOG, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "isolation", _parse_enum(Isolation, self.isolation, "isolation"))
-        object.__setattr__(self, "sharing", _parse_enum(Sharing, self.sharing, "sharing"))
+        who = f"request {self.name!r}: " if self.name else ""
+        object.__setattr__(self, "isolation", _parse_enum(Isolation, self.isolation, f"{who}isolation"))
+        object.__setattr__(self, "sharing", _parse_enum(Sharing, self.sharing, f"{who}sharing"))
+        for what, value in (
+            ("GPU count", self.gpu_count),
+            ("GPU compute", self.compute_milli),
+            ("GPU memory", self.memory_mib),
+            ("CPU", self.cpu_milli),
+            ("host memory", self.host_memory_mib),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise InvalidRequest(f"{who}{what} must be an integer, not {value!r}")
         object.__setattr__(self, "allowed_models", self.catalog.canonical(self.allowed_models))
         self._validate()
 
@@ -112,6 +122,11 @@ class GpuRequest:
             raise InvalidRequest(
                 f"{who}isolation 'memory' cannot be met by time-slicing (it enforces no memory limit); use mps, mig or auto"
             )
+        if self.sharing is Sharing.EXCLUSIVE and self.mig_profile:
+            raise InvalidRequest(
+                f"{who}sharing 'exclusive' takes a whole GPU but MIG profile {self.mig_profile!r} asks for an "
+                "instance; drop one of them"
+            )
         if self.sharing is Sharing.MIG or self.mig_profile:
             if not mig_models:
                 allowed = ", ".join(sorted(self.allowed_models)) or "any"
@@ -146,7 +161,7 @@ class GpuRequest:
             and self.memory_mib is None
             and self.mig_profile is None
             and self.sharing in (Sharing.AUTO, Sharing.EXCLUSIVE)
-        ) or self.sharing is Sharing.EXCLUSIVE
+        ) or (self.gpu_count > 0 and self.sharing is Sharing.EXCLUSIVE)
 
     @property
     def total_milli(self) -> int:

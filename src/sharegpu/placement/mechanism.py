@@ -175,9 +175,24 @@ def usable_gpus(ledger: Ledger, req: GpuRequest) -> BoolMatrix:
                 ok_mode &= (mode != GpuMode.MPS) | (ledger.clients < MPS_MAX_CLIENTS)
             usable |= fit & ok_mode
         else:
-            for n, g in zip(*np.nonzero(on_model & ((mode == GpuMode.FREE) | (mode == GpuMode.MIG))), strict=True):
-                usable[n, g] = mig_choice(ledger, int(n), int(g), req) is not None
+            usable |= _mig_usable(ledger, req, model, on_model & ((mode == GpuMode.FREE) | (mode == GpuMode.MIG)))
     return usable
+
+
+def _mig_usable(ledger: Ledger, req: GpuRequest, model: GpuModel, candidates: BoolMatrix) -> BoolMatrix:
+    """GPUs among ``candidates`` where a MIG share of ``req`` fits: a new instance on free slots and slices
+    (vectorised), or an instance already there that it may join (checked one by one: there are few)."""
+    ok = np.zeros_like(candidates)
+    free_slices = model.compute_slices - ledger.mig_slices_used.astype(np.int64)
+    for p in mig_profiles_for(req, model):
+        fits = free_slices >= p.compute_slices
+        for start in p.starts:
+            ok |= fits & ((ledger.mig_slots_used & slot_mask(start, p.memory_slots)) == 0)
+    ok &= candidates
+    for n, g in ledger.instances:
+        if candidates[n, g] and not ok[n, g]:
+            ok[n, g] = mig_choice(ledger, n, g, req) is not None
+    return ok
 
 
 def make_share(ledger: Ledger, n: int, g: int, req: GpuRequest) -> GpuShare:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -67,6 +68,8 @@ def _fmt(v: float | None, digits: int = 2) -> str:
 def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
     t = Table(
         title=title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
         caption="alloc: allocated GPU % of capacity when arrived demand is 100 % / 130 %; unalloc: GPUs left "
         "idle at 100 %; frag: GPU the typical workload cannot use, at the end; decision latency in ms",
     )
