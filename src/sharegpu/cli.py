@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sharegpu.k8s.cli import scheduler_extender, status, webhook
 from sharegpu.node.cli import node_agent
 from sharegpu.placement.policies import UnknownPolicy, parse_policies
 from sharegpu.sim.engine import RunResult
@@ -141,6 +142,9 @@ def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[Run
 
 
 app.command("node-agent")(node_agent)
+app.command("scheduler-extender")(scheduler_extender)
+app.command("webhook")(webhook)
+app.command("status")(status)
 
 
 def main() -> None:

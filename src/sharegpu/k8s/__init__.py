@@ -1,0 +1,1 @@
+"""The Kubernetes control plane: scheduler extender, admission webhook, cluster view, binder and status."""

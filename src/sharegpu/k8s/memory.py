@@ -1,0 +1,190 @@
+"""An in-memory API server: the :class:`~sharegpu.k8s.api.ClusterApi` that tests and the benchmark run against.
+
+It keeps objects as JSON dicts with a cluster-wide resourceVersion, enforces the preconditions the real server
+enforces (resourceVersion on patches, one Binding per pod, UID on bindings) and can be switched off
+(:attr:`MemoryClusterApi.down`) or have its watches broken, to exercise reconnection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from sharegpu.k8s.api import ADDED, DELETED, MODIFIED, Conflict, NotFound, Unavailable
+from sharegpu.k8s.schema import Node, Pod
+from sharegpu.model.inventory import INVENTORY_ANNOTATION, NodeSpec
+
+
+class MemoryClusterApi:
+    def __init__(self, latency_s: float = 0.0) -> None:
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.rv = 0
+        self.down = False
+        self.latency_s = latency_s  # added to writes, so that concurrent binds interleave as on a real server
+        self.calls: list[str] = []
+        self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, "node"|"pod", type, object)
+        self._waiters: set[asyncio.Event] = set()
+        self._epoch = 0  # bumped by break_watches()
+
+    # ----- test helpers --------------------------------------------------------------------------------------
+    def _bump(self, obj: dict[str, Any]) -> None:
+        self.rv += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
+
+    def _emit(self, kind: str, type_: str, obj: dict[str, Any]) -> None:
+        self._events.append((self.rv, kind, type_, copy.deepcopy(obj)))
+        for waiter in self._waiters:
+            waiter.set()
+
+    def put_node(self, name: str, spec: NodeSpec | str | None = None, labels: Mapping[str, str] | None = None) -> None:
+        """Create or replace a Node; ``spec`` becomes its inventory annotation (a str is written as is)."""
+        annotations = {}
+        if spec is not None:
+            annotations[INVENTORY_ANNOTATION] = spec if isinstance(spec, str) else spec.to_json()
+        obj = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "uid": f"uid-node-{name}",
+                "annotations": annotations,
+                "labels": dict(labels or {}),
+            },
+            "status": {"allocatable": {"cpu": "64", "memory": "256Gi"}},
+        }
+        type_ = MODIFIED if name in self.nodes else ADDED
+        self._bump(obj)
+        self.nodes[name] = obj
+        self._emit("node", type_, obj)
+
+    def delete_node(self, name: str) -> None:
+        obj = self.nodes.pop(name)
+        self._bump(obj)
+        self._emit("node", DELETED, obj)
+
+    def put_pod(self, pod: Mapping[str, Any]) -> dict[str, Any]:
+        """Create or replace a pod (a dict as the API server returns it); returns the stored object."""
+        obj = copy.deepcopy(dict(pod))
+        meta = obj.setdefault("metadata", {})
+        meta.setdefault("namespace", "default")
+        meta.setdefault("uid", f"uid-{meta['namespace']}-{meta['name']}")
+        key = f"{meta['namespace']}/{meta['name']}"
+        type_ = MODIFIED if key in self.pods else ADDED
+        self._bump(obj)
+        self.pods[key] = obj
+        self._emit("pod", type_, obj)
+        return obj
+
+    def set_phase(self, key: str, phase: str) -> None:
+        obj = self.pods[key]
+        obj.setdefault("status", {})["phase"] = phase
+        self._bump(obj)
+        self._emit("pod", MODIFIED, obj)
+
+    def delete_pod(self, key: str) -> None:
+        obj = self.pods.pop(key)
+        self._bump(obj)
+        self._emit("pod", DELETED, obj)
+
+    def break_watches(self) -> None:
+        """End every open watch with a connection error, as a dropped connection would."""
+        self._epoch += 1
+        self._emit("none", "BREAK", {})
+
+    # ----- ClusterApi ----------------------------------------------------------------------------------------
+    def _check(self, call: str) -> None:
+        self.calls.append(call)
+        if self.down:
+            raise Unavailable(f"cannot {call}: connection refused (the in-memory API server is down)")
+
+    async def list_nodes(self) -> tuple[list[Node], str]:
+        self._check("list nodes")
+        return [Node.model_validate(n) for n in self.nodes.values()], str(self.rv)
+
+    async def list_pods(self) -> tuple[list[Pod], str]:
+        self._check("list pods")
+        return [Pod.model_validate(p) for p in self.pods.values()], str(self.rv)
+
+    async def _watch(self, kind: str, resource_version: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        self._check(f"watch {kind}s")
+        since = int(resource_version or 0)
+        epoch = self._epoch
+        pos = next((i for i, e in enumerate(self._events) if e[0] > since), len(self._events))
+        while True:
+            while pos < len(self._events):
+                _, k, type_, obj = self._events[pos]
+                pos += 1
+                if k == kind:
+                    yield type_, copy.deepcopy(obj)
+            if self.down or self._epoch != epoch:
+                raise Unavailable(f"watch {kind}s: the connection was closed")
+            # No await between the check above and registering the waiter: an event emitted meanwhile is not missed.
+            waiter = asyncio.Event()
+            self._waiters.add(waiter)
+            try:
+                await waiter.wait()
+            finally:
+                self._waiters.discard(waiter)
+
+    async def watch_nodes(self, resource_version: str) -> AsyncIterator[tuple[str, Node]]:
+        async for type_, obj in self._watch("node", resource_version):
+            yield type_, Node.model_validate(obj)
+
+    async def watch_pods(self, resource_version: str) -> AsyncIterator[tuple[str, Pod]]:
+        async for type_, obj in self._watch("pod", resource_version):
+            yield type_, Pod.model_validate(obj)
+
+    async def get_pod(self, namespace: str, name: str) -> Pod:
+        self._check(f"get pod {namespace}/{name}")
+        obj = self.pods.get(f"{namespace}/{name}")
+        if obj is None:
+            raise NotFound(f"pod {namespace}/{name} not found")
+        return Pod.model_validate(copy.deepcopy(obj))
+
+    async def patch_pod_annotations(
+        self, namespace: str, name: str, annotations: Mapping[str, str | None], resource_version: str | None
+    ) -> Pod:
+        self._check(f"annotate pod {namespace}/{name}")
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        obj = self.pods.get(f"{namespace}/{name}")
+        if obj is None:
+            raise NotFound(f"pod {namespace}/{name} not found")
+        if resource_version and obj["metadata"]["resourceVersion"] != resource_version:
+            raise Conflict(
+                f"Operation cannot be fulfilled on pods {name!r}: the object has been modified; "
+                "please apply your changes to the latest version and try again"
+            )
+        ann = obj["metadata"].setdefault("annotations", {})
+        for k, v in annotations.items():
+            if v is None:
+                ann.pop(k, None)
+            else:
+                ann[k] = v
+        self._bump(obj)
+        self._emit("pod", MODIFIED, obj)
+        return Pod.model_validate(copy.deepcopy(obj))
+
+    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        self._check(f"bind pod {namespace}/{name}")
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        obj = self.pods.get(f"{namespace}/{name}")
+        if obj is None:
+            raise NotFound(f"pod {namespace}/{name} not found")
+        if uid and obj["metadata"].get("uid") != uid:
+            raise Conflict(f"pod {namespace}/{name}: UID {uid} does not match {obj['metadata'].get('uid')}")
+        spec = obj.setdefault("spec", {})
+        if spec.get("nodeName"):
+            raise Conflict(f"pod {namespace}/{name} is already assigned to node {spec['nodeName']!r}")
+        if node not in self.nodes:
+            raise NotFound(f"node {node} not found")
+        spec["nodeName"] = node
+        self._bump(obj)
+        self._emit("pod", MODIFIED, obj)
+
+    async def close(self) -> None:
+        return None

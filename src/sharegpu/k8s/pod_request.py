@@ -1,0 +1,206 @@
+"""A pod's sharegpu resources and annotations → a :class:`~sharegpu.model.request.GpuRequest`.
+
+The one parser of the user-facing contract (DESIGN §2), used by the admission webhook, the scheduler extender and
+the cluster view alike. It only reads syntax (Kubernetes quantities, the comma list of models); every rule about
+what a valid request is lives in :class:`GpuRequest`, whose :class:`InvalidRequest` message is passed on unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from lightkube.utils.quantity import parse_quantity
+
+from sharegpu.k8s.schema import Container, Pod
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
+from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
+from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
+
+MEMORY_RESOURCE = "sharegpu.io/gpu-memory"
+COMPUTE_RESOURCE = "sharegpu.io/gpu-compute"
+RESOURCES = (GPU_RESOURCE, MEMORY_RESOURCE, COMPUTE_RESOURCE)
+
+ISOLATION_ANNOTATION = "sharegpu.io/isolation"
+SHARING_ANNOTATION = "sharegpu.io/sharing"
+MODEL_ANNOTATION = "sharegpu.io/gpu-model"
+MIG_PROFILE_ANNOTATION = "sharegpu.io/mig-profile"
+REQUEST_ANNOTATIONS = (ISOLATION_ANNOTATION, SHARING_ANNOTATION, MODEL_ANNOTATION, MIG_PROFILE_ANNOTATION)
+
+__all__ = [
+    "ASSIGNMENT_ANNOTATION",
+    "COMPUTE_RESOURCE",
+    "GPU_RESOURCE",
+    "MEMORY_RESOURCE",
+    "InvalidPodRequest",
+    "asks_for_sharegpu",
+    "containers_missing_gpu_count",
+    "pod_request",
+]
+
+MIB = 1024 * 1024
+PERCENT_MILLI = FULL_MILLI // 100  # compute_milli per percent of a GPU
+
+
+class InvalidPodRequest(InvalidRequest):
+    """A pod whose sharegpu resources or annotations cannot be read; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class _ContainerAsk:
+    name: str
+    gpus: int | None  # None: not given
+    memory_mib: int | None
+    compute_milli: int | None
+
+    @property
+    def any(self) -> bool:
+        return self.gpus is not None or self.memory_mib is not None or self.compute_milli is not None
+
+
+def _resource(c: Container, name: str) -> str | None:
+    # Extended resources are set as limits (requests default to them); a request alone is read the same way.
+    value = c.resources.limits.get(name, c.resources.requests.get(name))
+    return None if value is None else str(value)
+
+
+def _quantity(text: str, what: str) -> Decimal:
+    try:
+        value = parse_quantity(text)
+    except (ValueError, InvalidOperation):
+        value = None
+    if value is None:
+        raise InvalidPodRequest(f"{what} {text!r} is not a Kubernetes quantity (e.g. 2, 500m, 10Gi)")
+    return Decimal(value)
+
+
+def _container_ask(c: Container) -> _ContainerAsk:
+    where = f"container {c.name!r}: " if c.name else ""
+    gpus = memory = compute = None
+    if (text := _resource(c, GPU_RESOURCE)) is not None:
+        q = _quantity(text, f"{where}{GPU_RESOURCE}")
+        if q != q.to_integral_value():
+            raise InvalidPodRequest(f"{where}{GPU_RESOURCE} {text!r} must be a whole number of GPUs, e.g. 1")
+        gpus = int(q)
+    if (text := _resource(c, MEMORY_RESOURCE)) is not None:
+        q = _quantity(text, f"{where}{MEMORY_RESOURCE}")
+        # Rounded up to whole MiB: the workload gets at least what it asked for ("10G" is 9537Mi, not 9536Mi).
+        memory = math.ceil(q / MIB) if q > 0 else int(q)
+    if (text := _resource(c, COMPUTE_RESOURCE)) is not None:
+        q = _quantity(text, f"{where}{COMPUTE_RESOURCE}")
+        if q != q.to_integral_value():
+            raise InvalidPodRequest(
+                f"{where}{COMPUTE_RESOURCE} {text!r} must be a whole percent of one GPU from 1 to 100, e.g. 30"
+            )
+        compute = int(q) * PERCENT_MILLI
+    return _ContainerAsk(c.name, gpus, memory, compute)
+
+
+def _gpu_containers(pod: Pod) -> list[Container]:
+    # The order the kubelet allocates in and the node agent slices the assignment's shares in.
+    return [*pod.spec.init_containers, *pod.spec.containers]
+
+
+def asks_for_sharegpu(pod: Pod) -> bool:
+    """True when any container names a sharegpu.io resource (the pods the webhook and extender handle)."""
+    return any(_resource(c, r) is not None for c in _gpu_containers(pod) for r in RESOURCES)
+
+
+def containers_missing_gpu_count(pod: Pod) -> list[tuple[str, int]]:
+    """(list name, index) of containers asking for GPU memory or compute without a sharegpu.io/gpu count.
+
+    Such a container means one GPU; the webhook writes ``sharegpu.io/gpu: 1`` into it, because the kubelet hands
+    GPUs only to containers that ask for ``sharegpu.io/gpu``.
+    """
+    out = []
+    for field, cs in (("initContainers", pod.spec.init_containers), ("containers", pod.spec.containers)):
+        for i, c in enumerate(cs):
+            if _resource(c, GPU_RESOURCE) is None and (
+                _resource(c, MEMORY_RESOURCE) is not None or _resource(c, COMPUTE_RESOURCE) is not None
+            ):
+                out.append((field, i))
+    return out
+
+
+def _cpu_and_memory(pod: Pod) -> tuple[int, int]:
+    """The pod's effective CPU (milli) and memory (MiB) requests: sum of containers, at least any init container."""
+
+    def one(c: Container) -> tuple[int, int]:
+        res = {**c.resources.limits, **c.resources.requests}  # requests default to limits
+        cpu = mem = 0
+        if "cpu" in res:
+            cpu = math.ceil(_quantity(str(res["cpu"]), f"container {c.name!r}: cpu") * 1000)
+        if "memory" in res:
+            mem = math.ceil(_quantity(str(res["memory"]), f"container {c.name!r}: memory") / MIB)
+        return max(cpu, 0), max(mem, 0)
+
+    app = [one(c) for c in pod.spec.containers]
+    init = [one(c) for c in pod.spec.init_containers]
+    cpu = max([sum(a[0] for a in app), *(i[0] for i in init)], default=0)
+    mem = max([sum(a[1] for a in app), *(i[1] for i in init)], default=0)
+    return cpu, mem
+
+
+def _models(text: str, catalog: Catalog) -> frozenset[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise InvalidPodRequest(f"{MODEL_ANNOTATION} is empty; list allowed models, e.g. H100-80GB,A100-80GB")
+    try:
+        # A model a user names must exist: a typo would otherwise leave the pod pending for ever.
+        return frozenset(catalog.strict(n).name for n in names)
+    except CatalogError as e:
+        raise InvalidPodRequest(f"{MODEL_ANNOTATION}: {e}") from None
+
+
+def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | None:
+    """The pod's GPU request, or None when it asks for nothing of sharegpu's.
+
+    Raises :class:`InvalidRequest` (or its subclass :class:`InvalidPodRequest`) with a message that says what to
+    change.
+    """
+    if not asks_for_sharegpu(pod):
+        return None
+    asks = [a for a in (_container_ask(c) for c in _gpu_containers(pod)) if a.any]
+    for a in asks:
+        if a.gpus is None:
+            raise InvalidPodRequest(
+                f"container {a.name!r} asks for GPU memory or compute but not for {GPU_RESOURCE}; "
+                f"add {GPU_RESOURCE}: 1 to its limits"
+            )
+    sharing = [a for a in asks if a.gpus]
+    shapes = {(a.memory_mib, a.compute_milli) for a in sharing}
+    if len(shapes) > 1:
+        listed = ", ".join(
+            f"{a.name}: {a.memory_mib if a.memory_mib is not None else '-'}Mi/"
+            f"{a.compute_milli // PERCENT_MILLI if a.compute_milli is not None else '-'}%"
+            for a in sharing
+        )
+        raise InvalidPodRequest(
+            "all containers of a pod that use GPUs must ask for the same sharegpu.io/gpu-memory and "
+            f"sharegpu.io/gpu-compute per GPU ({listed}); split them into separate pods"
+        )
+    for a in asks:
+        if a.gpus == 0 and (a.memory_mib is not None or a.compute_milli is not None):
+            raise InvalidPodRequest(
+                f"container {a.name!r} asks for GPU memory or compute with {GPU_RESOURCE}: 0; ask for ≥ 1 GPU"
+            )
+    memory, compute = next(iter(shapes)) if shapes else (None, None)
+    ann: Mapping[str, str] = pod.metadata.annotations
+    models = _models(ann[MODEL_ANNOTATION], catalog) if MODEL_ANNOTATION in ann else frozenset()
+    cpu, host_mem = _cpu_and_memory(pod)
+    mig = ann.get(MIG_PROFILE_ANNOTATION)
+    return GpuRequest(
+        name=pod.key,
+        gpu_count=sum(a.gpus or 0 for a in asks),
+        compute_milli=compute,
+        memory_mib=memory,
+        isolation=ann.get(ISOLATION_ANNOTATION, "none").strip(),  # type: ignore[arg-type]  # parsed by GpuRequest
+        sharing=ann.get(SHARING_ANNOTATION, "auto").strip(),  # type: ignore[arg-type]
+        allowed_models=models,
+        mig_profile=mig.strip() if mig is not None and mig.strip() else None,
+        cpu_milli=cpu,
+        host_memory_mib=host_mem,
+        catalog=catalog,
+    )

@@ -1,0 +1,196 @@
+"""Pydantic models of the JSON that sharegpu's control plane reads and writes.
+
+Kubernetes objects are modelled only as far as sharegpu reads them; every model keeps unknown fields
+(``extra="allow"``) so that an object passed through (the ``Nodes`` of a non-node-cache extender call) goes back
+exactly as it came. The extender types follow k8s.io/kube-scheduler/extender/v1, whose Go structs carry no JSON
+tags: their keys are the Go field names (``Pod``, ``NodeNames``, ``FailedNodes``, ``Host``, ``Score``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority
+
+
+class K8sModel(BaseModel):
+    """A Kubernetes object part: camelCase keys as the API server writes them, unknown fields kept."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class ObjectMeta(K8sModel):
+    name: str = ""
+    namespace: str = ""
+    uid: str = ""
+    resource_version: str = Field(default="", alias="resourceVersion")
+    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    deletion_timestamp: str | None = Field(default=None, alias="deletionTimestamp")
+    generate_name: str = Field(default="", alias="generateName")
+
+
+class ResourceRequirements(K8sModel):
+    limits: dict[str, str | int | float] = Field(default_factory=dict)
+    requests: dict[str, str | int | float] = Field(default_factory=dict)
+
+
+class EnvVar(K8sModel):
+    name: str
+    value: str | None = None
+
+
+class Container(K8sModel):
+    name: str = ""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class PodSpec(K8sModel):
+    containers: list[Container] = Field(default_factory=list)
+    init_containers: list[Container] = Field(default_factory=list, alias="initContainers")
+    node_name: str = Field(default="", alias="nodeName")
+    scheduler_name: str = Field(default="", alias="schedulerName")
+
+
+class PodStatus(K8sModel):
+    phase: str = ""
+
+
+class Pod(K8sModel):
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: PodSpec = Field(default_factory=PodSpec)
+    status: PodStatus = Field(default_factory=PodStatus)
+
+    @property
+    def key(self) -> str:
+        return f"{self.metadata.namespace}/{self.metadata.name}"
+
+    @property
+    def finished(self) -> bool:
+        return self.status.phase in ("Succeeded", "Failed")
+
+
+class NodeStatus(K8sModel):
+    allocatable: dict[str, str | int | float] = Field(default_factory=dict)
+
+
+class Node(K8sModel):
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    status: NodeStatus = Field(default_factory=NodeStatus)
+
+
+class NodeList(K8sModel):
+    items: list[Node] = Field(default_factory=list)
+
+
+class PassedNodeList(K8sModel):
+    """The ``Nodes`` of a non-node-cache extender call: read only for the names, passed back as it came, so its
+    items stay plain JSON (modelling a thousand Node objects per call would cost more than the whole decision)."""
+
+    items: list[dict[str, Any]] = Field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [str((n.get("metadata") or {}).get("name", "")) for n in self.items]
+
+
+# ----- k8s.io/kube-scheduler/extender/v1 ------------------------------------------------------------------------
+class GoModel(BaseModel):
+    """An extender struct: Go field names as keys; unknown keys are ignored (a newer scheduler may add some)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class ExtenderArgs(GoModel):
+    Pod: Pod
+    Nodes: PassedNodeList | None = None  # nodeCacheCapable: false
+    NodeNames: list[str] | None = None  # nodeCacheCapable: true
+
+
+class ExtenderFilterResult(GoModel):
+    Nodes: dict[str, Any] | None = None  # the NodeList JSON, passed through as it came
+    NodeNames: list[str] | None = None
+    FailedNodes: dict[str, str] = Field(default_factory=dict)
+    FailedAndUnresolvableNodes: dict[str, str] = Field(default_factory=dict)
+    Error: str = ""
+
+
+class HostPriority(GoModel):
+    Host: str
+    Score: int
+
+
+class ExtenderBindingArgs(GoModel):
+    PodName: str
+    PodNamespace: str
+    PodUID: str
+    Node: str
+
+
+class ExtenderBindingResult(GoModel):
+    Error: str = ""
+
+
+class MetaPod(GoModel):
+    UID: str
+
+
+class MetaVictims(GoModel):
+    Pods: list[MetaPod] = Field(default_factory=list)
+    NumPDBViolations: int = 0
+
+
+class Victims(GoModel):
+    Pods: list[Pod] = Field(default_factory=list)
+    NumPDBViolations: int = 0
+
+
+class ExtenderPreemptionArgs(GoModel):
+    Pod: Pod
+    NodeNameToVictims: dict[str, Victims] | None = None
+    NodeNameToMetaVictims: dict[str, MetaVictims] | None = None
+
+
+class ExtenderPreemptionResult(GoModel):
+    NodeNameToMetaVictims: dict[str, MetaVictims] = Field(default_factory=dict)
+
+
+# ----- admission.k8s.io/v1 AdmissionReview ----------------------------------------------------------------------
+class UserInfo(K8sModel):
+    username: str = ""
+
+
+class AdmissionRequest(K8sModel):
+    uid: str
+    kind: dict[str, str] = Field(default_factory=dict)
+    operation: str = ""
+    namespace: str = ""
+    name: str = ""
+    object: dict[str, Any] | None = None
+    old_object: dict[str, Any] | None = Field(default=None, alias="oldObject")
+    user_info: UserInfo = Field(default_factory=UserInfo, alias="userInfo")
+    dry_run: bool = Field(default=False, alias="dryRun")
+
+
+class AdmissionStatus(K8sModel):
+    code: int = 403
+    message: str = ""
+    reason: str = ""
+
+
+class AdmissionResponse(K8sModel):
+    uid: str
+    allowed: bool
+    status: AdmissionStatus | None = None
+    patch_type: str | None = Field(default=None, alias="patchType")
+    patch: str | None = None  # base64 of a JSONPatch
+    warnings: list[str] | None = None
+
+
+class AdmissionReview(K8sModel):
+    api_version: str = Field("admission.k8s.io/v1", alias="apiVersion")
+    kind: str = "AdmissionReview"
+    request: AdmissionRequest | None = None
+    response: AdmissionResponse | None = None

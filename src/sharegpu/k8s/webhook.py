@@ -1,0 +1,226 @@
+"""The admission webhook (AdmissionReview v1) for pods that ask for sharegpu resources.
+
+``/mutate`` (a MutatingWebhookConfiguration) and ``/validate`` (a ValidatingWebhookConfiguration, which sees the
+pod after every mutating webhook) apply the same rules; only ``/mutate`` changes the pod:
+
+- a request that can never be valid is rejected with the core's own message (:class:`GpuRequest` validation);
+- ``schedulerName`` is set to the sharegpu scheduler (mutate) or must be it (validate);
+- a container asking for GPU memory or compute without ``sharegpu.io/gpu`` gets ``sharegpu.io/gpu: 1`` (mutate),
+  because the kubelet hands devices only to containers that ask for ``sharegpu.io/gpu``;
+- nothing a pod sets itself may widen its limits: ``CUDA_MPS_*``, ``CUDA_VISIBLE_DEVICES`` and
+  ``NVIDIA_VISIBLE_DEVICES`` in a container's env, a ``sharegpu.io/assignment`` of its own, or a ``nodeName`` that
+  skips the scheduler are refused; on UPDATE only trusted users (the extender) may change the assignment.
+
+Pods that ask for nothing of sharegpu's pass untouched.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from sharegpu.k8s.pod_request import (
+    ASSIGNMENT_ANNOTATION,
+    GPU_RESOURCE,
+    REQUEST_ANNOTATIONS,
+    asks_for_sharegpu,
+    containers_missing_gpu_count,
+    pod_request,
+)
+from sharegpu.k8s.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.model.request import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCHEDULER_NAME = "sharegpu-scheduler"
+FORBIDDEN_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+FORBIDDEN_ENV_PREFIX = "CUDA_MPS_"
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    scheduler_name: str = DEFAULT_SCHEDULER_NAME
+    trusted_users: tuple[str, ...] = ()  # may write sharegpu.io/assignment on UPDATE (the extender's account)
+    catalog: Catalog = DEFAULT_CATALOG
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    allowed: bool
+    message: str = ""
+    patch: tuple[dict[str, Any], ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _env_offenders(pod: Pod) -> list[str]:
+    found = []
+    extra = pod.spec.model_extra or {}
+    ephemeral = [Container.model_validate(c) for c in extra.get("ephemeralContainers") or [] if isinstance(c, dict)]
+    for c in (*pod.spec.init_containers, *pod.spec.containers, *ephemeral):
+        for e in c.env:
+            if e.name in FORBIDDEN_ENV or e.name.startswith(FORBIDDEN_ENV_PREFIX):
+                found.append(f"container {c.name!r} sets {e.name}")
+    return found
+
+
+def _add_gpu_patches(pod: Pod, raw: dict[str, Any]) -> list[dict[str, Any]]:
+    ops: list[dict[str, Any]] = []
+    spec = raw.get("spec") or {}
+    for field, i in containers_missing_gpu_count(pod):
+        c = spec[field][i]
+        base = f"/spec/{field}/{i}/resources"
+        if "resources" not in c or not isinstance(c["resources"], dict):
+            ops.append({"op": "add", "path": base, "value": {"limits": {GPU_RESOURCE: "1"}}})
+        elif "limits" not in c["resources"] or not isinstance(c["resources"]["limits"], dict):
+            ops.append({"op": "add", "path": f"{base}/limits", "value": {GPU_RESOURCE: "1"}})
+        else:
+            ops.append({"op": "add", "path": f"{base}/limits/{_escape(GPU_RESOURCE)}", "value": "1"})
+        c.setdefault("resources", {}).setdefault("limits", {})[GPU_RESOURCE] = "1"
+    return ops
+
+
+def admit_pod(
+    raw: dict[str, Any], operation: str, old: dict[str, Any] | None, username: str, mutate: bool, cfg: WebhookConfig
+) -> Verdict:
+    """The rules above, for one pod as the API server sent it."""
+    raw = json.loads(json.dumps(raw))  # a private copy: the patches are applied to it to validate the result
+    try:
+        pod = Pod.model_validate(raw)
+    except ValidationError as e:
+        return Verdict(False, f"sharegpu cannot read this pod: {e.errors()[0]['msg']}")
+    if operation == "UPDATE":
+        return _admit_update(pod, old, username, cfg)
+    if not asks_for_sharegpu(pod):
+        if ASSIGNMENT_ANNOTATION in pod.metadata.annotations:
+            return Verdict(False, f"remove the {ASSIGNMENT_ANNOTATION} annotation: only the sharegpu scheduler sets it")
+        stray = sorted(k for k in pod.metadata.annotations if k in REQUEST_ANNOTATIONS)
+        if stray:
+            return Verdict(
+                True,
+                warnings=(f"{', '.join(stray)} has no effect: the pod asks for no {GPU_RESOURCE} resources",),
+            )
+        return Verdict(True)
+    problems = _env_offenders(pod)
+    if problems:
+        return Verdict(
+            False,
+            f"{'; '.join(problems)}: remove it — sharegpu sets the visible devices and the MPS limits from the "
+            "pod's assignment, and a pod may not set them itself",
+        )
+    if ASSIGNMENT_ANNOTATION in pod.metadata.annotations:
+        return Verdict(False, f"remove the {ASSIGNMENT_ANNOTATION} annotation: only the sharegpu scheduler sets it")
+    if pod.spec.node_name:
+        return Verdict(
+            False,
+            f"remove spec.nodeName ({pod.spec.node_name}): pods that ask for {GPU_RESOURCE} resources are placed by "
+            f"the {cfg.scheduler_name} scheduler",
+        )
+    ops: list[dict[str, Any]] = []
+    if mutate:
+        ops += _add_gpu_patches(pod, raw)
+        if ops:
+            pod = Pod.model_validate(raw)
+    try:
+        pod_request(pod, cfg.catalog)
+    except InvalidRequest as e:
+        return Verdict(False, str(e))
+    if pod.spec.scheduler_name != cfg.scheduler_name:
+        if not mutate:
+            return Verdict(
+                False,
+                f"set spec.schedulerName to {cfg.scheduler_name} (it is {pod.spec.scheduler_name or 'unset'}): "
+                f"pods that ask for {GPU_RESOURCE} resources are placed by the sharegpu scheduler",
+            )
+        op = "replace" if "schedulerName" in (raw.get("spec") or {}) else "add"
+        ops.append({"op": op, "path": "/spec/schedulerName", "value": cfg.scheduler_name})
+    return Verdict(True, patch=tuple(ops))
+
+
+def _admit_update(pod: Pod, old: dict[str, Any] | None, username: str, cfg: WebhookConfig) -> Verdict:
+    before = ((old or {}).get("metadata") or {}).get("annotations") or {}
+    after = pod.metadata.annotations
+    if before.get(ASSIGNMENT_ANNOTATION) != after.get(ASSIGNMENT_ANNOTATION) and username not in cfg.trusted_users:
+        return Verdict(
+            False,
+            f"{ASSIGNMENT_ANNOTATION} is written by the sharegpu scheduler only; {username or 'you'} may not change it",
+        )
+    return Verdict(True)
+
+
+def review(body: AdmissionReview, mutate: bool, cfg: WebhookConfig) -> AdmissionReview:
+    req = body.request
+    if req is None:
+        raise ValueError("the AdmissionReview has no request")
+    kind = req.kind.get("kind", "")
+    if kind != "Pod" or req.object is None or req.operation not in ("CREATE", "UPDATE"):
+        verdict = Verdict(True)
+    else:
+        verdict = admit_pod(req.object, req.operation, req.old_object, req.user_info.username, mutate, cfg)
+    resp = AdmissionResponse(uid=req.uid, allowed=verdict.allowed)
+    if not verdict.allowed:
+        resp.status = AdmissionStatus(code=403, reason="Forbidden", message=f"sharegpu: {verdict.message}")
+        log.info("denied %s %s/%s: %s", req.operation, req.namespace, req.name or "(generated)", verdict.message)
+    if verdict.patch:
+        resp.patch_type = "JSONPatch"
+        resp.patch = base64.b64encode(json.dumps(list(verdict.patch)).encode()).decode()
+    if verdict.warnings:
+        resp.warnings = list(verdict.warnings)
+    return AdmissionReview(apiVersion=body.api_version, kind="AdmissionReview", response=resp)
+
+
+def make_app(cfg: WebhookConfig) -> Starlette:
+    def route(path: str, mutate: bool) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                body = AdmissionReview.model_validate_json(await request.body())
+                out = review(body, mutate, cfg)
+            except (ValidationError, ValueError) as e:
+                return JSONResponse({"error": f"malformed AdmissionReview: {_short(e)}"}, status_code=400)
+            return Response(out.model_dump_json(by_alias=True, exclude_none=True), media_type="application/json")
+
+        return Route(path, endpoint, methods=["POST"])
+
+    async def healthz(request: Request) -> Response:
+        return Response("ok\n", media_type="text/plain")
+
+    return Starlette(routes=[route("/mutate", True), route("/validate", False), Route("/healthz", healthz)])
+
+
+def _short(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+    return str(e)
+
+
+def serve_webhook(host: str, port: int, cert: str, key: str, cfg: WebhookConfig) -> None:
+    import uvicorn
+
+    uvicorn.run(
+        make_app(cfg),
+        host=host,
+        port=port,
+        ssl_certfile=cert,
+        ssl_keyfile=key,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+    )
+
+
+def trusted(users: Sequence[str]) -> tuple[str, ...]:
+    return tuple(u.strip() for u in users if u.strip())
