@@ -221,7 +221,7 @@ BAD_POD_ROWS = [
     ("p1,1000,1024,1", ("has 4 fields", "header has 5")),
     ("p1,1000,1024,1,500,x", ("has 6 fields", "header has 5")),
     ("p0,1000,1024,1,500", ("pod 'p0' is listed twice",)),
-    (",1000,1024,1,500", ("name is empty",)),
+    (",1000,1024,1,500", ("name (pod name) is empty",)),
     ("p1,1000,1024,0,500", ("gpu_milli is 500 but num_gpu is 0",)),
     ("p1,1000,1024,1,0", ("num_gpu is 1 but gpu_milli is 0",)),
     ("p1,1000,1024,2,500", ("2-GPU pod must use whole GPUs", "not 500")),

@@ -46,6 +46,7 @@ class Workload:
     cpu: IntArray  # (M,)
     milli: IntArray  # (M,)
     count: IntArray  # (M,)
+    cpu_per_gpu_milli: float = 0.0  # CPU milli the workload asks per milli-GPU (CPU-only tasks included)
 
     @classmethod
     def from_requests(cls, reqs: Iterable[GpuRequest], coverage: float = 0.95) -> Workload:
@@ -73,13 +74,25 @@ class Workload:
                 break
         weights = np.array([c for _, c in chosen], dtype=np.float64) / cum
         shapes = tuple(s for s, _ in chosen)
-        return cls(
-            shapes,
-            weights,
-            np.array([s.cpu_milli for s in shapes], dtype=np.int64),
-            np.array([s.gpu_milli for s in shapes], dtype=np.int64),
-            np.array([s.gpu_count for s in shapes], dtype=np.int64),
-        )
+        cpu = np.array([s.cpu_milli for s in shapes], dtype=np.int64)
+        milli = np.array([s.gpu_milli for s in shapes], dtype=np.int64)
+        count = np.array([s.gpu_count for s in shapes], dtype=np.int64)
+        gpu = float((weights * milli * count).sum())
+        ratio = float((weights * cpu).sum()) / gpu if gpu > 0 else 0.0
+        return cls(shapes, weights, cpu, milli, count, ratio)
+
+    def demand_blended(self) -> Workload:
+        """The same shapes weighted half by how often they arrive and half by the GPU they bring.
+
+        Counting tasks protects the many small shares; counting GPU demand protects the multi-GPU tasks that
+        carry most of the allocation but are few. Fragmentation is linear in the weights, so the blend is
+        the even mean of both views, computed once.
+        """
+        demand = self.weights * self.milli * self.count
+        if demand.sum() <= 0:
+            return self
+        weights = 0.5 * self.weights + 0.5 * demand / demand.sum()
+        return Workload(self.shapes, weights, self.cpu, self.milli, self.count, self.cpu_per_gpu_milli)
 
     def access(self, model_names: list[str]) -> BoolArray:
         """(models × shapes): may shape m run on model k."""

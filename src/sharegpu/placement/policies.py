@@ -66,12 +66,12 @@ def _fgd(ctx: PolicyContext) -> Policy:
 
 
 def _sharegpu(ctx: PolicyContext) -> Policy:
-    model = ctx.fragmentation("sharegpu")
+    model = FragmentationModel(ctx.fragmentation("sharegpu").workload.demand_blended())
     return Policy(
         "sharegpu",
         ((FragmentationDeltaScore(model), 1),),
         FragmentationDeltaGpus(model),
-        description="least exact fragmentation growth, then best fit",
+        description="least growth of fragmented and CPU-stranded GPU, then best fit",
     )
 
 

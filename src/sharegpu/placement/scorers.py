@@ -168,16 +168,9 @@ class FragmentationModel:
         out[has] = table[ids[has]]
         return out
 
-    @property
-    def cpu_per_gpu_milli(self) -> float:
-        """CPU milli the typical workload asks per milli-GPU (CPU-only tasks included)."""
-        wl = self.workload
-        gpu = float((wl.weights * wl.milli * wl.count).sum())
-        return float((wl.weights * wl.cpu).sum()) / gpu if gpu > 0 else 0.0
-
     def stranded(self, gpu_free: FloatArray | IntArray, cpu_free: FloatArray | IntArray) -> FloatArray:
         """Free GPU milli beyond what the free CPU can feed at the workload's CPU per GPU."""
-        ratio = self.cpu_per_gpu_milli
+        ratio = self.workload.cpu_per_gpu_milli
         if ratio <= 0:
             return np.zeros(np.shape(gpu_free), dtype=np.float64)
         out: FloatArray = np.maximum(0.0, gpu_free - np.maximum(cpu_free, 0) / ratio)
@@ -282,7 +275,9 @@ class FragmentationDeltaScore:
 
     Two kinds of waste grow with a placement. Fragmentation (FGD): free GPU milli that the typical tasks cannot
     use, measured here exactly, since FGD's int(100 · sigmoid(ΔF / 1000)) cannot tell apart changes below about
-    40 milli-GPU and leaves most decisions to a tie-break by node name. And stranding, which FGD sees only once
+    40 milli-GPU and leaves most decisions to a tie-break by node name; and with the task shapes weighted half
+    by count and half by GPU demand (:meth:`Workload.demand_blended`), so that the few multi-GPU tasks that
+    bring much of the demand keep whole idle nodes to land on. And stranding, which FGD sees only once
     a node crosses a task's CPU threshold: free GPUs that the node's free CPU cannot feed at the workload's
     typical CPU per GPU. CPU-only and CPU-heavy tasks therefore go where CPU is in surplus rather than onto
     GPU-rich nodes whose CPU they would use up. Among equal waste the node left with the least free GPU and CPU

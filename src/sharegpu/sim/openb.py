@@ -111,16 +111,21 @@ def _req_int(path: Path, line: int, row: dict[str, str], col: str) -> int:
     return v
 
 
+def _unique_name(path: Path, line: int, row: dict[str, str], col: str, kind: str, seen: set[str]) -> str:
+    name = row[col]
+    if not name:
+        raise TraceError(path, line, f"{col} ({kind} name) is empty")
+    if name in seen:
+        raise TraceError(path, line, f"{kind} {name!r} is listed twice")
+    seen.add(name)
+    return name
+
+
 def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> list[NodeSpec]:
     nodes = []
     seen: set[str] = set()
     for line, row in _rows(path, NODE_REQUIRED, ()):
-        name = row["sn"]
-        if not name:
-            raise TraceError(path, line, "sn (node name) is empty")
-        if name in seen:
-            raise TraceError(path, line, f"node {name!r} is listed twice")
-        seen.add(name)
+        name = _unique_name(path, line, row, "sn", "node", seen)
         gpus = _req_int(path, line, row, "gpu")
         if gpus > MAX_GPUS_PER_NODE:
             raise TraceError(path, line, f"node {name!r} has {gpus} GPUs; at most {MAX_GPUS_PER_NODE} are supported")
@@ -148,12 +153,7 @@ def load_pods(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> list[TraceTask]
 
 
 def _task(path: Path, line: int, row: dict[str, str], catalog: Catalog, seen: set[str]) -> TraceTask:
-    name = row["name"]
-    if not name:
-        raise TraceError(path, line, "name is empty")
-    if name in seen:
-        raise TraceError(path, line, f"pod {name!r} is listed twice")
-    seen.add(name)
+    name = _unique_name(path, line, row, "name", "pod", seen)
     num_gpu = _req_int(path, line, row, "num_gpu")
     milli = _req_int(path, line, row, "gpu_milli")
     if num_gpu == 0 and milli:

@@ -137,7 +137,7 @@ def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     # Inset: the region where policies differ.
-    inset = ax.inset_axes((0.08, 0.55, 0.38, 0.38))
+    inset = ax.inset_axes((0.07, 0.6, 0.34, 0.35))
     for p in policies:
         rs = [r for r in runs if r.policy == p]
         points = [(x, _mean([r.curve[x] for r in rs])) for x in range(80, len(rs[0].curve))]
