@@ -120,26 +120,12 @@ class Scheduler:
         return ok, usable
 
     def explain(self, req: GpuRequest, usable: BoolArray) -> Unschedulable:
-        """Why no node fits, counted per reason, with the nearest miss named."""
-        led = self.ledger
+        """Why no node fits, counted per kind of reason, with the nearest miss named."""
         reasons: dict[str, int] = {}
-        cpu_short = led.cpu_free < req.cpu_milli
-        mem_short = led.mem_free < req.host_memory_mib
-        allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
-        model_ok = np.asarray((allowed[led.model_id] & led.present).any(axis=1), dtype=bool)
-        gpus_short = usable.sum(axis=1) < req.gpu_count
-        for i in range(len(led.nodes)):
-            if req.gpu_count > 0 and not model_ok[i]:
-                r = "no GPU of an allowed model" if req.allowed_models else "no GPUs"
-            elif cpu_short[i]:
-                r = "not enough CPU"
-            elif mem_short[i]:
-                r = "not enough host memory"
-            elif req.gpu_count > 0 and gpus_short[i]:
-                r = f"fewer than {req.gpu_count} GPU(s) with room for the share"
-            else:
-                continue
-            reasons[r] = reasons.get(r, 0) + 1
+        nodes = np.arange(len(self.ledger.nodes), dtype=np.int64)
+        for kind, _ in self._node_reasons(req, usable, nodes):
+            if kind:
+                reasons[kind] = reasons.get(kind, 0) + 1
         summary = "; ".join(f"{c} node(s): {r}" for r, c in sorted(reasons.items(), key=lambda kv: -kv[1]))
         hint = self._nearest_miss(req)
         return Unschedulable(req, f"{summary or 'no nodes'}{hint}", reasons)
@@ -233,12 +219,13 @@ class Scheduler:
         versions, reasons = cache
         stale = nodes[versions[nodes] != led.version[nodes]]
         if len(stale):
-            for n, text in zip(stale.tolist(), self._node_reasons(req, usable, stale), strict=True):
+            for n, (_, text) in zip(stale.tolist(), self._node_reasons(req, usable, stale), strict=True):
                 reasons[n] = text
             versions[stale] = led.version[stale]
         return [reasons[n] for n in nodes.tolist()]
 
-    def _node_reasons(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[str]:
+    def _node_reasons(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[tuple[str, str]]:
+        """(kind, words) per node: the kind counts nodes alike in a summary, the words explain one node."""
         led = self.ledger
         allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
         gpu_ok = allowed[led.model_id[nodes]] & led.present[nodes]
@@ -284,29 +271,31 @@ def _node_reason(
     free_milli: int,
     cpu_free: int,
     mem_free: int,
-) -> str:
-    """One node's reason, most fundamental first (no GPUs of the model before "GPUs are busy")."""
+) -> tuple[str, str]:
+    """One node's reason, most fundamental first (no GPUs of the model before "GPUs are busy"); the kind is
+    empty for a node that fits."""
     if req.gpu_count > 0 and n_allowed == 0:
         if req.allowed_models:
-            return f"no GPU of an allowed model ({', '.join(sorted(req.allowed_models))})"
-        return "no sharegpu GPUs"
+            return "no GPU of an allowed model", f"no GPU of an allowed model ({', '.join(sorted(req.allowed_models))})"
+        return "no GPUs", "no sharegpu GPUs"
     if cpu_free < req.cpu_milli:
-        return f"free CPU {cpu_free}m < {req.cpu_milli}m asked"
+        return "not enough CPU", f"free CPU {cpu_free}m < {req.cpu_milli}m asked"
     if mem_free < req.host_memory_mib:
-        return f"free memory {fmt_mib(mem_free)} < {fmt_mib(req.host_memory_mib)} asked"
-    if req.gpu_count == 0:
-        return "fits (no GPU asked)"
+        return "not enough host memory", f"free memory {fmt_mib(mem_free)} < {fmt_mib(req.host_memory_mib)} asked"
+    if req.gpu_count == 0 or n_usable >= req.gpu_count:
+        return "", "fits"
+    short = f"fewer than {req.gpu_count} GPU(s) with room for the share"
     if n_healthy < req.gpu_count:
-        return f"{n_healthy} healthy GPU(s) of an allowed model < {req.gpu_count} asked"
+        return short, f"{n_healthy} healthy GPU(s) of an allowed model < {req.gpu_count} asked"
     if req.memory_mib is not None and free_mem < req.memory_mib:
-        return f"largest free share {fmt_mib(free_mem)} < {fmt_mib(req.memory_mib)} asked"
+        return short, f"largest free share {fmt_mib(free_mem)} < {fmt_mib(req.memory_mib)} asked"
     if req.compute_milli is not None and free_milli < req.compute_milli:
-        return f"most free compute {free_milli / 10:g}% < {req.compute_milli / 10:g}% asked"
+        return short, f"most free compute {free_milli / 10:g}% < {req.compute_milli / 10:g}% asked"
     if req.is_whole:
-        return f"{n_usable} idle GPU(s) < {req.gpu_count} asked (whole GPUs need idle ones)"
+        return short, f"{n_usable} idle GPU(s) < {req.gpu_count} asked (whole GPUs need idle ones)"
     if n_usable == 0:
-        return (
+        return short, (
             "no GPU has room for this share as its mechanism needs (GPUs with room are shared another way, "
             "or no free MIG placement fits)"
         )
-    return f"{n_usable} GPU(s) with room for the share < {req.gpu_count} asked"
+    return short, f"{n_usable} GPU(s) with room for the share < {req.gpu_count} asked"

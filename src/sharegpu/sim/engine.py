@@ -63,8 +63,13 @@ class RunResult:
         }
 
 
+MODEL_MISMATCH = ("no GPU of an allowed model", "no GPUs")
+
+
 def _summary_reason(d: Unschedulable) -> str:
-    return max(d.reasons.items(), key=lambda kv: kv[1])[0] if d.reasons else "no nodes"
+    """The reason most nodes that could ever host the request gave (a model mismatch explains nothing)."""
+    telling = {r: c for r, c in d.reasons.items() if r not in MODEL_MISMATCH} or d.reasons
+    return max(telling.items(), key=lambda kv: kv[1])[0] if telling else "no nodes"
 
 
 def run_arrivals(
