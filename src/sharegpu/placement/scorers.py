@@ -192,6 +192,10 @@ class FragmentationModel:
             shape_cpu(req),
         )
 
+    def share_delta(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:
+        """(K,G) growth of each node's fragmentation if a one-GPU share lands on each of its GPUs."""
+        return self.per_gpu_after(ledger, req, nodes) - self.before(ledger, nodes)[:, None]
+
     def whole_after(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:
         """Fragmentation after a CPU-only or whole-GPU request takes the tightest GPUs that fit."""
         free = free_milli(ledger, nodes).copy()
@@ -218,13 +222,11 @@ class FgdScore:
 
     def score(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
         req = state.request
-        before = self.model.before(ledger, nodes)
         if is_sharing(req):
-            per_gpu = fgd_score(before[:, None], self.model.per_gpu_after(ledger, req, nodes))
-            per_gpu = np.where(state.usable[nodes], per_gpu, -1)
-            out: IntArray = per_gpu.max(axis=1)
+            per_gpu = fgd_score(np.zeros(1), self.model.share_delta(ledger, req, nodes))
+            out: IntArray = np.where(state.usable[nodes], per_gpu, -1).max(axis=1)
             return out
-        return fgd_score(before, self.model.whole_after(ledger, req, nodes))
+        return fgd_score(self.model.before(ledger, nodes), self.model.whole_after(ledger, req, nodes))
 
 
 # ----- GPU selectors ------------------------------------------------------------------------------------------
@@ -259,8 +261,7 @@ class FgdGpus:
         req = state.request
         if not is_sharing(req):
             return BestFitGpus().select(ledger, state, node)
-        nodes = np.array([node], dtype=np.int64)
-        per_gpu = fgd_score(self.model.before(ledger, nodes)[:, None], self.model.per_gpu_after(ledger, req, nodes))[0]
+        per_gpu = fgd_score(np.zeros(1), self.model.share_delta(ledger, req, np.array([node]))[0])
         per_gpu = np.where(state.usable[node], per_gpu, -1)
         return [int(np.argmax(per_gpu))]
 
@@ -290,12 +291,10 @@ class FragmentationDeltaScore:
 
     def score(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
         req = state.request
-        before = self.model.before(ledger, nodes)
         if is_sharing(req):
-            after = self.model.per_gpu_after(ledger, req, nodes)
-            delta = np.where(state.usable[nodes], after - before[:, None], np.inf).min(axis=1)
+            delta = np.where(state.usable[nodes], self.model.share_delta(ledger, req, nodes), np.inf).min(axis=1)
         else:
-            delta = self.model.whole_after(ledger, req, nodes) - before
+            delta = self.model.whole_after(ledger, req, nodes) - self.model.before(ledger, nodes)
         gpu = free_milli(ledger, nodes).sum(axis=1)
         cpu = ledger.cpu_free[nodes]
         stranding = self.model.stranded(gpu - req.total_milli, cpu - req.cpu_milli) - self.model.stranded(gpu, cpu)
@@ -324,8 +323,7 @@ class FragmentationDeltaGpus:
         req = state.request
         if not is_sharing(req):
             return BestFitGpus().select(ledger, state, node)
-        nodes = np.array([node], dtype=np.int64)
-        delta = self.model.per_gpu_after(ledger, req, nodes)[0] - self.model.before(ledger, nodes)[0]
+        delta = self.model.share_delta(ledger, req, np.array([node]))[0]
         usable = np.flatnonzero(state.usable[node])
         key = np.lexsort((usable, ledger.free_milli[node, usable], np.round(delta[usable])))
         return [int(usable[key[0]])]
