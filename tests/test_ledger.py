@@ -597,3 +597,26 @@ def test_check_invariants_notices_a_corrupt_state(tamper: Any) -> None:
     tamper(ledger)
     with pytest.raises(InvariantViolation):
         ledger.check_invariants()
+
+
+def test_existing_assignment_on_a_gpu_that_turned_unhealthy_is_still_accounted() -> None:
+    """A running pod keeps all its GPUs in the books when one turns unhealthy; new shares still avoid it."""
+    from sharegpu.ledger import replay
+    from sharegpu.model.inventory import GpuDevice
+
+    gpus = (GpuDevice(0, "GPU-a-0", "T4", healthy=False), GpuDevice(1, "GPU-a-1", "T4"))
+    nodes = [NodeSpec("a", 8000, 8192, gpus)]
+    t4 = DEFAULT_CATALOG.get("T4").memory_mib
+    running = Assignment(
+        "ns/big",
+        "a",
+        (
+            GpuShare(0, "GPU-a-0", Mechanism.EXCLUSIVE, 1000, t4),
+            GpuShare(1, "GPU-a-1", Mechanism.EXCLUSIVE, 1000, t4),
+        ),
+    )
+    ledger = replay(nodes, [running])
+    assert "ns/big" in ledger and int(ledger.free_milli[0, 1]) == 0
+    ledger.check_invariants()
+    with pytest.raises(LedgerConflict, match="unhealthy"):
+        Ledger(nodes).place(running)

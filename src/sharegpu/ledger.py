@@ -173,8 +173,13 @@ class Ledger:
         return total
 
     # ----- changing ------------------------------------------------------------------------------------------
-    def place(self, a: Assignment) -> None:
-        """Account for ``a`` or raise :class:`LedgerConflict` and change nothing."""
+    def place(self, a: Assignment, check_health: bool = True) -> None:
+        """Account for ``a`` or raise :class:`LedgerConflict` and change nothing.
+
+        ``check_health=False`` accounts for an assignment that already exists (a running pod seen again after a
+        restart): a GPU that turned unhealthy since still holds the shares placed on it, so that its pods keep
+        their other GPUs and nothing else is placed there.
+        """
         if a.pod in self.assignments:
             raise LedgerConflict(f"pod {a.pod} is already placed on {self.assignments[a.pod].node}")
         n = self.node_of(a.node)
@@ -186,7 +191,7 @@ class Ledger:
         done: list[GpuShare] = []
         try:
             for s in a.shares:
-                self._apply(n, s)
+                self._apply(n, s, check_health)
                 done.append(s)
         except LedgerConflict as e:
             for s in reversed(done):
@@ -212,18 +217,18 @@ class Ledger:
         self.version[n] += 1
         return a
 
-    def _check_gpu(self, n: int, s: GpuShare) -> GpuModel:
+    def _check_gpu(self, n: int, s: GpuShare, check_health: bool) -> GpuModel:
         node = self.nodes[n]
         if s.gpu_index >= len(node.gpus):
             raise LedgerConflict(f"node {node.name} has no GPU {s.gpu_index}")
         if node.gpus[s.gpu_index].uuid != s.gpu_uuid:
             raise LedgerConflict(f"GPU {s.gpu_index} of {node.name} is {node.gpus[s.gpu_index].uuid}, not {s.gpu_uuid}")
-        if not self.healthy[n, s.gpu_index]:
+        if check_health and not self.healthy[n, s.gpu_index]:
             raise LedgerConflict(f"GPU {s.gpu_uuid} is unhealthy")
         return self.gpu_model(n, s.gpu_index)
 
-    def _apply(self, n: int, s: GpuShare) -> None:
-        model = self._check_gpu(n, s)
+    def _apply(self, n: int, s: GpuShare, check_health: bool = True) -> None:
+        model = self._check_gpu(n, s, check_health)
         g = s.gpu_index
         mode = GpuMode(int(self.mode[n, g]))
         if s.mechanism is Mechanism.MIG:
@@ -487,8 +492,8 @@ class Ledger:
 
 
 def replay(nodes: Sequence[NodeSpec], assignments: Iterable[Assignment], catalog: Catalog = DEFAULT_CATALOG) -> Ledger:
-    """A ledger rebuilt from inventories and assignments alone (what a restart does)."""
+    """A ledger rebuilt from inventories and existing assignments alone (what a restart does)."""
     ledger = Ledger(nodes, catalog)
     for a in assignments:
-        ledger.place(a)
+        ledger.place(a, check_health=False)
     return ledger

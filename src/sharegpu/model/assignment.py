@@ -77,7 +77,11 @@ class GpuShare:
 
     @property
     def memory_enforced(self) -> bool:
-        return self.mechanism is Mechanism.MIG or self.sharing in (Mechanism.MPS, Mechanism.EXCLUSIVE)
+        # An MPS client is held to memory only when a limit was asked (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT);
+        # a MIG instance or a whole GPU bounds memory by itself.
+        if self.mechanism is Mechanism.MIG or self.sharing is Mechanism.EXCLUSIVE:
+            return True
+        return self.sharing is Mechanism.MPS and self.memory_mib > 0
 
     @property
     def compute_enforced(self) -> bool:
