@@ -150,3 +150,88 @@ def test_node_agent_values_are_merged_into_values_yaml() -> None:
     ds = by_kind(docs, "DaemonSet")["sg-node-agent"]
     assert "--backend=sim" in ds["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "sg-node-agent-sim" in by_kind(docs, "ConfigMap")
+
+
+def test_sim_node_agent_runs_on_any_node_and_keeps_its_mig_layout_in_the_state_dir(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    real = by_kind(default_docs, "DaemonSet")["sg-node-agent"]["spec"]
+    assert real["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert real["updateStrategy"]["type"] == "RollingUpdate"
+    docs = render({"nodeAgent": {"backend": "sim", "updateStrategy": "OnDelete"}})
+    sim = by_kind(docs, "DaemonSet")["sg-node-agent"]["spec"]
+    assert "nodeSelector" not in sim["template"]["spec"]  # a simulated node needs no GPU
+    assert sim["updateStrategy"] == {"type": "OnDelete"}
+    config = yaml.safe_load(by_kind(docs, "ConfigMap")["sg-node-agent-sim"]["data"]["sim.yaml"])
+    assert config["stateFile"] == "/var/lib/sharegpu/sim.json"  # under the host-path state dir: survives restarts
+    mine = render({"nodeAgent": {"backend": "sim", "nodeSelector": {"pool": "demo"}, "simConfig": {"stateFile": "/s"}}})
+    assert by_kind(mine, "DaemonSet")["sg-node-agent"]["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "demo"}
+    assert yaml.safe_load(by_kind(mine, "ConfigMap")["sg-node-agent-sim"]["data"]["sim.yaml"])["stateFile"] == "/s"
+
+
+def test_webhook_certificate_is_reused_on_upgrade_and_a_new_one_rolls_the_pods(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    template = (CHART / "templates" / "webhook.yaml").read_text()
+    # On a live cluster the chart reads its Secret (and, for Secrets of older versions, the CA of the installed
+    # webhook configuration) back instead of making a new pair; `helm template` looks nothing up.
+    assert 'lookup "v1" "Secret"' in template and '"MutatingWebhookConfiguration"' in template
+    secret = by_kind(default_docs, "Secret")["sg-webhook-tls"]
+    (hook,) = by_kind(default_docs, "MutatingWebhookConfiguration")["sg-webhook"]["webhooks"]
+    assert secret["data"]["ca.crt"] == hook["clientConfig"]["caBundle"]  # what the next upgrade reuses
+    pod = by_kind(default_docs, "Deployment")["sg-webhook"]["spec"]["template"]["metadata"]
+    checksum = pod["annotations"]["checksum/tls"]
+    assert len(checksum) == 64
+    again = by_kind(render(), "Deployment")["sg-webhook"]["spec"]["template"]["metadata"]["annotations"]
+    assert again["checksum/tls"] != checksum  # a new certificate (template mode makes one each time) rolls the pods
+    mine = {"webhook": {"existingSecret": "my-tls", "caBundle": "Zm9v"}}
+    a, b = (by_kind(render(mine), "Deployment")["sg-webhook"]["spec"]["template"]["metadata"] for _ in range(2))
+    assert a["annotations"]["checksum/tls"] == b["annotations"]["checksum/tls"]
+
+
+def test_only_pods_naming_sharegpu_reach_the_webhook_and_it_survives_drains(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        (hook,) = by_kind(default_docs, kind)["sg-webhook"]["webhooks"]
+        (cond,) = hook["matchConditions"]
+        expr = cond["expression"]
+        for part in ("object.metadata.annotations", "object.spec.containers", "object.spec.initContainers"):
+            assert part in expr
+        assert "oldObject.metadata.annotations" in expr and "'sharegpu.io/'" in expr
+        assert expr.count("(") == expr.count(")")
+    (hook,) = by_kind(default_docs, "ValidatingWebhookConfiguration")["sg-webhook"]["webhooks"]
+    assert ["pods/ephemeralcontainers"] in [r["resources"] for r in hook["rules"]]
+    pdb = by_kind(default_docs, "PodDisruptionBudget")["sg-webhook"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "sharegpu-webhook"
+    assert "PodDisruptionBudget" not in {
+        d["kind"] for d in render({"webhook": {"podDisruptionBudget": {"enabled": False}}})
+    }
+
+
+def test_only_the_sharegpu_scheduler_may_reach_the_extender(default_docs: list[dict[str, Any]]) -> None:
+    policy = by_kind(default_docs, "NetworkPolicy")["sg-extender"]["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "sharegpu-extender"
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["from"] == [
+        {
+            "podSelector": {
+                "matchLabels": {"app.kubernetes.io/name": "sharegpu-scheduler", "app.kubernetes.io/instance": "sg"}
+            }
+        }
+    ]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    scheduler = by_kind(default_docs, "Deployment")["sg-scheduler"]["spec"]["template"]["metadata"]["labels"]
+    assert all(scheduler[k] == v for k, v in rule["from"][0]["podSelector"]["matchLabels"].items())
+    args = by_kind(default_docs, "Deployment")["sg-extender"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--scheduler-name=sharegpu-scheduler" in args
+    extra = {"extender": {"networkPolicy": {"extraFrom": [{"namespaceSelector": {"matchLabels": {"name": "mon"}}}]}}}
+    docs = render(extra)
+    assert len(by_kind(docs, "NetworkPolicy")["sg-extender"]["spec"]["ingress"][0]["from"]) == 2
+    for version in KUBE_VERSIONS:
+        for d in docs:
+            kubernetes_validate.validate(d, version, strict=True)
+    off = render({"extender": {"networkPolicy": {"enabled": False}}})
+    assert "NetworkPolicy" not in {d["kind"] for d in off}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -215,8 +215,9 @@ def test_bad_assignments_fail_allocate_clearly_and_the_plugin_keeps_serving(sock
             ),
             (None, "no sharegpu.io/assignment"),
         ]
-        for annotation, message in cases:
-            p = rig.kube.add(pod("bad", annotation))
+        for i, (annotation, message) in enumerate(cases):
+            # A new pod each time (own UID): a refused pod is never picked again.
+            p = rig.kube.add(replace(pod("bad", annotation), uid=f"uid-bad-{i}"))
             assert message in await _refused(rig)
             del rig.kube.pods[p.uid]
         rig.kube.add(pod("good", good))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sharegpu.node.mps import MpsError, MpsManager, NvidiaMpsDaemon, SimMpsDaemon
+from sharegpu.node.mps import MpsDaemonSpec, MpsError, MpsLimits, MpsManager, NvidiaMpsDaemon, SimMpsDaemon
 
 
 def test_daemons_start_when_needed_restart_after_failure_and_stop_when_unused(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_unit_names_cannot_escape_the_root(tmp_path: Path) -> None:
             mps.spec(bad)
 
 
-FAKE_CONTROL = """#!/bin/sh
+FAKE_CONTROL = r"""#!/bin/sh
 # Plays nvidia-cuda-mps-control: -d starts (records its environment), stdin commands probe or quit.
 state="$CUDA_MPS_PIPE_DIRECTORY/fake-daemon"
 if [ "$1" = "-d" ]; then
@@ -61,9 +61,12 @@ if [ "$1" = "-d" ]; then
 fi
 read cmd
 [ -f "$state" ] || exit 1
+[ -n "$FAKE_MPS_LOG" ] && echo "$CUDA_VISIBLE_DEVICES $cmd" >> "$FAKE_MPS_LOG"
 case "$cmd" in
-  get_server_list) exit 0 ;;
+  get_server_list) [ -n "$FAKE_SERVERS" ] && echo "$FAKE_SERVERS"; exit 0 ;;
   quit) rm -f "$state"; exit 0 ;;
+  "set_default_active_thread_percentage "*|"set_default_device_pinned_mem_limit "*) exit 0 ;;
+  "set_active_thread_percentage "*|"set_device_pinned_mem_limit "*) exit 0 ;;
 esac
 exit 2
 """
@@ -99,3 +102,85 @@ def test_nvidia_daemon_failures_are_reported(tmp_path: Path, monkeypatch: pytest
             await missing.ensure("GPU-y")
 
     asyncio.run(main())
+
+
+def _limit_commands(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if " set_" in line] if log.exists() else []
+
+
+def test_allocate_makes_the_control_daemon_enforce_the_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limits reach the daemon itself, before Allocate answers: a client cannot raise them by its own env."""
+    from node_fakes import SIM_YAML, FakeKube, assignment, pod, share
+
+    from sharegpu.model.assignment import Mechanism
+    from sharegpu.node.allocation import Allocator
+    from sharegpu.node.backends.sim import SimBackend
+    from sharegpu.node.backends.sim_config import parse_sim_config
+    from sharegpu.node.mig import MigManager
+    from sharegpu.node.state import AgentState
+
+    log = tmp_path / "commands.log"
+    monkeypatch.setenv("FAKE_MPS_LOG", str(log))
+
+    async def main() -> None:
+        sim = SimBackend(parse_sim_config(SIM_YAML), seed="node-a")
+        kube, state = FakeKube(), AgentState()
+        mps = MpsManager(tmp_path / "mps", NvidiaMpsDaemon(_fake_control(tmp_path)))
+        alloc = Allocator("node-a", sim, kube, MigManager(sim, state), mps, state, wait_s=0.2)
+        g = sim.devices()[0].uuid
+        kube.add(pod("a", assignment("a", share(0, g, Mechanism.MPS, 300, 10240))))
+        grant = await alloc.allocate(1)
+        assert grant.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+        assert _limit_commands(log) == [
+            f"{g} set_default_active_thread_percentage 30",
+            f"{g} set_default_device_pinned_mem_limit 0 10240M",
+        ]
+        # A second, larger share on the same daemon: the ceiling grows to it (never shrinks under a running client).
+        monkeypatch.setenv("FAKE_SERVERS", "4242")
+        log.unlink()
+        kube.add(pod("b", assignment("b", share(0, g, Mechanism.MPS, 500, 20480)), created="2024-05-01T10:00:01+00:00"))
+        kube.set_phase("uid-default-a", "Running")
+        await alloc.allocate(1)
+        assert _limit_commands(log) == [
+            f"{g} set_default_active_thread_percentage 50",
+            f"{g} set_default_device_pinned_mem_limit 0 20480M",
+            f"{g} set_active_thread_percentage 4242 50",
+            f"{g} set_device_pinned_mem_limit 4242 0 20480M",
+        ]
+        # A smaller share later: nothing to change.
+        log.unlink()
+        kube.add(pod("c", assignment("c", share(0, g, Mechanism.MPS, 100, 1024)), created="2024-05-01T10:00:02+00:00"))
+        kube.set_phase("uid-default-b", "Running")
+        await alloc.allocate(1)
+        assert _limit_commands(log) == []
+        # The reconcile loop sets the exact largest share once b has gone.
+        await mps.reconcile({g}, {g: MpsLimits(30, 10240)})
+        assert _limit_commands(log)[:2] == [
+            f"{g} set_default_active_thread_percentage 30",
+            f"{g} set_default_device_pinned_mem_limit 0 10240M",
+        ]
+        assert mps.limits(g) == MpsLimits(30, 10240)
+
+    asyncio.run(main())
+
+
+def test_a_daemon_that_refuses_its_limits_is_not_handed_out(tmp_path: Path) -> None:
+    class Refusing(SimMpsDaemon):
+        async def set_limits(self, spec: MpsDaemonSpec, limits: MpsLimits) -> None:
+            raise MpsError("unknown command")
+
+    async def main() -> None:
+        mps = MpsManager(tmp_path, Refusing())
+        with pytest.raises(MpsError, match="refused its limits"):
+            await mps.ensure("GPU-a", MpsLimits(30, 1024))
+        assert mps.limits("GPU-a") is None
+        assert await mps.reconcile({"GPU-a"}, {"GPU-a": MpsLimits(30, 1024)}) != []
+
+    asyncio.run(main())
+
+
+def test_sim_daemon_records_its_limits_and_limits_union() -> None:
+    assert MpsLimits.of_share(305, 0) == MpsLimits(30, None)
+    assert MpsLimits.of_share(5, 100) == MpsLimits(1, 100)
+    assert MpsLimits(30, 100).union(MpsLimits(50, 50)) == MpsLimits(50, 100)
+    assert MpsLimits(30, 100).union(MpsLimits(10, None)) == MpsLimits(30, None)

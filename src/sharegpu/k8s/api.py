@@ -39,11 +39,14 @@ class ClusterApi(Protocol):
 
     async def list_pods(self) -> tuple[list[Pod], str]: ...
 
-    def watch_nodes(self, resource_version: str) -> AsyncIterator[tuple[str, Node]]:
-        """(ADDED | MODIFIED | DELETED, node) after ``resource_version``; raises :class:`ApiError` when it breaks."""
+    def watch_nodes(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Node]]:
+        """(ADDED | MODIFIED | DELETED, node) after ``resource_version``; raises :class:`ApiError` when it breaks.
+
+        ``timeout_s``: the server-side timeout of the watch (``timeoutSeconds``); the server ends the watch then
+        (the stream may end, or the client may resume it by itself)."""
         ...
 
-    def watch_pods(self, resource_version: str) -> AsyncIterator[tuple[str, Pod]]: ...
+    def watch_pods(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Pod]]: ...
 
     async def get_pod(self, namespace: str, name: str) -> Pod: ...
 
@@ -102,20 +105,25 @@ class LightkubeClusterApi:
         except Exception:  # lightkube's NotReadyError: the server sent no resourceVersion
             return ""
 
-    async def watch_nodes(self, resource_version: str) -> AsyncIterator[tuple[str, Node]]:
+    async def watch_nodes(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Node]]:
         from lightkube.resources.core_v1 import Node as KNode
 
         try:
-            async for kind, obj in self._client.watch(KNode, resource_version=resource_version or None):
+            async for kind, obj in self._client.watch(
+                KNode, resource_version=resource_version or None, server_timeout=timeout_s
+            ):
                 yield kind, Node.model_validate(obj.to_dict())
         except Exception as e:
             raise _translate(e, "watch nodes") from None
 
-    async def watch_pods(self, resource_version: str) -> AsyncIterator[tuple[str, Pod]]:
+    async def watch_pods(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Pod]]:
         from lightkube.resources.core_v1 import Pod as KPod
 
+        # lightkube resumes a watch the server ended by itself (from the last resourceVersion it saw).
         try:
-            async for kind, obj in self._client.watch(KPod, namespace="*", resource_version=resource_version or None):
+            async for kind, obj in self._client.watch(
+                KPod, namespace="*", resource_version=resource_version or None, server_timeout=timeout_s
+            ):
                 yield kind, Pod.model_validate(obj.to_dict())
         except Exception as e:
             raise _translate(e, "watch pods") from None

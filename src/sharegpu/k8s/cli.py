@@ -11,7 +11,8 @@ import typer
 from rich.console import Console
 
 from sharegpu.k8s.api import ApiError, LightkubeClusterApi
-from sharegpu.k8s.webhook import DEFAULT_SCHEDULER_NAME, WebhookConfig, serve_webhook, trusted
+from sharegpu.k8s.pod_request import DEFAULT_SCHEDULER_NAME
+from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
 
@@ -40,6 +41,9 @@ def scheduler_extender(
     listen: str = typer.Option("0.0.0.0:8888", "--listen", help="HOST:PORT to serve the extender on."),
     policy: str = typer.Option("sharegpu", "--policy", help=f"Placement policy: {', '.join(POLICIES)}."),
     seed: int = typer.Option(0, "--seed", help="Seed of the policies that draw random numbers."),
+    scheduler_name: str = typer.Option(
+        DEFAULT_SCHEDULER_NAME, "--scheduler-name", help="The sharegpu scheduler's name: /bind binds only its pods."
+    ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.extender import run_extender
@@ -53,7 +57,7 @@ def scheduler_extender(
     except (SetupError, UnknownPolicy, ApiError) as e:
         raise _fail(str(e)) from None
     try:
-        asyncio.run(run_extender(view, api, host, port))
+        asyncio.run(run_extender(view, api, host, port, scheduler_name=scheduler_name))
     except OSError as e:
         raise _fail(f"cannot serve on {listen}: {e}") from None
 

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.api import ApiError, ClusterApi, Conflict
-from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, pod_request
+from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
 from sharegpu.k8s.schema import (
     MAX_EXTENDER_PRIORITY,
     ExtenderArgs,
@@ -46,6 +46,7 @@ from sharegpu.k8s.schema import (
 )
 from sharegpu.k8s.view import ClusterView
 from sharegpu.ledger import Ledger, LedgerError
+from sharegpu.model.assignment import Assignment
 from sharegpu.model.request import GpuRequest, InvalidRequest
 from sharegpu.placement.framework import BoolArray, CycleState, Decision, IntArray
 
@@ -63,9 +64,10 @@ class _Feasible:
 
 
 class Extender:
-    def __init__(self, view: ClusterView, api: ClusterApi | None) -> None:
+    def __init__(self, view: ClusterView, api: ClusterApi | None, scheduler_name: str = DEFAULT_SCHEDULER_NAME) -> None:
         self.view = view
         self.api = api
+        self.scheduler_name = scheduler_name  # /bind binds only pods of this scheduler that ask for sharegpu
         # Filter's feasibility, reused by the prioritize call of the same cycle while the ledger is unchanged.
         self._feasible: OrderedDict[tuple[str, str, int], _Feasible] = OrderedDict()
         self._names: tuple[Ledger, list[str], IntArray] | None = None
@@ -94,7 +96,7 @@ class Extender:
         if len(rejected):
             reasons = self.view.scheduler().explain_nodes(req, f.usable, idx[rejected])
             for i, reason in zip(rejected.tolist(), reasons, strict=True):
-                if reason.startswith("no GPU of an allowed model") or reason == "no sharegpu GPUs":
+                if _never_fits(reason):
                     unresolvable[names[i]] = reason  # no eviction can help
                 else:
                     failed[names[i]] = reason
@@ -184,12 +186,21 @@ class Extender:
             return ExtenderBindingResult(Error=f"cannot bind {key}: it was replaced (UID {pod.metadata.uid})")
         if pod.spec.node_name:
             return ExtenderBindingResult(Error=f"cannot bind {key}: it is already bound to {pod.spec.node_name}")
+        if pod.spec.scheduler_name != self.scheduler_name:
+            # The extender binds only what its own scheduler placed: its pods/binding permission is cluster-wide.
+            return ExtenderBindingResult(
+                Error=f"cannot bind {key}: its schedulerName is {pod.spec.scheduler_name or 'unset'}, not "
+                f"{self.scheduler_name}; the sharegpu extender binds only the pods of its scheduler"
+            )
         try:
             req = pod_request(pod, self.view.catalog)
         except InvalidRequest as e:
             return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
         if req is None:
-            return await self._bind_only(key, pod, args.Node)
+            return ExtenderBindingResult(
+                Error=f"cannot bind {key}: it asks for no sharegpu.io resource; the sharegpu extender binds only pods "
+                "that do"
+            )
         # From here to reserve() nothing awaits: the decision and the reservation see one ledger state.
         led = self.view.ledger
         n = led.index.get(args.Node)
@@ -200,7 +211,7 @@ class Extender:
         if not isinstance(d, Decision):
             return ExtenderBindingResult(Error=f"cannot bind {key}: {d.reason}")
         try:
-            self.view.reserve(d.assignment)
+            self.view.reserve(d.assignment, pod.metadata.uid)
         except LedgerError as e:
             return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
         return await self._write(key, pod, d)
@@ -231,18 +242,9 @@ class Extender:
                 log.warning("pod %s: cannot remove the assignment of a failed bind: %s", key, e2)
             self.view.settle(key, cleaned)
             return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
-        annotated.spec.node_name = a.node
-        self.view.settle(key, annotated)
+        self.view.settle(key, annotated, bound=True)
         units = ", ".join(f"{s.gpu_uuid}{'/' + s.mig.profile if s.mig else ''} ({s.sharing})" for s in a.shares)
         log.info("bound %s to %s: %s", key, a.node, units or "no GPU")
-        return ExtenderBindingResult()
-
-    async def _bind_only(self, key: str, pod: Pod, node: str) -> ExtenderBindingResult:
-        assert self.api is not None
-        try:
-            await self.api.bind_pod(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, node)
-        except ApiError as e:
-            return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
         return ExtenderBindingResult()
 
     # ----- preempt ---------------------------------------------------------------------------------------------
@@ -274,18 +276,34 @@ class Extender:
             n = led.index.get(node)
             if n is None:
                 continue
-            keys = [by_uid[p.UID] for p in mv.Pods if p.UID in by_uid and by_uid[p.UID] in led.assignments]
-            released = [led.release(k) for k in keys]
+            # Each victim once (a body may name one twice), and only those the ledger holds now.
+            keys = list(dict.fromkeys(by_uid[p.UID] for p in mv.Pods if p.UID in by_uid))
+            released: list[Assignment] = []
             try:
+                for k in keys:
+                    if k in led.assignments:
+                        released.append(led.release(k))
                 ok, _ = sched.feasible(req)
                 fits = bool(ok[n])
             finally:
-                for a in released:
-                    led.place(a)
+                # Exactly what was released goes back, as it was (health is not checked again: it holds already).
+                for a in reversed(released):
+                    led.place(a, check_health=False)
             if fits:
-                kept[node] = mv
+                unique = list({v.UID: v for v in mv.Pods}.values())
+                kept[node] = mv if len(unique) == len(mv.Pods) else mv.model_copy(update={"Pods": unique})
         self.view.generation += 1  # the ledger is as it was, but its node versions moved
         return ExtenderPreemptionResult(NodeNameToMetaVictims=kept)
+
+
+def _never_fits(reason: str) -> bool:
+    """Whether a filter reason says the node cannot host the pod whatever is evicted (no GPU of an allowed model,
+    or fewer healthy ones than it asks for)."""
+    return (
+        reason.startswith("no GPU of an allowed model")
+        or reason == "no sharegpu GPUs"
+        or " healthy GPU(s) of an allowed model < " in reason
+    )
 
 
 def _node_names(args: ExtenderArgs) -> list[str]:
@@ -368,13 +386,18 @@ def make_app(extender: Extender) -> Starlette:
 
 
 async def run_extender(
-    view: ClusterView, api: ClusterApi, host: str, port: int, stop: asyncio.Event | None = None
+    view: ClusterView,
+    api: ClusterApi,
+    host: str,
+    port: int,
+    stop: asyncio.Event | None = None,
+    scheduler_name: str = DEFAULT_SCHEDULER_NAME,
 ) -> None:
     """Serve the extender and follow the API server until ``stop`` (or SIGTERM/SIGINT, handled by uvicorn)."""
     import uvicorn
 
     stop = stop or asyncio.Event()
-    app = make_app(Extender(view, api))
+    app = make_app(Extender(view, api, scheduler_name))
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     follow = asyncio.ensure_future(view.follow(api, stop))

@@ -28,6 +28,7 @@ class MemoryClusterApi:
         self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, "node"|"pod", type, object)
         self._waiters: set[asyncio.Event] = set()
         self._epoch = 0  # bumped by break_watches()
+        self.watch_timeouts: list[int | None] = []  # the server-side timeout each watch asked for
 
     # ----- test helpers --------------------------------------------------------------------------------------
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -108,10 +109,15 @@ class MemoryClusterApi:
         self._check("list pods")
         return [Pod.model_validate(p) for p in self.pods.values()], str(self.rv)
 
-    async def _watch(self, kind: str, resource_version: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    async def _watch(
+        self, kind: str, resource_version: str, timeout_s: int | None
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         self._check(f"watch {kind}s")
+        self.watch_timeouts.append(timeout_s)
         since = int(resource_version or 0)
         epoch = self._epoch
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         pos = next((i for i, e in enumerate(self._events) if e[0] > since), len(self._events))
         while True:
             while pos < len(self._events):
@@ -125,16 +131,22 @@ class MemoryClusterApi:
             waiter = asyncio.Event()
             self._waiters.add(waiter)
             try:
-                await waiter.wait()
+                if deadline is None:
+                    await waiter.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(waiter.wait(), max(deadline - loop.time(), 0))
+                    except TimeoutError:
+                        return  # the server's timeout: the watch ends without an error
             finally:
                 self._waiters.discard(waiter)
 
-    async def watch_nodes(self, resource_version: str) -> AsyncIterator[tuple[str, Node]]:
-        async for type_, obj in self._watch("node", resource_version):
+    async def watch_nodes(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Node]]:
+        async for type_, obj in self._watch("node", resource_version, timeout_s):
             yield type_, Node.model_validate(obj)
 
-    async def watch_pods(self, resource_version: str) -> AsyncIterator[tuple[str, Pod]]:
-        async for type_, obj in self._watch("pod", resource_version):
+    async def watch_pods(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Pod]]:
+        async for type_, obj in self._watch("pod", resource_version, timeout_s):
             yield type_, Pod.model_validate(obj)
 
     async def get_pod(self, namespace: str, name: str) -> Pod:

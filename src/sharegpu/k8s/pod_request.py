@@ -8,6 +8,7 @@ what a valid request is lives in :class:`GpuRequest`, whose :class:`InvalidReque
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -19,6 +20,7 @@ from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
 
+DEFAULT_SCHEDULER_NAME = "sharegpu-scheduler"  # the scheduler profile that places (and binds) sharegpu pods
 MEMORY_RESOURCE = "sharegpu.io/gpu-memory"
 COMPUTE_RESOURCE = "sharegpu.io/gpu-compute"
 RESOURCES = (GPU_RESOURCE, MEMORY_RESOURCE, COMPUTE_RESOURCE)
@@ -32,6 +34,7 @@ REQUEST_ANNOTATIONS = (ISOLATION_ANNOTATION, SHARING_ANNOTATION, MODEL_ANNOTATIO
 __all__ = [
     "ASSIGNMENT_ANNOTATION",
     "COMPUTE_RESOURCE",
+    "DEFAULT_SCHEDULER_NAME",
     "GPU_RESOURCE",
     "MEMORY_RESOURCE",
     "InvalidPodRequest",
@@ -66,7 +69,13 @@ def _resource(c: Container, name: str) -> str | None:
     return None if value is None else str(value)
 
 
+_UPPER_EXPONENT = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))E([+-]?\d+)")
+
+
 def _quantity(text: str, what: str) -> Decimal:
+    # Kubernetes writes a decimal exponent as "e" or "E" ("1E3" is 1000; "1E" alone is exa, "1Ei" exbi).
+    if m := _UPPER_EXPONENT.fullmatch(text.strip()):
+        text = f"{m[1]}e{m[2]}"
     try:
         value = parse_quantity(text)
     except (ValueError, InvalidOperation):
@@ -86,8 +95,9 @@ def _container_ask(c: Container) -> _ContainerAsk:
         gpus = int(q)
     if (text := _resource(c, MEMORY_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{MEMORY_RESOURCE}")
-        # Rounded up to whole MiB: the workload gets at least what it asked for ("10G" is 9537Mi, not 9536Mi).
-        memory = math.ceil(q / MIB) if q > 0 else int(q)
+        # Rounded up to whole MiB: the workload gets at least what it asked for ("10G" is 9537Mi, not 9536Mi). A value
+        # ≤ 0 stays ≤ 0 (in MiB too), for GpuRequest to say that it must be positive.
+        memory = math.ceil(q / MIB) if q > 0 else math.floor(q / MIB)
     if (text := _resource(c, COMPUTE_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{COMPUTE_RESOURCE}")
         if q != q.to_integral_value():
@@ -143,6 +153,12 @@ def _cpu_and_memory(pod: Pod) -> tuple[int, int]:
     return cpu, mem
 
 
+def _effective_gpus(init: list[_ContainerAsk], app: list[_ContainerAsk]) -> int:
+    """The pod's effective GPU count, as the kube-scheduler and the kubelet count it: init containers run one at a
+    time before the app containers (whose GPUs they reuse), so the pod needs max(sum(app), max(init))."""
+    return max([sum(a.gpus or 0 for a in app), *(a.gpus or 0 for a in init)], default=0)
+
+
 def _models(text: str, catalog: Catalog) -> frozenset[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
@@ -162,7 +178,9 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
     """
     if not asks_for_sharegpu(pod):
         return None
-    asks = [a for a in (_container_ask(c) for c in _gpu_containers(pod)) if a.any]
+    init_asks = [a for a in (_container_ask(c) for c in pod.spec.init_containers) if a.any]
+    app_asks = [a for a in (_container_ask(c) for c in pod.spec.containers) if a.any]
+    asks = [*init_asks, *app_asks]
     for a in asks:
         if a.gpus is None:
             raise InvalidPodRequest(
@@ -193,7 +211,7 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
     mig = ann.get(MIG_PROFILE_ANNOTATION)
     return GpuRequest(
         name=pod.key,
-        gpu_count=sum(a.gpus or 0 for a in asks),
+        gpu_count=_effective_gpus(init_asks, app_asks),
         compute_milli=compute,
         memory_mib=memory,
         isolation=ann.get(ISOLATION_ANNOTATION, "none").strip(),  # type: ignore[arg-type]  # parsed by GpuRequest

@@ -19,8 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sharegpu.k8s.api import DELETED, ApiError, ClusterApi
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, asks_for_sharegpu, pod_request
@@ -35,9 +38,13 @@ from sharegpu.placement.framework import Policy, Scheduler
 from sharegpu.placement.policies import PolicyContext, UnknownPolicy, make_policy
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 FALLBACK_POLICY = "bestfit"  # needs no workload distribution
-WORKLOAD_DRIFT = 0.1  # rebuild the workload distribution when the pods seen grew or shrank by this fraction
+WORKLOAD_DRIFT = 0.1
+WATCH_TIMEOUT_S = (240, 300)  # the server-side timeout of a watch, drawn at random in this range (as client-go)
+WATCH_IDLE_GRACE_S = 60.0  # how much longer than the server's timeout a watch may stay silent
+MAX_TOMBSTONES = 4096  # deleted pods remembered, so that a late copy of one never brings it back  # rebuild the workload distribution when the pods seen grew or shrank by this fraction
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,20 @@ class Problem:
     reason: str
 
 
+class WatchEnded(ApiError):
+    """A watch ended without an error (the server's timeout) or went silent; the view relists and stays in sync."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A bind of this process: reserved before the annotation is written, kept until the watch sees its end."""
+
+    assignment: Assignment
+    uid: str
+    bound_rv: str | None = None  # set when the Binding was created: the resourceVersion of the annotated pod
+    deleted: bool = False  # a DELETED event came while the bind was in flight
+
+
 class ClusterView:
     def __init__(
         self,
@@ -56,6 +77,8 @@ class ClusterView:
         catalog: Catalog = DEFAULT_CATALOG,
         seed: int = 0,
         workload: Workload | None = None,
+        watch_timeout_s: tuple[int, int] = WATCH_TIMEOUT_S,
+        watch_idle_s: float | None = None,
     ) -> None:
         self.catalog = catalog
         self.policy_name = policy
@@ -67,7 +90,11 @@ class ClusterView:
         self._pods: dict[str, Pod] = {}
         self._requests: dict[str, GpuRequest] = {}
         self._pod_problems: dict[str, str] = {}
-        self._inflight: dict[str, Assignment] = {}
+        self._inflight: dict[str, _InFlight] = {}
+        self._gone: OrderedDict[str, str] = OrderedDict()  # deleted pods' keys → their last resourceVersion
+        self.watch_timeout_s = watch_timeout_s  # the server ends each watch after a random time in this range
+        # No event for this long: the connection is taken for dead and the view relists.
+        self.watch_idle_s = watch_idle_s if watch_idle_s is not None else watch_timeout_s[1] + WATCH_IDLE_GRACE_S
         self._ledger: Ledger | None = None
         self._scheduler: Scheduler | None = None
         self._workload_pods = -1
@@ -145,10 +172,18 @@ class ClusterView:
         self._pods.clear()
         self._requests.clear()
         self._pod_problems.clear()
+        self._gone.clear()
         for n in nodes:
             self._ingest_node(n)
+        listed: set[str] = set()
         for p in pods:
+            listed.add(p.key)
             self._ingest_pod(p)
+        for key, fl in list(self._inflight.items()):
+            # A bind that already ended waits for the pod to be seen bound; a fresh list settles that too: the pod
+            # existed when the bind annotated it, so a list without it was taken after it was deleted.
+            if fl.bound_rv is not None and (key not in listed or self._bind_seen(key, fl)):
+                del self._inflight[key]
         self._ledger = None
         self._rebuild()
 
@@ -166,13 +201,36 @@ class ClusterView:
     def apply_pod(self, event: str, pod: Pod) -> None:
         key = pod.key
         if event == DELETED:
-            if self._pods.pop(key, None) is None:
+            if not self._forget_pod(key, pod):
                 return
-            self._requests.pop(key, None)
         elif not self._ingest_pod(pod):
             return
         if self._ledger is not None:
             self._reconcile(key)
+
+    def _forget_pod(self, key: str, pod: Pod) -> bool:
+        """A DELETED event; False when it changes nothing (an old incarnation's, or a pod never relevant)."""
+        recorded = self._pods.get(key)
+        if recorded is not None and _older(pod.metadata.resource_version, recorded.metadata.resource_version):
+            return False
+        fl = self._inflight.get(key)
+        if recorded is None and fl is None:
+            return False  # a pod the view never held
+        self._remember_gone(key, pod.metadata.resource_version)
+        if fl is not None:
+            if fl.bound_rv is None:
+                fl.deleted = True  # the bind in flight settles without taking the pod back
+            else:
+                del self._inflight[key]  # bound and now gone
+        self._pods.pop(key, None)
+        self._requests.pop(key, None)
+        return True
+
+    def _remember_gone(self, key: str, rv: str) -> None:
+        self._gone[key] = rv
+        self._gone.move_to_end(key)
+        while len(self._gone) > MAX_TOMBSTONES:
+            self._gone.popitem(last=False)
 
     def _ingest_node(self, node: Node) -> None:
         name = node.metadata.name
@@ -186,16 +244,33 @@ class ClusterView:
             if spec.name != name:
                 raise InvalidInventory(f"the inventory names node {spec.name!r}")
         except InvalidInventory as e:
-            reason = f"node {name}: {INVENTORY_ANNOTATION} is invalid, so its GPUs are not scheduled: {e}"
-            if self._node_problems.get(name) != reason:
-                log.warning("%s", reason)
-            self._node_problems[name] = reason
+            self._node_problem(name, f"{INVENTORY_ANNOTATION} is invalid, so its GPUs are not scheduled: {e}")
             return
         self._specs[name] = spec
 
+    def _node_problem(self, name: str, why: str) -> None:
+        reason = f"node {name}: {why}"
+        if self._node_problems.get(name) != reason:
+            log.warning("%s", reason)
+        self._node_problems[name] = reason
+
     def _ingest_pod(self, pod: Pod) -> bool:
-        """Remember a pod that matters to sharegpu; False when it does not (and never did)."""
+        """Remember a pod that matters to sharegpu; False when it changes nothing (it does not matter and never did,
+        or it is older than what the view already holds)."""
         key = pod.key
+        rv = pod.metadata.resource_version
+        recorded = self._pods.get(key)
+        if recorded is not None and _older(rv, recorded.metadata.resource_version):
+            return False  # a late copy (a lagging watch, or the binder's own): never overwrite a newer object
+        gone = self._gone.get(key)
+        if gone is not None:
+            if not _older(rv, gone) and rv != gone:
+                del self._gone[key]  # a newer object of that name (a new pod, or not comparable: last writer wins)
+            else:
+                return False  # the copy of a pod already deleted: it must not come back
+        fl = self._inflight.get(key)
+        if fl is not None and fl.deleted:
+            return False
         relevant = ASSIGNMENT_ANNOTATION in pod.metadata.annotations or asks_for_sharegpu(pod)
         if not relevant:
             if key not in self._pods:
@@ -204,6 +279,8 @@ class ClusterView:
             self._requests.pop(key, None)
             return True
         self._pods[key] = pod
+        if fl is not None and fl.bound_rv is not None and self._bind_seen(key, fl):
+            del self._inflight[key]  # the API server's own copy of the bound pod now holds the assignment
         try:
             req = pod_request(pod, self.catalog)
         except InvalidRequest:
@@ -214,15 +291,34 @@ class ClusterView:
             self._requests[key] = req
         return True
 
+    def _bind_seen(self, key: str, fl: _InFlight) -> bool:
+        """Whether the view holds pod ``key`` as the ended bind ``fl`` left it (or later): bound, or replaced."""
+        pod = self._pods.get(key)
+        if pod is None or fl.bound_rv is None:
+            return False
+        if fl.uid and pod.metadata.uid and pod.metadata.uid != fl.uid:
+            return True  # another pod of that name: the bound one is gone
+        if not (pod.spec.node_name or pod.finished):
+            return False  # the annotated, not yet bound version
+        a, b = _rv(pod.metadata.resource_version), _rv(fl.bound_rv)
+        return a is None or b is None or a >= b
+
     def _desired(self, key: str) -> Assignment | None:
         """The assignment pod ``key`` holds now, or None; records why one cannot be accounted."""
         self._pod_problems.pop(key, None)  # judged afresh on every change of the pod
+        fl = self._inflight.get(key)
+        if fl is not None:
+            return fl.assignment  # a bind of this process in flight, or ended and not yet seen by the watch
         pod = self._pods.get(key)
         if pod is None or pod.finished:
-            return self._inflight.get(key)
+            return None
         text = pod.metadata.annotations.get(ASSIGNMENT_ANNOTATION)
         if text is None:
-            return self._inflight.get(key)
+            return None
+        if not pod.spec.node_name:
+            # Written by a bind that never completed (the extender stopped between the annotation and the
+            # Binding, and could not take it back): it holds nothing, and the pod's next bind overwrites it.
+            return None
         try:
             a = Assignment.from_json(text)
         except InvalidAssignment as e:
@@ -231,7 +327,7 @@ class ClusterView:
         if a.pod != key:
             self._problem(key, f"the assignment belongs to pod {a.pod}")
             return None
-        if pod.spec.node_name and pod.spec.node_name != a.node:
+        if pod.spec.node_name != a.node:
             self._problem(key, f"the assignment is for node {a.node} but the pod runs on {pod.spec.node_name}")
             return None
         if a.node not in self._specs:
@@ -256,25 +352,45 @@ class ClusterView:
             led.release(key)
         if desired is not None:
             try:
-                led.place(desired)
+                # An assignment that exists (the pod holds it, or its bind was decided) keeps a GPU that turned
+                # unhealthy since: its pod still runs there and nothing else may be placed on it.
+                led.place(desired, check_health=False)
             except LedgerError as e:
                 self._problem(key, str(e))
         self.generation += 1
 
     def _rebuild(self) -> None:
-        led = Ledger(self._specs.values(), self.catalog)
+        led = self._new_ledger()
         keys = sorted(set(self._pods) | set(self._inflight))
         for key in keys:
             desired = self._desired(key)
             if desired is None:
                 continue
             try:
-                led.place(desired)
+                led.place(desired, check_health=False)
             except LedgerError as e:
                 self._problem(key, str(e))
         self._ledger = led
         self.generation += 1
         log.debug("ledger rebuilt: %d node(s), %d assignment(s)", len(led.nodes), len(led))
+
+    def _new_ledger(self) -> Ledger:
+        """A ledger of every node whose inventory it can hold; a node it cannot is reported and left out."""
+        try:
+            return Ledger(self._specs.values(), self.catalog)
+        except Exception:  # find the node(s) at fault; the rest must keep working
+            pass
+        for name, spec in list(self._specs.items()):
+            try:
+                Ledger([spec], self.catalog)
+            except Exception as e:  # whatever an inventory does wrong, only its node is left out
+                del self._specs[name]
+                self._node_problem(
+                    name,
+                    f"its {INVENTORY_ANNOTATION} cannot be accounted, so its GPUs are not "
+                    f"scheduled: {type(e).__name__}: {e}",
+                )
+        return Ledger(self._specs.values(), self.catalog)
 
     # ----- reservations (the binder) -----------------------------------------------------------------------------
     def forget_unbound(self, key: str) -> None:
@@ -287,7 +403,10 @@ class ClusterView:
     def pod_keys_by_uid(self) -> dict[str, str]:
         return {p.metadata.uid: k for k, p in self._pods.items() if p.metadata.uid}
 
-    def reserve(self, a: Assignment) -> None:
+    def in_flight(self, key: str) -> bool:
+        return key in self._inflight
+
+    def reserve(self, a: Assignment, uid: str = "") -> None:
         """Account ``a`` now, before its annotation is written; raises :class:`LedgerConflict`."""
         led = self.ledger
         if a.pod in self._inflight:
@@ -295,13 +414,27 @@ class ClusterView:
         if a.pod in led.assignments:
             led.release(a.pod)  # a stale reservation of an earlier attempt (the pod is not bound)
             self.generation += 1
-        led.place(a)
-        self._inflight[a.pod] = a
+        led.place(a)  # a new placement: only healthy GPUs
+        self._inflight[a.pod] = _InFlight(a, uid)
         self.generation += 1
 
-    def settle(self, key: str, pod: Pod | None) -> None:
-        """A bind of ``key`` ended: ``pod`` is the pod as it now is (bound and annotated, or not), if known."""
-        self._inflight.pop(key, None)
+    def settle(self, key: str, pod: Pod | None, bound: bool = False) -> None:
+        """A bind of ``key`` ended: ``pod`` is the pod as it now is (annotated, or not), if known.
+
+        ``bound``: the Binding was created, and ``pod`` is the annotated pod the bind wrote. The reservation is then
+        kept until the watch delivers the pod bound (at or after that resourceVersion) or deleted, so that no older
+        copy of the pod can take the assignment away meanwhile. Otherwise the reservation ends now.
+        """
+        fl = self._inflight.get(key)
+        if fl is not None and fl.deleted:
+            del self._inflight[key]  # deleted while binding: it holds nothing, and no copy of it may come back
+            pod = None
+        elif fl is not None and (not bound or pod is None):
+            del self._inflight[key]  # failed: it holds nothing
+        elif fl is not None and pod is not None:
+            fl.bound_rv = pod.metadata.resource_version
+            if self._bind_seen(key, fl):
+                del self._inflight[key]  # the watch was faster than the binder
         if pod is not None:
             self._ingest_pod(pod)
         if self._ledger is not None:
@@ -309,21 +442,29 @@ class ClusterView:
 
     # ----- following the API server ----------------------------------------------------------------------------
     async def follow(self, api: ClusterApi, stop: asyncio.Event, max_backoff_s: float = 30.0) -> None:
-        """List, then watch Nodes and Pods until ``stop``; on any API error relist after a backoff, for ever."""
+        """List, then watch Nodes and Pods until ``stop``; on any API error relist after a backoff, for ever.
+
+        Each watch asks the API server to end it after a random 240–300 s (as client-go does), and each is given
+        up when no event came for :attr:`watch_idle_s` (longer than that): a connection that died silently (no
+        FIN, no RST) is noticed, and the view relists. A relist that fails marks the view out of sync.
+        """
         backoff = 0.2
         while not stop.is_set():
             try:
                 nodes, node_rv = await api.list_nodes()
                 pods, pod_rv = await api.list_pods()
                 self.reset(nodes, pods)
-                self.synced = True
-                log.info(
+                log.log(
+                    logging.DEBUG if self.synced else logging.INFO,
                     "cluster view in sync: %d sharegpu node(s), %d pod(s) with assignments",
                     len(self._specs),
                     len(self.ledger),
                 )
+                self.synced = True
                 backoff = 0.2
                 await self._watch(api, node_rv, pod_rv, stop)
+            except WatchEnded as e:
+                log.debug("%s; relisting", e)  # still in sync: relist at once (a failing list marks it out of sync)
             except Exception as e:  # an API error, or an object the view cannot read: relist rather than go stale
                 if not isinstance(e, ApiError):
                     log.exception("cluster view: unexpected error while following the API server; relisting")
@@ -338,25 +479,56 @@ class ClusterView:
         self.synced = False
 
     async def _watch(self, api: ClusterApi, node_rv: str, pod_rv: str, stop: asyncio.Event) -> None:
-        async def nodes() -> None:
-            async for event, node in api.watch_nodes(node_rv):
-                self.apply_node(event, node)
+        lo, hi = self.watch_timeout_s
+        rng = random.Random()
 
-        async def pods() -> None:
-            async for event, pod in api.watch_pods(pod_rv):
-                self.apply_pod(event, pod)
+        async def stream(what: str, events: AsyncIterator[tuple[str, _T]], apply: Callable[[str, _T], None]) -> None:
+            try:
+                while True:
+                    try:
+                        event, obj = await asyncio.wait_for(anext(events), self.watch_idle_s)
+                    except StopAsyncIteration:
+                        raise WatchEnded(f"the {what} watch ended") from None
+                    except TimeoutError:
+                        raise WatchEnded(f"no {what} event for {self.watch_idle_s:g}s") from None
+                    apply(event, obj)
+            finally:
+                close = getattr(events, "aclose", None)
+                if close is not None:
+                    with contextlib.suppress(Exception):
+                        await close()
 
-        tasks = [asyncio.ensure_future(nodes()), asyncio.ensure_future(pods()), asyncio.ensure_future(stop.wait())]
+        tasks = [
+            asyncio.ensure_future(stream("node", api.watch_nodes(node_rv, rng.randint(lo, hi)), self.apply_node)),
+            asyncio.ensure_future(stream("pod", api.watch_pods(pod_rv, rng.randint(lo, hi)), self.apply_pod)),
+            asyncio.ensure_future(stop.wait()),
+        ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                t.result()  # re-raises a watch's ApiError
-            if not stop.is_set():
-                raise ApiError("a watch ended without an error")
+                t.result()  # re-raises a watch's ApiError (or WatchEnded)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _rv(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _older(incoming: str, recorded: str) -> bool:
+    """Whether an object at resourceVersion ``incoming`` is older than one at ``recorded``.
+
+    Kubernetes calls resourceVersions opaque, but every API server in use (etcd's revision, and the in-memory one)
+    writes increasing integers, and client-go's informers rely on the same order. When either does not parse as an
+    integer the versions are not compared: the last writer wins.
+    """
+    a, b = _rv(incoming), _rv(recorded)
+    return a is not None and b is not None and a < b
 
 
 def _placeholder_workload() -> Workload:

@@ -8,8 +8,9 @@ pod after every mutating webhook) apply the same rules; only ``/mutate`` changes
 - a container asking for GPU memory or compute without ``sharegpu.io/gpu`` gets ``sharegpu.io/gpu: 1`` (mutate),
   because the kubelet hands devices only to containers that ask for ``sharegpu.io/gpu``;
 - nothing a pod sets itself may widen its limits: ``CUDA_MPS_*``, ``CUDA_VISIBLE_DEVICES`` and
-  ``NVIDIA_VISIBLE_DEVICES`` in a container's env, a ``sharegpu.io/assignment`` of its own, or a ``nodeName`` that
-  skips the scheduler are refused; on UPDATE only trusted users (the extender) may change the assignment.
+  ``NVIDIA_VISIBLE_DEVICES`` in a container's env (value or valueFrom), any ``envFrom`` (the webhook cannot see what
+  a ConfigMap or Secret holds), a ``sharegpu.io/assignment`` of its own, or a ``nodeName`` that skips the scheduler
+  are refused; on UPDATE only trusted users (the extender) may change the assignment.
 
 Pods that ask for nothing of sharegpu's pass untouched.
 """
@@ -31,6 +32,7 @@ from starlette.routing import Route
 
 from sharegpu.k8s.pod_request import (
     ASSIGNMENT_ANNOTATION,
+    DEFAULT_SCHEDULER_NAME,
     GPU_RESOURCE,
     REQUEST_ANNOTATIONS,
     asks_for_sharegpu,
@@ -43,7 +45,6 @@ from sharegpu.model.request import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SCHEDULER_NAME = "sharegpu-scheduler"
 FORBIDDEN_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 FORBIDDEN_ENV_PREFIX = "CUDA_MPS_"
 
@@ -67,14 +68,33 @@ def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def _env_offenders(pod: Pod) -> list[str]:
+def _ephemeral(spec: dict[str, Any] | None) -> list[Container]:
+    """The ephemeral containers of a pod spec (raw JSON, or the fields the Pod model does not name)."""
+    items = (spec or {}).get("ephemeralContainers") or []
+    return [Container.model_validate(c) for c in items if isinstance(c, dict)]
+
+
+def _env_offenders(pod: Pod, only: Sequence[Container] | None = None) -> list[str]:
+    """What in the pod's containers (init and ephemeral ones too), or in ``only``, could set the variables
+    sharegpu owns."""
     found = []
-    extra = pod.spec.model_extra or {}
-    ephemeral = [Container.model_validate(c) for c in extra.get("ephemeralContainers") or [] if isinstance(c, dict)]
-    for c in (*pod.spec.init_containers, *pod.spec.containers, *ephemeral):
-        for e in c.env:
+    containers = (
+        (*pod.spec.init_containers, *pod.spec.containers, *_ephemeral(pod.spec.model_extra)) if only is None else only
+    )
+    for c in containers:
+        for e in c.env:  # a value or a valueFrom: refused by name either way
             if e.name in FORBIDDEN_ENV or e.name.startswith(FORBIDDEN_ENV_PREFIX):
-                found.append(f"container {c.name!r} sets {e.name}")
+                found.append(
+                    f"container {c.name!r} sets {e.name}: remove it — sharegpu sets the visible devices and the MPS "
+                    "limits from the pod's assignment, and a pod may not set them itself"
+                )
+        if (c.model_extra or {}).get("envFrom"):
+            # The webhook cannot see what a ConfigMap or Secret holds (now or after an edit), so none is allowed.
+            found.append(
+                f"container {c.name!r} uses envFrom: set its variables with env instead — a ConfigMap or Secret "
+                "could set CUDA_MPS_*, CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES, which sharegpu sets from the "
+                "pod's assignment, and the webhook cannot see their contents"
+            )
     return found
 
 
@@ -117,11 +137,7 @@ def admit_pod(
         return Verdict(True)
     problems = _env_offenders(pod)
     if problems:
-        return Verdict(
-            False,
-            f"{'; '.join(problems)}: remove it — sharegpu sets the visible devices and the MPS limits from the "
-            "pod's assignment, and a pod may not set them itself",
-        )
+        return Verdict(False, "; ".join(problems))
     if ASSIGNMENT_ANNOTATION in pod.metadata.annotations:
         return Verdict(False, f"remove the {ASSIGNMENT_ANNOTATION} annotation: only the sharegpu scheduler sets it")
     if pod.spec.node_name:
@@ -152,6 +168,12 @@ def admit_pod(
 
 
 def _admit_update(pod: Pod, old: dict[str, Any] | None, username: str, cfg: WebhookConfig) -> Verdict:
+    if asks_for_sharegpu(pod):
+        # Ephemeral containers are the only ones an UPDATE (pods/ephemeralcontainers) can add.
+        had = {c.name for c in _ephemeral((old or {}).get("spec") or {})}
+        problems = _env_offenders(pod, [c for c in _ephemeral(pod.spec.model_extra) if c.name not in had])
+        if problems:
+            return Verdict(False, "; ".join(problems))
     before = ((old or {}).get("metadata") or {}).get("annotations") or {}
     after = pod.metadata.annotations
     if before.get(ASSIGNMENT_ANNOTATION) != after.get(ASSIGNMENT_ANNOTATION) and username not in cfg.trusted_users:

@@ -179,7 +179,11 @@ def _gpu_from_dict(g: Any, node: str, catalog: Catalog) -> GpuDevice:
 def _check_mig(dev: GpuDevice, where: str, catalog: Catalog) -> None:
     """MIG instances must be real placements of the model's profiles and must not overlap."""
     slots = [(m.profile, m.start) for m in dev.mig_devices]
-    static = {(s.profile, s.start) for s in dev.mig_instances}
+    static_list = [(s.profile, s.start) for s in dev.mig_instances]
+    static = set(static_list)
+    if len(static) != len(static_list):
+        twice = next(s for s in static_list if static_list.count(s) > 1)
+        raise InvalidInventory(f"{where}: static MIG instance {twice[0]}@{twice[1]} is listed twice")
     if (dev.mig_devices or dev.mig_instances) and not dev.mig_enabled:
         raise InvalidInventory(f"{where}: lists MIG instances but MIG mode is off")
     if not static <= set(slots) and dev.mig_devices:
@@ -195,7 +199,7 @@ def _check_mig(dev: GpuDevice, where: str, catalog: Catalog) -> None:
             raise InvalidInventory(
                 f"{where}: {profile_name} cannot start at slot {start}; valid starts: {list(profile.starts)}"
             )
-    for profile_name, start in slots or list(static):
+    for profile_name, start in slots or static_list:
         profile = model.profile(profile_name)
         mask = ((1 << profile.memory_slots) - 1) << start
         if covered & mask:

@@ -30,7 +30,7 @@ from sharegpu.node.metrics import (
     new_registry,
 )
 from sharegpu.node.mig import MigManager, MigNeed
-from sharegpu.node.mps import MpsDaemon, MpsManager
+from sharegpu.node.mps import MpsDaemon, MpsLimits, MpsManager
 from sharegpu.node.publish import InventoryPublisher, build_node_spec
 from sharegpu.node.state import AgentState, StateError
 
@@ -48,6 +48,7 @@ class AgentConfig:
     interval_s: float = 10.0
     tokens_per_gpu: int = TOKENS_PER_GPU
     allocate_wait_s: float = 15.0
+    grant_grace_s: float = 120.0  # how long a fresh Allocate's grant counts as needed whatever a pod list says
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class _Desired:
     non_mig_gpus: set[int] = field(default_factory=set)
     mps_gpus: set[str] = field(default_factory=set)  # GPU UUIDs with MPS shares outside MIG
     mps_mig: set[MigNeed] = field(default_factory=set)  # MIG instances whose shares use MPS
+    mps_limits: dict[str | MigNeed, MpsLimits] = field(default_factory=dict)  # per unit: its largest share
 
 
 class NodeAgent:
@@ -83,13 +85,21 @@ class NodeAgent:
         self.mig = MigManager(backend, self.state, catalog)
         self.mps = MpsManager(config.state_dir / "mps", mps_daemon)
         self.allocator = Allocator(
-            config.node_name, backend, kube, self.mig, self.mps, self.state, wait_s=config.allocate_wait_s
+            config.node_name,
+            backend,
+            kube,
+            self.mig,
+            self.mps,
+            self.state,
+            wait_s=config.allocate_wait_s,
+            grant_grace_s=config.grant_grace_s,
         )
         self.plugin = DevicePluginServer(config.plugin_dir, self.allocator)
         self.publisher = InventoryPublisher(kube, config.node_name)
         self.snapshot = MetricsSnapshot(config.node_name)
         self.registry = new_registry(lambda: self.snapshot)
         self._recovered = False
+        self._absent_before: set[str] = set()  # allocated pods missing from the previous pod list
         self.metrics_server: MetricsServer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -124,28 +134,58 @@ class NodeAgent:
         pods = [p for p in await self.kube.pods_on_node(self.config.node_name) if p.node_name == self.config.node_name]
         live = [p for p in pods if not p.finished]
         assignments, invalid = self._assignments(live)
-        desired = self._desired(assignments, invalid)
-        errors = list(self.mig.reconcile(desired.mig, desired.non_mig_gpus).errors)
-        mps_units = set(desired.mps_gpus)
-        instances = {
-            MigNeed(d.index, i.start, i.profile): i.uuid
-            for d in self.backend.devices()
-            if d.mig_enabled
-            for i in self.backend.mig_instances(d.index)
-        }
-        for need in desired.mps_mig:
-            if need in instances:
-                mps_units.add(instances[need])
-            else:
-                errors.append(f"GPU {need.gpu_index}: no {need.profile} instance at slot {need.start} for MPS")
-        errors += await self.mps.reconcile(mps_units)
-        self.state.forget_pods_except({p.uid for p in pods})
+        # Everything below destroys, stops or forgets. It runs under the allocator's lock, so no Allocate runs in
+        # between, and it counts what Allocate handed out since (or just before) ``pods`` was listed: that list
+        # can predate a grant, and must never undo one.
+        async with self.allocator.lock:
+            errors = await self._reconcile_units(pods, assignments, invalid)
         spec = build_node_spec(
             self.config.node_name, self.backend, self.mig.is_managed, node.cpu_milli, node.memory_mib, self.catalog
         )
         published = await self.publisher.publish(spec, node.labels, node.annotations)
         self.snapshot = self._snapshot(pods, assignments, len(invalid), len(errors))
         return ReconcileResult(tuple(assignments), tuple(invalid), tuple(errors), published)
+
+    async def _reconcile_units(
+        self, pods: list[PodInfo], assignments: list[Assignment], invalid: list[str]
+    ) -> list[str]:
+        recent = self.allocator.recent_grants()
+        desired = self._desired(assignments, invalid)
+        granted_mps: dict[str, MpsLimits] = {}
+        for g in recent:
+            desired.mig |= g.mig
+            desired.non_mig_gpus |= g.non_mig_gpus
+            for unit, limits in g.mps:
+                granted_mps[unit] = limits.union(granted_mps.get(unit))
+        errors = list(self.mig.reconcile(desired.mig, desired.non_mig_gpus).errors)
+        mps_units = set(desired.mps_gpus)
+        instances: dict[MigNeed, str] = {}
+        for d in self.backend.devices():
+            if not d.mig_enabled:
+                continue
+            try:
+                instances |= {MigNeed(d.index, i.start, i.profile): i.uuid for i in self.backend.mig_instances(d.index)}
+            except BackendError as e:  # a lost GPU: the others are still served
+                errors.append(f"GPU {d.index}: cannot list MIG instances: {e}")
+        mps_limits = {u: desired.mps_limits[u] for u in desired.mps_gpus if u in desired.mps_limits}
+        for need in desired.mps_mig:
+            if need in instances:
+                mps_units.add(instances[need])
+                if need in desired.mps_limits:
+                    mps_limits[instances[need]] = desired.mps_limits[need]
+            else:
+                errors.append(f"GPU {need.gpu_index}: no {need.profile} instance at slot {need.start} for MPS")
+        for unit, limits in granted_mps.items():
+            mps_units.add(unit)
+            mps_limits[unit] = limits.union(mps_limits.get(unit))
+        errors += await self.mps.reconcile(mps_units, mps_limits)
+        # Forget a pod's allocations only when two lists in a row lack it and no recent grant is its: a list
+        # that predates the pod (or lags behind it) must not make its containers allocatable again.
+        keep = {p.uid for p in pods} | {g.pod_uid for g in recent}
+        absent = set(self.state.allocations) - keep
+        self.state.forget_pods(absent & self._absent_before)
+        self._absent_before = absent
+        return errors
 
     def _assignments(self, pods: list[PodInfo]) -> tuple[list[Assignment], list[str]]:
         out: list[Assignment] = []
@@ -185,6 +225,10 @@ class NodeAgent:
                     want.non_mig_gpus.add(s.gpu_index)
                     if s.sharing is Mechanism.MPS:
                         want.mps_gpus.add(s.gpu_uuid)
+                if s.sharing is Mechanism.MPS:
+                    unit: str | MigNeed = need if s.mig is not None else s.gpu_uuid
+                    limits = MpsLimits.of_share(s.compute_milli, s.memory_mib)
+                    want.mps_limits[unit] = limits.union(want.mps_limits.get(unit))
         return want
 
     def _gpu_fraction(self, gpu_index: int, profile: str | None) -> float:

@@ -11,19 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sharegpu.model.assignment import Assignment, GpuShare, InvalidAssignment, Mechanism
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, ContainerInfo, KubeApi, KubeError, PodInfo
-from sharegpu.node.mig import MigError, MigInvalid, MigManager
-from sharegpu.node.mps import MpsError, MpsManager
+from sharegpu.node.mig import MigError, MigInvalid, MigManager, MigNeed
+from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
 from sharegpu.node.state import AgentState
 
 log = logging.getLogger(__name__)
 
 MPS_PIPE_IN_CONTAINER = "/run/sharegpu/mps"
+REFUSED_TTL_S = 600.0  # the kubelet marks a refused pod Failed long before this; the API may lag behind it
+REFUSED_MAX = 1024
 
 
 class AllocationError(Exception):
@@ -49,6 +52,22 @@ class ContainerGrant:
     mounts: tuple[MountSpec, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class RecentGrant:
+    """What one Allocate just handed out, for a reconcile whose pod list may predate it.
+
+    The reconcile loop lists pods, then acts; an Allocate that runs in between is not in that list. Until the
+    grant is older than the allocator's grace period, reconcile treats its MIG instances, MPS daemon (with its
+    limits) and GPUs as needed and its pod's allocations as live.
+    """
+
+    pod_uid: str
+    at: float  # time.monotonic() when it was made
+    mig: frozenset[MigNeed] = frozenset()
+    non_mig_gpus: frozenset[int] = frozenset()
+    mps: tuple[tuple[str, MpsLimits], ...] = ()  # unit UUID and the limits its daemon was given
+
+
 class Allocator:
     def __init__(
         self,
@@ -60,6 +79,7 @@ class Allocator:
         state: AgentState,
         wait_s: float = 15.0,
         poll_s: float = 0.5,
+        grant_grace_s: float = 120.0,
     ) -> None:
         self.node_name = node_name
         self._backend = backend
@@ -69,20 +89,55 @@ class Allocator:
         self._state = state
         self._wait_s = wait_s
         self._poll_s = poll_s
-        self._lock = asyncio.Lock()  # one container at a time: two calls must never pick the same container
+        self._grace_s = grant_grace_s
+        self._recent: list[RecentGrant] = []
+        # Pods Allocate refused (or failed on): the kubelet rejects such a pod for good, but its Failed status can
+        # reach the API after the next Allocate, which must not pick it again. Bounded, and each entry expires.
+        self._refused: OrderedDict[str, float] = OrderedDict()  # pod UID → monotonic expiry
+        # One container at a time (two calls must never pick the same container); the reconcile loop takes it too
+        # around everything that destroys, stops or forgets, so it never acts between an Allocate's steps.
+        self.lock = asyncio.Lock()
 
     async def allocate(self, device_count: int) -> ContainerGrant:
         if device_count < 1:
             raise AllocationError(f"the kubelet asked for {device_count} {GPU_RESOURCE}; at least 1 is needed")
-        async with self._lock:
+        async with self.lock:
             deadline = time.monotonic() + self._wait_s
             pod, container, index = await self._find_container(device_count, deadline)
-            assignment = self._assignment_of(pod)
-            shares = self._shares_for(pod, assignment, container, index)
-            grant = await self._grant(pod, container, shares, deadline)
+            try:
+                assignment = self._assignment_of(pod)
+                shares = self._shares_for(pod, assignment, container, index)
+                grant = await self._grant(pod, container, shares, deadline)
+            except BaseException:
+                self._refuse(pod.uid)  # whatever the reason, the kubelet now rejects this pod
+                raise
+            self._remember(pod.uid, shares, grant)
             self._state.record_allocation(pod.uid, container.name, grant.units)
             log.info("allocated %s to %s container %s", ",".join(grant.units), pod.key, container.name)
             return grant
+
+    def recent_grants(self) -> tuple[RecentGrant, ...]:
+        """The grants made within the grace period (older ones are dropped here)."""
+        cutoff = time.monotonic() - self._grace_s
+        self._recent = [g for g in self._recent if g.at >= cutoff]
+        return tuple(self._recent)
+
+    def _remember(self, pod_uid: str, shares: tuple[GpuShare, ...], grant: ContainerGrant) -> None:
+        mps = tuple(
+            (unit, MpsLimits.of_share(s.compute_milli, s.memory_mib))
+            for s, unit in zip(shares, grant.units, strict=True)
+            if s.sharing is Mechanism.MPS
+        )
+        self.recent_grants()  # prune
+        self._recent.append(
+            RecentGrant(
+                pod_uid,
+                time.monotonic(),
+                frozenset(MigNeed(s.gpu_index, s.mig.start, s.mig.profile) for s in shares if s.mig is not None),
+                frozenset(s.gpu_index for s in shares if s.mig is None),
+                mps,
+            )
+        )
 
     # ----- which container -------------------------------------------------------------------------------------
     async def _find_container(self, count: int, deadline: float) -> tuple[PodInfo, ContainerInfo, int]:
@@ -104,21 +159,39 @@ class Allocator:
                 )
             await asyncio.sleep(self._poll_s)
 
+    def _refuse(self, pod_uid: str) -> None:
+        self._refused.pop(pod_uid, None)
+        self._refused[pod_uid] = time.monotonic() + REFUSED_TTL_S
+        while len(self._refused) > REFUSED_MAX:
+            self._refused.popitem(last=False)
+
+    def refused(self, pod_uid: str) -> bool:
+        expiry = self._refused.get(pod_uid)
+        if expiry is None:
+            return False
+        if expiry < time.monotonic():
+            del self._refused[pod_uid]
+            return False
+        return True
+
     def _pick(self, pods: list[PodInfo], count: int) -> tuple[PodInfo, ContainerInfo, int] | None:
         waiting = [
             p
             for p in pods
-            if p.node_name == self.node_name and p.phase == "Pending" and not p.deleting and p.gpu_containers
+            if p.node_name == self.node_name
+            and p.phase == "Pending"
+            and not p.reason  # the kubelet rejected it (UnexpectedAdmissionError, OutOf…): no Allocate will come
+            and not p.deleting
+            and p.gpu_containers
+            and not self.refused(p.uid)
         ]
         for pod in sorted(waiting, key=lambda p: (p.created, p.key)):
             done = self._state.allocated_containers(pod.uid)
-            index = 0
-            for c in pod.gpu_containers:
+            for c, index in pod.share_offsets():
                 if c.name not in done:
                     if c.gpus == count:
                         return pod, c, index
                     break  # the kubelet allocates a pod's containers in order: this pod is not the one
-                index += c.gpus
         return None
 
     # ----- its assignment --------------------------------------------------------------------------------------
@@ -144,7 +217,7 @@ class Allocator:
         return a
 
     def _shares_for(self, pod: PodInfo, a: Assignment, container: ContainerInfo, index: int) -> tuple[GpuShare, ...]:
-        asked = sum(c.gpus for c in pod.gpu_containers)
+        asked = pod.gpu_demand
         if asked != len(a.shares):
             raise AllocationError(
                 f"pod {pod.key}: its containers ask for {asked} {GPU_RESOURCE} in all, "
@@ -168,6 +241,8 @@ class Allocator:
                 )
             if not dev.healthy:
                 raise AllocationError(f"pod {pod.key}: GPU {dev.uuid} is unhealthy")
+            if s.mig is None and dev.mig_enabled:
+                await self._whole_gpu(pod, s, deadline)
             units.append(await self._unit_of(pod, s, deadline) if s.mig is not None else dev.uuid)
         envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(units)}
         mounts: list[MountSpec] = []
@@ -180,7 +255,9 @@ class Allocator:
                 )
             i, s = mps[0]
             try:
-                spec = await self._mps.ensure(units[i])
+                # The daemon holds the client to its share (at least: to the largest share on the unit) before the
+                # container may start; the environment below can only lower that further.
+                spec = await self._mps.ensure(units[i], MpsLimits.of_share(s.compute_milli, s.memory_mib))
             except MpsError as e:
                 raise AllocationError(f"pod {pod.key}: {e}") from None
             mounts.append(MountSpec(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
@@ -190,6 +267,19 @@ class Allocator:
             if s.memory_mib > 0:
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={s.memory_mib}M"
         return ContainerGrant(pod.key, pod.uid, container.name, tuple(units), envs, tuple(mounts))
+
+    async def _whole_gpu(self, pod: PodInfo, s: GpuShare, deadline: float) -> None:
+        # A GPU in MIG mode has no whole-GPU device: its UUID would hand the container every MIG instance on it.
+        while True:
+            why = self._mig.release_for_whole_gpu(s.gpu_index, s.gpu_uuid)
+            if why is None:
+                return
+            if time.monotonic() >= deadline:
+                raise AllocationError(
+                    f"pod {pod.key}: GPU {s.gpu_index} ({s.gpu_uuid}) is in MIG mode and its share is not a MIG "
+                    f"instance; refusing to hand out the whole GPU: {why}"
+                )
+            await asyncio.sleep(self._poll_s)
 
     async def _unit_of(self, pod: PodInfo, s: GpuShare, deadline: float) -> str:
         assert s.mig is not None

@@ -39,6 +39,7 @@ class PodInfo:
     containers: tuple[ContainerInfo, ...] = ()
     init_containers: tuple[ContainerInfo, ...] = ()
     deleting: bool = False
+    reason: str = ""  # status.reason: set when the kubelet rejected or evicted the pod
 
     @property
     def key(self) -> str:
@@ -51,7 +52,27 @@ class PodInfo:
     @property
     def gpu_containers(self) -> tuple[ContainerInfo, ...]:
         """Containers that ask for sharegpu.io/gpu, in the order the kubelet allocates them."""
-        return tuple(c for c in (*self.init_containers, *self.containers) if c.gpus > 0)
+        return tuple(c for c, _ in self.share_offsets())
+
+    def share_offsets(self) -> tuple[tuple[ContainerInfo, int], ...]:
+        """Each GPU container, in allocation order, with the index of its first share in the assignment.
+
+        Init containers run one at a time before the app containers and the kubelet hands their devices on, so
+        each init container takes the shares from index 0; app containers take consecutive shares. The pod's
+        GPU demand is therefore max(sum of app containers, largest init container), as the scheduler counts it.
+        """
+        out: list[tuple[ContainerInfo, int]] = [(c, 0) for c in self.init_containers if c.gpus > 0]
+        offset = 0
+        for c in self.containers:
+            if c.gpus > 0:
+                out.append((c, offset))
+                offset += c.gpus
+        return tuple(out)
+
+    @property
+    def gpu_demand(self) -> int:
+        app = sum(c.gpus for c in self.containers)
+        return max(app, max((c.gpus for c in self.init_containers), default=0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +114,7 @@ def pod_info_from_dict(d: Mapping[str, Any]) -> PodInfo:
         containers=tuple(_container(c) for c in spec.get("containers") or ()),
         init_containers=tuple(_container(c) for c in spec.get("initContainers") or ()),
         deleting=meta.get("deletionTimestamp") is not None,
+        reason=str(status.get("reason") or ""),
     )
 
 

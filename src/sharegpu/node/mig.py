@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sharegpu.model.assignment import MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
-from sharegpu.node.backends.base import BackendError, GpuBackend, MigInstanceInfo, device
+from sharegpu.node.backends.base import BackendError, GpuBackend, MigInstanceInfo, MigModePending, device
 from sharegpu.node.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -166,10 +166,38 @@ class MigManager:
             raise MigError(f"{where}: MIG mode is off and other assignments use the GPU without MIG")
         try:
             self._backend.set_mig_mode(gpu_index, True)
+        except MigModePending as e:
+            if e.still_pending:
+                # It will turn on at the next reset: record it as ours, so that it is turned off again when a
+                # non-MIG share needs the GPU, rather than taken for an administrator's choice.
+                self._state.set_mig_mode_by_us(gpu_uuid, True)
+            raise MigError(f"{where}: MIG mode is off and cannot be turned on: {e}") from None
         except BackendError as e:
             raise MigError(f"{where}: MIG mode is off and cannot be turned on: {e}") from None
         self._state.set_mig_mode_by_us(gpu_uuid, True)
         log.info("turned MIG mode on for GPU %d", gpu_index)
+
+    def release_for_whole_gpu(self, gpu_index: int, gpu_uuid: str) -> str | None:
+        """Take a GPU out of MIG mode for a non-MIG share, if sharegpu put it there and nothing uses it.
+
+        Returns None when the GPU is out of MIG mode, else why it is not.
+        """
+        self._non_mig_gpus.add(gpu_index)
+        errors: list[str] = []
+        try:
+            for inst in self._backend.mig_instances(gpu_index):
+                self._destroy_if_free(inst)
+            self._maybe_leave_mig(gpu_index, gpu_uuid, errors)
+            dev = device(self._backend, gpu_index)
+        except BackendError as e:
+            return str(e)
+        if not dev.mig_enabled:
+            return None
+        if errors:
+            return errors[-1]
+        if gpu_uuid not in self._state.mig_mode_set:
+            return "an administrator put it in MIG mode (sharegpu leaves that to them)"
+        return "it still has MIG instances in use"
 
     def _maybe_leave_mig(self, gpu_index: int, gpu_uuid: str, errors: list[str]) -> None:
         dev = device(self._backend, gpu_index)

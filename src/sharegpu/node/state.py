@@ -56,6 +56,14 @@ class AgentState:
                 del self.allocations[uid]
             self.save()
 
+    def forget_pods(self, uids: set[str]) -> None:
+        """Drop the allocations of these pods (the caller made sure that they are gone)."""
+        gone = set(self.allocations) & uids
+        if gone:
+            for uid in gone:
+                del self.allocations[uid]
+            self.save()
+
     def save(self) -> None:
         if self.path is None:
             return

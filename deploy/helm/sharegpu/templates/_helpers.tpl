@@ -18,3 +18,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "sharegpu.extenderName" -}}{{ include "sharegpu.fullname" . }}-extender{{- end -}}
 {{- define "sharegpu.webhookName" -}}{{ include "sharegpu.fullname" . }}-webhook{{- end -}}
 {{- define "sharegpu.schedulerName" -}}{{ include "sharegpu.fullname" . }}-scheduler{{- end -}}
+
+{{- /*
+The webhooks' matchCondition: the pod names a sharegpu.io/ resource in a container or init container, or carries a
+sharegpu.io/ annotation (before or after an UPDATE). Every field is guarded with has(): an error in a condition
+would count as a webhook failure.
+*/ -}}
+{{- define "sharegpu.webhookMatch" -}}
+{{- $res := "has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(r, r.startsWith('sharegpu.io/'))) || (has(c.resources.requests) && c.resources.requests.exists(r, r.startsWith('sharegpu.io/'))))" -}}
+(has(object.metadata.annotations) && object.metadata.annotations.exists(k, k.startsWith('sharegpu.io/')))
+|| (request.operation == 'UPDATE' && has(oldObject.metadata.annotations) && oldObject.metadata.annotations.exists(k, k.startsWith('sharegpu.io/')))
+|| (has(object.spec.containers) && object.spec.containers.exists(c, {{ $res }}))
+|| (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $res }}))
+{{- end -}}

@@ -43,6 +43,26 @@ class MigInstanceNotFound(BackendError):
     pass
 
 
+class MigModePending(BackendError):
+    """The driver took a MIG-mode change but could not activate it.
+
+    ``still_pending`` says whether the request is left pending (it then takes effect at the GPU's next reset,
+    whoever causes it) or was withdrawn.
+    """
+
+    def __init__(self, message: str, still_pending: bool) -> None:
+        super().__init__(message)
+        self.still_pending = still_pending
+
+
+class MigModeInUse(MigModePending, InstanceInUse):
+    """Activation failed because the GPU is in use (NVML_ERROR_IN_USE)."""
+
+
+class ResetRequired(MigModePending):
+    """Activation needs a GPU reset (NVML_ERROR_RESET_REQUIRED), e.g. on GPUs that cannot reset on their own."""
+
+
 @dataclass(frozen=True, slots=True)
 class MigPlacement:
     start: int

@@ -8,9 +8,10 @@ MIG UUIDs, typed errors. Tests drive :class:`NvmlBackend` through a fake of :cla
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,19 +25,25 @@ from sharegpu.node.backends.base import (
     InvalidPlacement,
     MigInstanceInfo,
     MigInstanceNotFound,
+    MigModeInUse,
+    MigModePending,
     MigNotEnabled,
     MigPlacement,
     MigProfileInfo,
     MigUnsupported,
     ProcessInfo,
+    ResetRequired,
     Utilization,
 )
+
+log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 
 
 class NvmlCallError(Exception):
-    """An NVML call failed; ``kind`` is one of insufficient, in_use, invalid, not_supported, not_found, other."""
+    """An NVML call failed; ``kind`` is one of insufficient, in_use, invalid, not_supported, not_found,
+    reset_required, gpu_lost, other."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -136,39 +143,78 @@ class NvmlBackend:
                 f"cannot initialise NVML: {e}; is the NVIDIA driver installed and the GPU visible?"
             ) from None
         self._profiles: dict[int, list[tuple[MigProfileInfo, int]]] = {}
+        self._last: dict[int, DeviceInfo] = {}  # the last good reading of each GPU, for when it is lost
 
     def devices(self) -> tuple[DeviceInfo, ...]:
-        out = []
+        """Every GPU; one that fails its queries (fell off the bus, needs a reset) is reported unhealthy.
+
+        A failing GPU keeps the identity it was last read with, so its tokens turn unhealthy rather than vanish,
+        and the others keep being served. A GPU that fails before it was ever read is left out (with a warning)
+        unless at least its UUID can be read.
+        """
         try:
-            for i in range(self._api.device_count()):
-                h = self._api.handle(i)
-                total, _ = self._api.memory(h)
-                product = self._api.name(h)
-                model = resolve_model(product, total // MIB, self._catalog)
-                try:
-                    current, _ = self._api.mig_mode(h)
-                except NvmlCallError:
-                    current = False  # not MIG-capable
-                healthy = True
-                try:
-                    self._api.utilization(h)  # a GPU that fell off the bus fails every query
-                except NvmlCallError as e:
-                    healthy = e.kind == "not_supported"
-                out.append(
-                    DeviceInfo(
-                        index=i,
-                        uuid=self._api.uuid(h),
-                        product=product,
-                        model=model.name,
-                        memory_mib=total // MIB,
-                        sms=self._api.sm_count(h) or model.sms,
-                        mig_enabled=current,
-                        healthy=healthy,
-                    )
-                )
+            count = self._api.device_count()
         except NvmlCallError as e:
-            raise _err(e, "listing GPUs") from None
+            if not self._last:
+                raise _err(e, "listing GPUs") from None
+            log.warning("cannot count GPUs (%s); reporting the last known ones as unhealthy", e)
+            return tuple(replace(d, healthy=False) for _, d in sorted(self._last.items()))
+        out = []
+        for i in range(count):
+            try:
+                info = self._read_device(i)
+            except NvmlCallError as e:
+                last = self._last.get(i)
+                if last is None:
+                    last = self._unknown_device(i)
+                if last is None:
+                    log.warning("GPU %d fails every query and was never read: left out (%s)", i, e)
+                    continue
+                if last.healthy:
+                    log.warning("GPU %d (%s) stopped answering: reported unhealthy: %s", i, last.uuid, e)
+                self._last[i] = replace(last, healthy=False)
+                out.append(self._last[i])
+                continue
+            self._last[i] = info
+            out.append(info)
         return tuple(out)
+
+    def _read_device(self, i: int) -> DeviceInfo:
+        h = self._api.handle(i)
+        uuid = self._api.uuid(h)
+        total, _ = self._api.memory(h)
+        product = self._api.name(h)
+        model = resolve_model(product, total // MIB, self._catalog)
+        try:
+            current, _ = self._api.mig_mode(h)
+        except NvmlCallError as e:
+            if e.kind in ("gpu_lost", "reset_required"):
+                raise
+            current = False  # not MIG-capable
+        healthy = True
+        try:
+            self._api.utilization(h)  # a GPU that fell off the bus fails every query
+        except NvmlCallError as e:
+            healthy = e.kind == "not_supported"
+        return DeviceInfo(
+            index=i,
+            uuid=uuid,
+            product=product,
+            model=model.name,
+            memory_mib=total // MIB,
+            sms=self._api.sm_count(h) or model.sms,
+            mig_enabled=current,
+            healthy=healthy,
+        )
+
+    def _unknown_device(self, i: int) -> DeviceInfo | None:
+        """A GPU never read whole: its UUID alone, if the driver still gives it, under a generic model."""
+        try:
+            uuid = self._api.uuid(self._api.handle(i))
+        except NvmlCallError:
+            return None
+        model = self._catalog.get("unknown-gpu")
+        return DeviceInfo(i, uuid, "unknown", model.name, 0, model.sms, False, healthy=False)
 
     def mig_profiles(self, gpu_index: int) -> tuple[MigProfileInfo, ...]:
         return tuple(p for p, _ in self._profile_table(gpu_index))
@@ -194,13 +240,36 @@ class NvmlBackend:
         if enabled and any(self.processes(gpu_index)):
             raise InstanceInUse(f"GPU {gpu_index} runs processes; MIG mode can change only on an idle GPU")
         try:
-            active = self._api.set_mig_mode(h, enabled)
+            kind = "" if self._api.set_mig_mode(h, enabled) else "reset_required"
         except NvmlCallError as e:
-            raise _err(e, f"GPU {gpu_index}: switching MIG mode") from None
-        if not active:
-            raise BackendError(
-                f"GPU {gpu_index}: MIG mode change is pending a GPU reset (nvidia-smi -r -i {gpu_index})"
-            )
+            if e.kind not in ("in_use", "reset_required"):
+                raise _err(e, f"GPU {gpu_index}: switching MIG mode") from None
+            kind = e.kind
+        if not kind:
+            return
+        still_pending = self._withdraw_pending(h, enabled)
+        cls: type[MigModePending] = MigModeInUse if kind == "in_use" else ResetRequired
+        why = "the GPU is in use" if kind == "in_use" else f"it needs a GPU reset (nvidia-smi -r -i {gpu_index})"
+        left = (
+            "the request is still pending and takes effect at the GPU's next reset"
+            if still_pending
+            else "the request was withdrawn"
+        )
+        mode = "on" if enabled else "off"
+        raise cls(f"GPU {gpu_index}: MIG mode {mode} could not be activated: {why}; {left}", still_pending)
+
+    def _withdraw_pending(self, h: Any, enabled: bool) -> bool:
+        """Undo a MIG-mode request that did not activate; True when it is still pending afterwards."""
+        try:
+            current, pending = self._api.mig_mode(h)
+            if pending != enabled or current == enabled:
+                return False
+            with contextlib.suppress(NvmlCallError):
+                self._api.set_mig_mode(h, current)  # asking for the current mode clears the pending one
+            current, pending = self._api.mig_mode(h)
+        except NvmlCallError:
+            return True  # cannot tell: assume the worst
+        return pending == enabled and current != enabled
 
     def create_mig_instance(self, gpu_index: int, profile: str, start: int | None = None) -> MigInstanceInfo:
         h = self._handle(gpu_index)
@@ -361,6 +430,8 @@ class PynvmlApi:
                 n.NVML_ERROR_INVALID_ARGUMENT: "invalid",
                 n.NVML_ERROR_NOT_SUPPORTED: "not_supported",
                 n.NVML_ERROR_NOT_FOUND: "not_found",
+                n.NVML_ERROR_RESET_REQUIRED: "reset_required",
+                n.NVML_ERROR_GPU_IS_LOST: "gpu_lost",
             }
             raise NvmlCallError(kinds.get(e.value, "other"), f"{fn}: {e}") from None
 
@@ -401,7 +472,12 @@ class PynvmlApi:
         status = self._call(
             "nvmlDeviceSetMigMode", h, n.NVML_DEVICE_MIG_ENABLE if enabled else n.NVML_DEVICE_MIG_DISABLE
         )
-        return bool(status == n.NVML_SUCCESS)
+        # The call succeeded; activationStatus (an nvmlReturn_t) says whether the new mode is active.
+        if status == n.NVML_SUCCESS:
+            return True
+        if status == n.NVML_ERROR_IN_USE:
+            raise NvmlCallError("in_use", "nvmlDeviceSetMigMode: activation failed: the GPU is in use")
+        return False  # NVML_ERROR_RESET_REQUIRED and the like: pending until a reset
 
     def gi_profiles(self, h: Any) -> list[GiProfile]:
         out = []
@@ -438,9 +514,13 @@ class PynvmlApi:
     def create_gi(self, h: Any, profile_id: int, start: int | None, size: int) -> Any:
         if start is None:
             return self._call("nvmlDeviceCreateGpuInstance", h, profile_id)
+        import ctypes
+
         placement = self._n.c_nvmlGpuInstancePlacement_t()
         placement.start, placement.size = start, size
-        return self._call("nvmlDeviceCreateGpuInstanceWithPlacement", h, profile_id, placement)
+        # The C API takes ``const nvmlGpuInstancePlacement_t *`` and pynvml's wrapper passes its argument through
+        # unchanged (no argtypes): the struct must go by reference, or NVML reads the two uints as an address.
+        return self._call("nvmlDeviceCreateGpuInstanceWithPlacement", h, profile_id, ctypes.byref(placement))
 
     def create_full_ci(self, gi: Any, slices: int) -> None:
         n = self._n

@@ -1,0 +1,89 @@
+"""The effective GPU request of a pod with init containers, quantities with an upper-case exponent, and the message
+for non-positive memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from k8s_helpers import node_spec, pod_obj
+
+from sharegpu.k8s.extender import Extender
+from sharegpu.k8s.memory import MemoryClusterApi
+from sharegpu.k8s.pod_request import pod_request
+from sharegpu.k8s.schema import ExtenderArgs, Node, Pod
+from sharegpu.k8s.view import ClusterView
+from sharegpu.model.inventory import NodeSpec
+from sharegpu.model.request import InvalidRequest
+
+
+def with_init(pod: dict[str, Any], *gpus: int) -> dict[str, Any]:
+    pod["spec"]["initContainers"] = [
+        {
+            "name": f"init-{i}",
+            "image": "x",
+            "resources": {"limits": {"sharegpu.io/gpu": str(g), "sharegpu.io/gpu-memory": "10Gi"}},
+        }
+        for i, g in enumerate(gpus)
+    ]
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("app", "init", "effective"),
+    [(1, (1,), 1), (1, (2,), 2), (2, (1,), 2), (1, (3, 1), 3), (2, (), 2)],
+)
+def test_init_containers_count_as_the_kube_scheduler_counts_them(
+    app: int, init: tuple[int, ...], effective: int
+) -> None:
+    pod = with_init(pod_obj("p", gpu=app, memory="10Gi"), *init)
+    req = pod_request(Pod.model_validate(pod))
+    assert req is not None and req.gpu_count == effective
+
+
+def test_a_pod_with_a_gpu_init_container_fits_a_one_gpu_node() -> None:
+    api = MemoryClusterApi()
+    api.put_node("node-a", node_spec("node-a", gpus=1))
+    view = ClusterView(policy="bestfit")
+    view.reset([Node.model_validate(n) for n in api.nodes.values()], [])
+    view.synced = True
+    pod = with_init(pod_obj("p", gpu=1, memory="10Gi"), 1)
+    r = Extender(view, api).filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a"]}))
+    assert r.NodeNames == ["node-a"]
+
+
+def test_fewer_healthy_gpus_than_asked_is_unresolvable() -> None:
+    spec = node_spec("node-a", gpus=2)
+    sick = dataclasses.replace(spec, gpus=(dataclasses.replace(spec.gpus[0], healthy=False), spec.gpus[1]))
+    small = node_spec("node-b", gpus=2)
+    view = ClusterView(policy="bestfit")
+    nodes: list[NodeSpec] = [sick, small]
+    api = MemoryClusterApi()
+    for n in nodes:
+        api.put_node(n.name, n)
+    view.reset([Node.model_validate(n) for n in api.nodes.values()], [])
+    view.synced = True
+    pod = pod_obj("p", gpu=2)
+    r = Extender(view, api).filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a", "node-b"]}))
+    assert r.NodeNames == ["node-b"]
+    assert "1 healthy GPU(s) of an allowed model < 2 asked" in r.FailedAndUnresolvableNodes["node-a"]
+    assert "node-a" not in r.FailedNodes
+
+
+@pytest.mark.parametrize(("text", "mib"), [("1E3", 1), ("2E9", 1908), ("1.5E10", 14306), ("1e3", 1), ("10Gi", 10240)])
+def test_upper_case_exponents_are_quantities(text: str, mib: int) -> None:
+    req = pod_request(Pod.model_validate(pod_obj("p", memory=text)))
+    assert req is not None and req.memory_mib == mib
+
+
+def test_upper_case_exponent_of_compute() -> None:
+    req = pod_request(Pod.model_validate(pod_obj("p", compute="3E1")))  # type: ignore[arg-type]
+    assert req is not None and req.compute_milli == 300
+
+
+@pytest.mark.parametrize(("text", "shown"), [("-1Gi", "-1024Mi"), ("0", "0Mi"), ("-512Mi", "-512Mi")])
+def test_non_positive_memory_is_reported_in_mib(text: str, shown: str) -> None:
+    with pytest.raises(InvalidRequest, match="must be positive") as e:
+        pod_request(Pod.model_validate(pod_obj("p", memory=text)))
+    assert shown in str(e.value)

@@ -1,0 +1,317 @@
+"""Regression tests of the cluster view's consistency: ordering of objects, binds in flight, leftover and observed
+assignments, corrupt inventories, and the extender's /bind and /preempt guards."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import pytest
+from k8s_helpers import node_spec, pod_obj
+from starlette.testclient import TestClient
+
+from sharegpu.k8s.api import DELETED, MODIFIED, Unavailable
+from sharegpu.k8s.extender import Extender, make_app
+from sharegpu.k8s.memory import MemoryClusterApi
+from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION
+from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingArgs, Node, Pod
+from sharegpu.k8s.status import status_report
+from sharegpu.k8s.view import ClusterView
+from sharegpu.model.inventory import NodeSpec
+
+
+def make(specs: list[NodeSpec]) -> tuple[MemoryClusterApi, ClusterView, Extender]:
+    api = MemoryClusterApi()
+    for s in specs:
+        api.put_node(s.name, s)
+    view = ClusterView(policy="bestfit")
+    relist(api, view)
+    view.synced = True
+    return api, view, Extender(view, api)
+
+
+def relist(api: MemoryClusterApi, view: ClusterView) -> None:
+    view.reset([Node.model_validate(n) for n in api.nodes.values()], [Pod.model_validate(p) for p in api.pods.values()])
+
+
+def passed(ext: Extender, pod: dict[str, Any], names: list[str]) -> list[str]:
+    r = ext.filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": names}))
+    return list(r.NodeNames or [])
+
+
+async def bind(ext: Extender, pod: dict[str, Any], node: str) -> str:
+    m = pod["metadata"]
+    args = ExtenderBindingArgs(PodName=m["name"], PodNamespace=m["namespace"], PodUID=m["uid"], Node=node)
+    return (await ext.bind(args)).Error
+
+
+def held(view: ClusterView) -> dict[str, list[str]]:
+    return {k: [s.gpu_uuid for s in a.shares] for k, a in view.ledger.assignments.items()}
+
+
+# ----- 3: never let an older object overwrite a newer one -----------------------------------------------------------
+def test_a_late_watch_event_does_not_take_a_bound_pods_assignment_away() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        first = api.put_pod(pod_obj("first", gpu=1))
+        created = Pod.model_validate(first)  # what a lagging watch delivers after the bind
+        assert await bind(ext, first, "node-a") == ""
+        view.apply_pod("ADDED", created)
+        assert held(view) == {"default/first": ["GPU-node-a-0"]}
+        second = api.put_pod(pod_obj("second", gpu=1))
+        assert passed(ext, second, ["node-a"]) == []
+        assert "0 idle GPU" in await bind(ext, second, "node-a")
+        # The watch catches up: the annotated (unbound) version, then the bound one; the reservation holds throughout.
+        for rv_event in api._events:
+            if rv_event[1] == "pod" and rv_event[3]["metadata"]["name"] == "first":
+                view.apply_pod(rv_event[2], Pod.model_validate(rv_event[3]))
+                assert held(view) == {"default/first": ["GPU-node-a-0"]}
+        assert not view.in_flight("default/first")  # seen bound at or after what the bind wrote
+        assert view.problems == []
+
+    asyncio.run(main())
+
+
+def test_a_pod_deleted_while_its_binding_is_in_flight_does_not_come_back() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("short", gpu=1))
+        view.apply_pod("ADDED", Pod.model_validate(p))
+        real = api.bind_pod
+
+        async def bind_then_delete(ns: str, name: str, uid: str, node: str) -> None:
+            await real(ns, name, uid, node)
+            bound = Pod.model_validate(api.pods[f"{ns}/{name}"])
+            api.delete_pod(f"{ns}/{name}")
+            view.apply_pod(MODIFIED, bound)  # the watch delivers both events before the Binding's answer
+            view.apply_pod(DELETED, Pod.model_validate(api._events[-1][3]))
+
+        api.bind_pod = bind_then_delete  # type: ignore[method-assign]
+        assert await bind(ext, p, "node-a") == ""
+        assert view.pod("default/short") is None
+        assert held(view) == {}
+        nxt = api.put_pod(pod_obj("next", gpu=1))
+        assert passed(ext, nxt, ["node-a"]) == ["node-a"]
+
+    asyncio.run(main())
+
+
+def test_deleted_before_the_bind_ends_the_reservation_is_dropped() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("gone", gpu=1))
+        view.apply_pod("ADDED", Pod.model_validate(p))
+        real = api.bind_pod
+
+        async def deleted_first(ns: str, name: str, uid: str, node: str) -> None:
+            api.delete_pod(f"{ns}/{name}")
+            view.apply_pod(DELETED, Pod.model_validate(api._events[-1][3]))
+            await real(ns, name, uid, node)  # NotFound
+
+        api.bind_pod = deleted_first  # type: ignore[method-assign]
+        assert "not found" in await bind(ext, p, "node-a")
+        assert held(view) == {} and not view.in_flight("default/gone")
+
+    asyncio.run(main())
+
+
+def test_a_resource_version_that_is_not_a_number_falls_back_to_last_writer_wins() -> None:
+    _, view, _ = make([node_spec("node-a", gpus=1)])
+    a = pod_obj("p", gpu=1)
+    a["metadata"]["resourceVersion"] = "xyz-2"
+    view.apply_pod("ADDED", Pod.model_validate(a))
+    b = pod_obj("p", gpu=2)
+    b["metadata"]["resourceVersion"] = "abc-1"
+    view.apply_pod(MODIFIED, Pod.model_validate(b))
+    pod = view.pod("default/p")
+    assert pod is not None and pod.metadata.resource_version == "abc-1"
+    c = pod_obj("p", gpu=1)
+    c["metadata"]["resourceVersion"] = "7"
+    view.apply_pod(MODIFIED, Pod.model_validate(c))
+    d = pod_obj("p", gpu=2)
+    d["metadata"]["resourceVersion"] = "5"
+    view.apply_pod(MODIFIED, Pod.model_validate(d))  # older: ignored
+    pod = view.pod("default/p")
+    assert pod is not None and pod.metadata.resource_version == "7"
+
+
+# ----- 7: a leftover assignment on an unbound pod holds nothing ----------------------------------------------------
+def test_a_leftover_assignment_on_an_unbound_pod_holds_nothing_after_a_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("train", gpu=1))
+        real_patch = api.patch_pod_annotations
+        calls = []
+
+        async def crash(*args: Any, **kwargs: Any) -> None:
+            raise Unavailable("connection reset")
+
+        async def patch_once(*args: Any, **kwargs: Any) -> Pod:
+            calls.append(args)
+            if len(calls) > 1:
+                raise Unavailable("cannot clean up")
+            return await real_patch(*args, **kwargs)
+
+        api.bind_pod = crash  # type: ignore[method-assign]
+        api.patch_pod_annotations = patch_once  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR):
+            assert "connection reset" in await bind(ext, p, "node-a")
+        stored = api.pods["default/train"]
+        assert ASSIGNMENT_ANNOTATION in stored["metadata"]["annotations"] and not stored["spec"].get("nodeName")
+        assert held(view) == {}  # this process: not in flight any more
+        view.apply_pod(MODIFIED, Pod.model_validate(stored))
+        assert held(view) == {}
+
+        # A restarted extender: rebuilt from the API server alone.
+        view2 = ClusterView(policy="bestfit")
+        relist(api, view2)
+        view2.synced = True
+        ext2 = Extender(view2, api)
+        assert held(view2) == {}
+        assert passed(ext2, stored, ["node-a"]) == ["node-a"]
+        other = api.put_pod(pod_obj("other", gpu=1))
+        assert passed(ext2, other, ["node-a"]) == ["node-a"]
+        # The next bind overwrites the leftover annotation.
+        api.bind_pod = type(api).bind_pod.__get__(api)  # type: ignore[method-assign]
+        api.patch_pod_annotations = real_patch  # type: ignore[method-assign]
+        assert await bind(ext2, api.pods["default/train"], "node-a") == ""
+        assert api.pods["default/train"]["spec"]["nodeName"] == "node-a"
+        assert held(view2) == {"default/train": ["GPU-node-a-0"]}
+
+    asyncio.run(main())
+
+
+# ----- 4: an unhealthy GPU does not drop an observed assignment -----------------------------------------------------
+def test_one_unhealthy_gpu_keeps_the_whole_observed_assignment() -> None:
+    async def main() -> None:
+        spec = node_spec("node-a", gpus=2)
+        api, view, ext = make([spec])
+        big = api.put_pod(pod_obj("big", gpu=2))
+        assert await bind(ext, big, "node-a") == ""
+        view.apply_pod(MODIFIED, Pod.model_validate(api.pods["default/big"]))
+        sick = dataclasses.replace(spec, gpus=(dataclasses.replace(spec.gpus[0], healthy=False), spec.gpus[1]))
+        api.put_node("node-a", sick)
+        view.apply_node(MODIFIED, Node.model_validate(api.nodes["node-a"]))
+        assert held(view) == {"default/big": ["GPU-node-a-0", "GPU-node-a-1"]}
+        assert view.problems == []
+        new = api.put_pod(pod_obj("new", gpu=1))
+        assert passed(ext, new, ["node-a"]) == []
+        assert await bind(ext, new, "node-a") != ""
+        # A restart sees the same.
+        view2 = ClusterView(policy="bestfit")
+        relist(api, view2)
+        assert held(view2) == {"default/big": ["GPU-node-a-0", "GPU-node-a-1"]}
+        # New placements still avoid the unhealthy GPU.
+        api.delete_pod("default/big")
+        view.apply_pod(DELETED, Pod.model_validate(api._events[-1][3]))
+        assert await bind(ext, api.pods["default/new"], "node-a") == ""
+        assert held(view)["default/new"] == ["GPU-node-a-1"]
+
+    asyncio.run(main())
+
+
+# ----- 8: one corrupt node inventory leaves only that node out --------------------------------------------------
+def test_a_node_whose_inventory_cannot_be_accounted_is_left_out_and_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sharegpu.k8s import view as view_module
+
+    real = view_module.Ledger
+
+    class PickyLedger(real):  # type: ignore[misc, valid-type]
+        def __init__(self, nodes: Any, catalog: Any = None) -> None:
+            nodes = list(nodes)
+            if any(n.name == "node-bad" for n in nodes):
+                raise ValueError("overlapping static MIG instances")
+            super().__init__(nodes, catalog)
+
+    monkeypatch.setattr(view_module, "Ledger", PickyLedger)
+    api = MemoryClusterApi()
+    api.put_node("node-good", node_spec("node-good", gpus=1))
+    api.put_node("node-bad", node_spec("node-bad", gpus=1))
+    view = ClusterView(policy="bestfit")
+    relist(api, view)
+    assert [n.name for n in view.ledger.nodes] == ["node-good"]
+    assert [(p.kind, p.name) for p in view.problems] == [("node", "node-bad")]
+    assert "overlapping static MIG instances" in view.node_problem("node-bad")
+    report = status_report(view)
+    assert [n["name"] for n in report["nodes"]] == ["node-good"]
+    assert report["problems"][0]["name"] == "node-bad"
+
+
+def test_duplicate_static_mig_instances_are_an_invalid_inventory() -> None:
+    d = node_spec("node-bad", "A100-80GB", 1).to_dict()
+    d["gpus"][0]["migEnabled"] = True
+    d["gpus"][0]["migStatic"] = [{"profile": "3g.40gb", "start": 0}, {"profile": "3g.40gb", "start": 0}]
+    api = MemoryClusterApi()
+    api.put_node("node-good", node_spec("node-good", gpus=1))
+    api.put_node("node-bad", json.dumps(d))
+    view = ClusterView(policy="bestfit")
+    relist(api, view)
+    assert [n.name for n in view.ledger.nodes] == ["node-good"]
+    assert "node-bad" in view.problems[0].reason and "twice" in view.problems[0].reason
+    assert status_report(view)["problems"]
+
+    async def follow() -> None:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(view.follow(api, stop))
+        for _ in range(200):
+            if view.synced:
+                break
+            await asyncio.sleep(0.01)
+        assert view.synced
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(follow())
+
+
+# ----- 5: /bind binds only the sharegpu scheduler's pods; /preempt restores exactly what it released --------------
+def test_bind_refuses_pods_of_other_schedulers_and_pods_without_sharegpu_resources() -> None:
+    api, _, ext = make([node_spec("node-a", gpus=1)])
+    api.put_node("control-plane")
+    api.put_pod(pod_obj("coredns", namespace="kube-system", gpu=None, scheduler_name="default-scheduler"))
+    api.put_pod(pod_obj("plain", gpu=None))  # the sharegpu scheduler's, but asks for nothing of sharegpu's
+    api.put_pod(pod_obj("other", gpu=1, scheduler_name="default-scheduler"))
+    client = TestClient(make_app(ext))
+    for ns, name in (("kube-system", "coredns"), ("default", "plain"), ("default", "other")):
+        r = client.post("/bind", json={"PodName": name, "PodNamespace": ns, "PodUID": "", "Node": "control-plane"})
+        assert r.status_code == 200 and r.json()["Error"], name
+        assert not api.pods[f"{ns}/{name}"]["spec"].get("nodeName")
+    assert (
+        "schedulerName"
+        in client.post(
+            "/bind", json={"PodName": "coredns", "PodNamespace": "kube-system", "PodUID": "", "Node": "node-a"}
+        ).json()["Error"]
+    )
+
+
+def test_preempt_with_a_victim_listed_twice_restores_the_ledger() -> None:
+    async def setup() -> tuple[MemoryClusterApi, ClusterView, Extender]:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        v = api.put_pod(pod_obj("victim", gpu=1))
+        assert await bind(ext, v, "node-a") == ""
+        view.apply_pod(MODIFIED, Pod.model_validate(api.pods["default/victim"]))
+        return api, view, ext
+
+    api, view, ext = asyncio.run(setup())
+    before = held(view)
+    uid = api.pods["default/victim"]["metadata"]["uid"]
+    pre = api.put_pod(pod_obj("preemptor", gpu=1))
+    body = {
+        "Pod": pre,
+        "NodeNameToMetaVictims": {
+            "node-a": {"Pods": [{"UID": uid}, {"UID": uid}, {"UID": "not-a-pod"}], "NumPDBViolations": 0}
+        },
+    }
+    r = TestClient(make_app(ext)).post("/preempt", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["NodeNameToMetaVictims"]["node-a"]["Pods"] == [{"UID": uid}, {"UID": "not-a-pod"}]
+    assert held(view) == before
+    view.ledger.check_invariants()
+    assert passed(ext, pre, ["node-a"]) == []
