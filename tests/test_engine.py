@@ -251,6 +251,14 @@ def test_replay_pending_pods_are_placed_when_a_deletion_frees_room() -> None:
     assert res.run.failed == 1
     assert res.run.failures == {"still pending at the end of the trace": 1}
     assert res.run.final_alloc_pct == 100.0  # p3 is still there at the end
+    assert res.run.replay is not None
+    assert {k: res.run.replay[k] for k in ("waited", "never_placed", "peak_pending")} == {
+        "waited": 3,
+        "never_placed": 1,
+        "peak_pending": 2,
+    }
+    assert res.run.to_dict()["replay"] == res.run.replay
+    assert 0 < res.run.replay["mean_alloc_pct"] <= 100
 
 
 def test_replay_pods_without_deletion_never_leave() -> None:

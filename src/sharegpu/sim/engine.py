@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections import deque
@@ -36,6 +37,7 @@ class RunResult:
     latency_p99_ms: float
     fragmentation_pct: float | None  # free GPU milli that the workload cannot use, % of capacity, at the end
     final_alloc_pct: float
+    replay: dict[str, float] | None = None  # replay mode: queueing figures (see ReplayResult)
 
     def alloc_at(self, arrived_pct: int) -> float | None:
         return self.curve[arrived_pct] if 0 <= arrived_pct < len(self.curve) else None
@@ -60,6 +62,7 @@ class RunResult:
             "failures_by_reason": dict(sorted(self.failures.items(), key=lambda kv: -kv[1])),
             "decision_latency_ms": {"p50": round(self.latency_p50_ms, 3), "p99": round(self.latency_p99_ms, 3)},
             "curve_alloc_pct_by_arrived_pct": self.curve,
+            **({"replay": self.replay} if self.replay is not None else {}),
         }
 
 
@@ -192,4 +195,11 @@ def replay_timed(
     for _ in pending:
         log.fail("still pending at the end of the trace")
     run = _result(policy.name, seed, ledger, log, t0, len(tasks), None)
-    return ReplayResult(run, len(waited), len(pending), peak)
+    total = ledger.total_gpu_milli
+    stats: dict[str, float] = {
+        "waited": len(waited),
+        "never_placed": len(pending),
+        "peak_pending": peak,
+        "mean_alloc_pct": round(100 * float(np.mean(log.allocated)) / total, 2) if total else 0.0,
+    }
+    return ReplayResult(dataclasses.replace(run, replay=stats), len(waited), len(pending), peak)
