@@ -91,9 +91,9 @@ def _hosts_in_order(seq: tuple[MigProfile, ...], model: str) -> bool:
 def test_mig_placement_hosts_almost_every_feasible_sequence(model_name: str) -> None:
     """Instances arrive one by one; each is placed explicitly so that later, larger ones still find room.
 
-    No online choice can host every order (2g, 2g, 3g needs the first 2g at 0 or 2, while 2g, 1g, 1g, 4g...
-    needs it at 4), but the planner must host every feasible sequence of up to three instances but those
-    two orders, where the driver's lowest-free-start habit fails many more.
+    No online choice can host every order (2g, 2g, 3g needs the first 2g at 0 or 2, while 2g, 4g needs it at 4,
+    since 4g sits on slots 0-3), but the planner must host every feasible sequence of up to three instances
+    except those two orders.
     """
     model = DEFAULT_CATALOG.get(model_name)
     failed = [

@@ -15,7 +15,7 @@ from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.policies import PolicyContext, make_policy
-from sharegpu.placement.scorers import FragmentationModel, free_milli
+from sharegpu.placement.scorers import FragmentationModel
 from sharegpu.sim.engine import RunResult, replay_timed, run_arrivals
 from sharegpu.sim.openb import TraceTask
 from sharegpu.sim.protocol import fgd_arrivals
@@ -52,10 +52,9 @@ def tie_rank(seed: int, n: int) -> npt.NDArray[np.int64]:
 
 def fragmentation_of(model: FragmentationModel) -> Callable[[Ledger], float]:
     def measure(ledger: Ledger) -> float:
-        nodes = np.arange(len(ledger.nodes), dtype=np.int64)
-        if len(nodes) == 0:
-            return 0.0
-        return float(model.before(ledger, nodes).sum()) if free_milli(ledger, nodes).size else 0.0
+        if ledger.present.size == 0:
+            return 0.0  # no nodes or no GPUs: nothing to fragment
+        return float(model.before(ledger, np.arange(len(ledger.nodes), dtype=np.int64)).sum())
 
     return measure
 
