@@ -14,12 +14,12 @@ from k8s_helpers import node_spec, pod_obj
 from starlette.testclient import TestClient
 
 from sharegpu.k8s.api import DELETED, MODIFIED, Unavailable
-from sharegpu.k8s.extender import Extender, make_app
+from sharegpu.k8s.extender import FENCE_ANNOTATION, Extender, make_app
 from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION
 from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingArgs, Node, Pod
 from sharegpu.k8s.status import status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.view import ClusterView, Phase
 from sharegpu.model.inventory import NodeSpec
 
 
@@ -82,8 +82,8 @@ def test_a_pod_deleted_while_its_binding_is_in_flight_does_not_come_back() -> No
         view.apply_pod("ADDED", Pod.model_validate(p))
         real = api.bind_pod
 
-        async def bind_then_delete(ns: str, name: str, uid: str, node: str) -> None:
-            await real(ns, name, uid, node)
+        async def bind_then_delete(ns: str, name: str, uid: str, node: str, *args: Any) -> None:
+            await real(ns, name, uid, node, *args)
             bound = Pod.model_validate(api.pods[f"{ns}/{name}"])
             api.delete_pod(f"{ns}/{name}")
             view.apply_pod(MODIFIED, bound)  # the watch delivers both events before the Binding's answer
@@ -106,10 +106,10 @@ def test_deleted_before_the_bind_ends_the_reservation_is_dropped() -> None:
         view.apply_pod("ADDED", Pod.model_validate(p))
         real = api.bind_pod
 
-        async def deleted_first(ns: str, name: str, uid: str, node: str) -> None:
+        async def deleted_first(ns: str, name: str, uid: str, node: str, *args: Any) -> None:
             api.delete_pod(f"{ns}/{name}")
             view.apply_pod(DELETED, Pod.model_validate(api._events[-1][3]))
-            await real(ns, name, uid, node)  # NotFound
+            await real(ns, name, uid, node, *args)  # NotFound
 
         api.bind_pod = deleted_first  # type: ignore[method-assign]
         assert "not found" in await bind(ext, p, "node-a")
@@ -139,49 +139,123 @@ def test_a_resource_version_that_is_not_a_number_falls_back_to_last_writer_wins(
 
 
 # ----- 7: a leftover assignment on an unbound pod holds nothing ----------------------------------------------------
-def test_a_leftover_assignment_on_an_unbound_pod_holds_nothing_after_a_restart(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_leftover_assignment_on_an_unbound_pod_holds_nothing_after_a_restart() -> None:
+    """An assignment annotation on a pod that is not bound (written by an older extender that annotated before it
+    bound) holds nothing, and the pod's next Binding replaces it."""
+
     async def main() -> None:
-        api, view, ext = make([node_spec("node-a", gpus=1)])
+        api, _, _ = make([node_spec("node-a", gpus=1)])
         p = api.put_pod(pod_obj("train", gpu=1))
-        real_patch = api.patch_pod_annotations
-        calls = []
-
-        async def crash(*args: Any, **kwargs: Any) -> None:
-            raise Unavailable("connection reset")
-
-        async def patch_once(*args: Any, **kwargs: Any) -> Pod:
-            calls.append(args)
-            if len(calls) > 1:
-                raise Unavailable("cannot clean up")
-            return await real_patch(*args, **kwargs)
-
-        api.bind_pod = crash  # type: ignore[method-assign]
-        api.patch_pod_annotations = patch_once  # type: ignore[method-assign]
-        with caplog.at_level(logging.ERROR):
-            assert "connection reset" in await bind(ext, p, "node-a")
-        stored = api.pods["default/train"]
-        assert ASSIGNMENT_ANNOTATION in stored["metadata"]["annotations"] and not stored["spec"].get("nodeName")
-        assert held(view) == {}  # this process: not in flight any more
-        view.apply_pod(MODIFIED, Pod.model_validate(stored))
-        assert held(view) == {}
-
-        # A restarted extender: rebuilt from the API server alone.
+        other = json.dumps({"pod": "default/train", "node": "node-a"})
+        stored = api.put_pod(p | {"metadata": p["metadata"] | {"annotations": {ASSIGNMENT_ANNOTATION: other}}})
         view2 = ClusterView(policy="bestfit")
         relist(api, view2)
         view2.synced = True
         ext2 = Extender(view2, api)
         assert held(view2) == {}
         assert passed(ext2, stored, ["node-a"]) == ["node-a"]
-        other = api.put_pod(pod_obj("other", gpu=1))
-        assert passed(ext2, other, ["node-a"]) == ["node-a"]
-        # The next bind overwrites the leftover annotation.
-        api.bind_pod = type(api).bind_pod.__get__(api)  # type: ignore[method-assign]
-        api.patch_pod_annotations = real_patch  # type: ignore[method-assign]
         assert await bind(ext2, api.pods["default/train"], "node-a") == ""
         assert api.pods["default/train"]["spec"]["nodeName"] == "node-a"
         assert held(view2) == {"default/train": ["GPU-node-a-0"]}
+
+    asyncio.run(main())
+
+
+# ----- issue 8: a bind whose outcome is unknown never releases what it reserved ----------------------------------
+def test_a_binding_applied_whose_answer_was_lost_is_reported_bound() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("train", gpu=1))
+        api.lose_bind_answers = 1  # the API server applies the Binding, the answer never arrives
+        assert await bind(ext, p, "node-a") == ""
+        assert api.pods["default/train"]["spec"]["nodeName"] == "node-a"
+        assert held(view) == {"default/train": ["GPU-node-a-0"]}
+        late = api.put_pod(pod_obj("late", gpu=1))
+        assert passed(ext, late, ["node-a"]) == []
+        assert "0 idle GPU" in await bind(ext, late, "node-a")
+
+    asyncio.run(main())
+
+
+def test_a_binding_lost_on_its_way_is_sent_again() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("train", gpu=1))
+        api.drop_binds = 1  # lost before it reached the server
+        assert await bind(ext, p, "node-a") == ""
+        assert api.pods["default/train"]["spec"]["nodeName"] == "node-a"
+        assert [c for c in api.calls if "train" in c].count("bind pod default/train") == 2
+        assert held(view) == {"default/train": ["GPU-node-a-0"]}
+
+    asyncio.run(main())
+
+
+def test_an_unknown_outcome_keeps_the_reservation_until_the_pod_is_known_unbound() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("train", gpu=1))
+        view.apply_pod("ADDED", Pod.model_validate(p))  # the watch delivered it: bind needs no read
+        real_get = api.get_pod
+
+        async def unreachable(*args: Any) -> Pod:
+            raise Unavailable("cannot read pod: ConnectTimeout")
+
+        rv0 = p["metadata"]["resourceVersion"]
+        api.drop_binds = 10  # every Binding lost, and the pod cannot be read back either
+        api.get_pod = unreachable  # type: ignore[method-assign]
+        error = await bind(ext, p, "node-a")
+        assert "stay reserved" in error
+        assert view.phase("default/train") is Phase.UNKNOWN
+        assert held(view) == {"default/train": ["GPU-node-a-0"]}  # not released: it may be bound
+        other = api.put_pod(pod_obj("other", gpu=1))
+        assert passed(ext, other, ["node-a"]) == []  # nobody else gets the GPU meanwhile
+
+        # The API server is back: the pod is read back unbound at the lost Binding's version, and moved past it
+        # (so that Binding can never apply); only then is the reservation released.
+        api.get_pod = real_get  # type: ignore[method-assign]
+        api.drop_binds = 0
+        await ext._settle_unknown("default/train")
+        assert view.phase("default/train") is None
+        assert api.pods["default/train"]["metadata"]["annotations"][FENCE_ANNOTATION] == rv0
+        assert held(view) == {}
+        assert await bind(ext, other, "node-a") == ""
+
+    asyncio.run(main())
+
+
+def test_an_unknown_outcome_is_settled_by_the_watch_showing_the_pod_bound() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("train", gpu=1))
+        view.apply_pod("ADDED", Pod.model_validate(p))  # the watch delivered it: bind needs no read
+        real_get = api.get_pod
+
+        async def unreachable(*args: Any) -> Pod:
+            raise Unavailable("cannot read pod: ConnectTimeout")
+
+        api.lose_bind_answers = 1  # applied, answer lost, and no read-back possible
+        api.get_pod = unreachable  # type: ignore[method-assign]
+        assert "stay reserved" in await bind(ext, p, "node-a")
+        assert view.phase("default/train") is Phase.UNKNOWN
+        api.get_pod = real_get  # type: ignore[method-assign]
+        view.apply_pod(MODIFIED, Pod.model_validate(api.pods["default/train"]))  # the watch: bound
+        assert view.phase("default/train") is None
+        assert held(view) == {"default/train": ["GPU-node-a-0"]}  # now held by the pod's own annotation
+        # A retry of the same pod by the scheduler finds it bound and changes nothing.
+        assert "already bound" in await bind(ext, p, "node-a")
+        assert held(view) == {"default/train": ["GPU-node-a-0"]}
+
+    asyncio.run(main())
+
+
+def test_a_stale_cached_pod_is_bound_at_its_current_version() -> None:
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("train", gpu=1))
+        view.apply_pod("ADDED", Pod.model_validate(p))
+        api.put_pod(api.pods["default/train"] | {"status": {"phase": "Pending"}})  # changed; the watch lags
+        assert await bind(ext, p, "node-a") == ""
+        assert api.pods["default/train"]["spec"]["nodeName"] == "node-a"
 
     asyncio.run(main())
 

@@ -21,7 +21,8 @@ class ApiError(Exception):
 
 
 class Unavailable(ApiError):
-    """No answer from the API server (connection refused, timeout, credentials not loadable)."""
+    """No usable answer from the API server (connection refused or reset, timeout, 5xx, an answer that cannot be
+    read, credentials not loadable). For a write, the outcome is unknown: the server may have applied it."""
 
 
 class Conflict(ApiError):
@@ -57,8 +58,19 @@ class ClusterApi(Protocol):
         :class:`Conflict` unless the pod is still at that version."""
         ...
 
-    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
-        """Create the pod's Binding (fails with :class:`Conflict` if the pod is bound or its UID differs)."""
+    async def bind_pod(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        node: str,
+        annotations: Mapping[str, str] | None = None,
+        resource_version: str | None = None,
+    ) -> None:
+        """Create the pod's Binding: one atomic write that sets ``spec.nodeName`` and adds ``annotations``.
+
+        Fails with :class:`Conflict` if the pod is bound, its UID differs or (with ``resource_version``) it changed
+        since that version; with :class:`Unavailable` when the outcome is unknown."""
         ...
 
     async def close(self) -> None: ...
@@ -155,17 +167,37 @@ class LightkubeClusterApi:
             raise _translate(e, f"annotate pod {namespace}/{name}") from None
         return Pod.model_validate(pod.to_dict())
 
-    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+    async def bind_pod(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        node: str,
+        annotations: Mapping[str, str] | None = None,
+        resource_version: str | None = None,
+    ) -> None:
         from lightkube.models.core_v1 import ObjectReference
         from lightkube.models.meta_v1 import ObjectMeta
         from lightkube.resources.core_v1 import Pod as KPod
 
         binding = KPod.Binding(
-            metadata=ObjectMeta(name=name, namespace=namespace, uid=uid),
+            metadata=ObjectMeta(
+                name=name,
+                namespace=namespace,
+                uid=uid or None,
+                resourceVersion=resource_version or None,
+                annotations=dict(annotations) if annotations else None,
+            ),
             target=ObjectReference(apiVersion="v1", kind="Node", name=node),
         )
+        # The API server answers a Binding with a Status (201), not a Binding: lightkube's create() would fail to
+        # decode that and report a bind that happened as failed. So the request is sent with no decoding.
+        generic = self._client._client
         try:
-            await self._client.create(binding, name=name, namespace=namespace)
+            request = generic.prepare_request("post", obj=binding, name=name, namespace=namespace)
+            request.response_type = None
+            response = await generic.send(generic.build_adapter_request(request))  # type: ignore[no-untyped-call]
+            generic.handle_response("post", response, request)
         except Exception as e:
             raise _translate(e, f"bind pod {namespace}/{name} to {node}") from None
 
@@ -185,6 +217,8 @@ def _translate(e: Exception, what: str) -> ApiError:
             return Conflict(f"cannot {what}: {message}")
         if code == 404:
             return NotFound(f"cannot {what}: {message}")
+        if code is not None and (code >= 500 or code == 429):
+            return Unavailable(f"cannot {what}: HTTP {code}: {message}")
         return ApiError(f"cannot {what}: HTTP {code}: {message}")
     # Anything else is the connection (httpx errors, timeouts, a closed stream).
     return Unavailable(f"cannot {what}: {type(e).__name__}: {e}" if str(e) else f"cannot {what}: {type(e).__name__}")

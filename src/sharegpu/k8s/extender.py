@@ -9,9 +9,13 @@ Protocol: k8s.io/kube-scheduler/extender/v1 (see :mod:`sharegpu.k8s.schema`), JS
 - prioritize: the policy's scores of the candidates, scaled to 0–10. The node the policy itself would pick (best
   score, its tie-break) gets 10 and every other node at most 9, so that with a dominant extender weight the
   kube-scheduler binds where ``sharegpu sim`` would.
-- bind: decide the GPUs on the chosen node, reserve them in the ledger (synchronously, so a concurrent bind sees
-  the reservation), write ``sharegpu.io/assignment`` under the pod's resourceVersion, then create the Binding. Any
-  failure releases the reservation: of two binds racing for the last share, the second finds it taken.
+  Prioritize also *holds* the share it chose for the pod (the ledger accounts it) until the pod's bind or a few
+  seconds: the kube-scheduler schedules the next pod while this one's bind is still on its way, and without the
+  hold the next pod would be filtered onto the same share and its bind refused.
+- bind: take the held share (or decide on the chosen node), reserve it in the ledger (synchronously, so a
+  concurrent bind sees the reservation), then create the Binding, which writes ``spec.nodeName`` and the
+  ``sharegpu.io/assignment`` annotation in one request, under the pod's UID and resourceVersion. A reservation is
+  released only when the pod is known not to be bound: a lost answer is settled by reading the pod back.
 - preempt: keep only the nodes where evicting the proposed victims really frees room for the pod.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from sharegpu.k8s.api import ApiError, ClusterApi, Conflict
+from sharegpu.k8s.api import ApiError, ClusterApi, Conflict, NotFound, Unavailable
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
 from sharegpu.k8s.schema import (
     MAX_EXTENDER_PRIORITY,
@@ -44,7 +49,7 @@ from sharegpu.k8s.schema import (
     MetaVictims,
     Pod,
 )
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.view import ClusterView, Outcome, Phase
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.request import GpuRequest, InvalidRequest
@@ -53,7 +58,19 @@ from sharegpu.placement.framework import BoolArray, CycleState, Decision, IntArr
 log = logging.getLogger(__name__)
 
 NOT_SYNCED = "sharegpu has lost the API server and is reconnecting; no new placements until its view is back in sync"
+NOT_LEADER = "this sharegpu extender replica is not the leader; only the leader binds (the scheduler retries)"
 CACHE_SIZE = 256
+HOLD_S = 10.0  # how long prioritize's choice stays held for the pod's bind
+BIND_ATTEMPTS = 3  # Bindings sent for one bind call (a lost answer or a stale version is retried)
+READ_BACK_ATTEMPTS = 3
+READ_BACK_BACKOFF_S = 0.2
+# Written, under the resourceVersion a lost Binding carried as its precondition, to move the pod past that version.
+FENCE_ANNOTATION = "sharegpu.io/bind-fence"
+
+
+def _event_safe(reason: str) -> str:
+    """The kube-scheduler uses an extender's reasons as a format string (Go's fmt): a bare % would garble them."""
+    return reason.replace("%", " percent").replace("  percent", " percent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +81,20 @@ class _Feasible:
 
 
 class Extender:
-    def __init__(self, view: ClusterView, api: ClusterApi | None, scheduler_name: str = DEFAULT_SCHEDULER_NAME) -> None:
+    def __init__(
+        self,
+        view: ClusterView,
+        api: ClusterApi | None,
+        scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+        is_leader: Callable[[], bool] = lambda: True,
+        hold_s: float = HOLD_S,
+    ) -> None:
         self.view = view
         self.api = api
         self.scheduler_name = scheduler_name  # /bind binds only pods of this scheduler that ask for sharegpu
+        self.is_leader = is_leader  # only the leader holds and binds
+        self.hold_s = hold_s
+        self._settlers: set[asyncio.Future[None]] = set()
         # Filter's feasibility, reused by the prioritize call of the same cycle while the ledger is unchanged.
         self._feasible: OrderedDict[tuple[str, str, int], _Feasible] = OrderedDict()
         self._names: tuple[Ledger, list[str], IntArray] | None = None
@@ -84,6 +111,9 @@ class Extender:
             return self._filtered(args, names, {}, {})
         if not self.view.synced:
             return self._filtered(args, [], dict.fromkeys(names, NOT_SYNCED), {})
+        # The pod is being scheduled (again): what an earlier cycle held for it must not count against it.
+        self.view.drop_hold(args.Pod.key)
+        self.view.expire_holds(time.monotonic())
         f = self._feasibility(args.Pod, req)
         idx = self._indices(names)
         known = idx >= 0
@@ -111,8 +141,12 @@ class Extender:
             # exclude_unset: exactly the fields that came in (unknown ones included) go back out.
             nodes = args.Nodes.model_dump(mode="json", by_alias=True, exclude_unset=True)
             nodes["items"] = [n for n, name in zip(args.Nodes.items, args.Nodes.names(), strict=True) if name in keep]
-            return ExtenderFilterResult(Nodes=nodes, FailedNodes=failed, FailedAndUnresolvableNodes=unresolvable)
-        return ExtenderFilterResult(NodeNames=passed, FailedNodes=failed, FailedAndUnresolvableNodes=unresolvable)
+            return ExtenderFilterResult(
+                Nodes=nodes, FailedNodes=_readable(failed), FailedAndUnresolvableNodes=_readable(unresolvable)
+            )
+        return ExtenderFilterResult(
+            NodeNames=passed, FailedNodes=_readable(failed), FailedAndUnresolvableNodes=_readable(unresolvable)
+        )
 
     def _feasibility(self, pod: Pod, req: GpuRequest) -> _Feasible:
         view = self.view
@@ -159,7 +193,21 @@ class Extender:
             by_node = np.zeros(len(sched.ledger.nodes), dtype=np.int64)
             by_node[cand] = scaled
             out[fits] = by_node[idx[fits]]
+            self._hold(args.Pod, req, best)
         return list(zip(names, out.tolist(), strict=True))
+
+    def _hold(self, pod: Pod, req: GpuRequest, node: int) -> None:
+        """Hold what the policy would bind on its pick, so that the pods filtered before this one's bind see it
+        taken (the kube-scheduler binds asynchronously)."""
+        if self.api is None or not self.is_leader():
+            return
+        d = self.view.scheduler().decide_on(req, node)
+        if not isinstance(d, Decision):
+            return
+        try:
+            self.view.hold(d.assignment, pod.metadata.uid, time.monotonic() + self.hold_s)
+        except LedgerError as e:
+            log.debug("pod %s: nothing held: %s", pod.key, e)
 
     def _indices(self, names: list[str]) -> IntArray:
         """Ledger indices of ``names`` (-1: not a sharegpu node); the scheduler sends the same list every cycle."""
@@ -176,22 +224,31 @@ class Extender:
         key = f"{args.PodNamespace}/{args.PodName}"
         if self.api is None:
             return ExtenderBindingResult(Error="this extender has no API server connection to bind with")
+        if not self.is_leader():
+            return ExtenderBindingResult(Error=f"cannot bind {key}: {NOT_LEADER}")
         if not self.view.synced:
             return ExtenderBindingResult(Error=f"cannot bind {key}: {NOT_SYNCED}")
-        try:
-            pod = await self.api.get_pod(args.PodNamespace, args.PodName)
-        except ApiError as e:
-            return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
-        if args.PodUID and pod.metadata.uid and pod.metadata.uid != args.PodUID:
-            return ExtenderBindingResult(Error=f"cannot bind {key}: it was replaced (UID {pod.metadata.uid})")
-        if pod.spec.node_name:
-            return ExtenderBindingResult(Error=f"cannot bind {key}: it is already bound to {pod.spec.node_name}")
-        if pod.spec.scheduler_name != self.scheduler_name:
-            # The extender binds only what its own scheduler placed: its pods/binding permission is cluster-wide.
-            return ExtenderBindingResult(
-                Error=f"cannot bind {key}: its schedulerName is {pod.spec.scheduler_name or 'unset'}, not "
-                f"{self.scheduler_name}; the sharegpu extender binds only the pods of its scheduler"
-            )
+        self.view.expire_holds(time.monotonic())
+        if self.view.phase(key) in (Phase.BINDING, Phase.UNKNOWN):
+            # An earlier bind of this pod has not settled; settle it before anything else is decided for the pod.
+            await self._settle_unknown(key)
+            phase = self.view.phase(key)
+            if phase is not None and phase is not Phase.HELD:
+                return ExtenderBindingResult(
+                    Error=f"cannot bind {key}: an earlier bind of it is {phase.value} and not settled yet; the "
+                    "scheduler retries"
+                )
+        # The watch's copy spares a round trip; a pod the view lacks, or one that may have been replaced, is read.
+        pod = self.view.pod(key)
+        if pod is None or (args.PodUID and pod.metadata.uid != args.PodUID) or pod.spec.node_name:
+            try:
+                pod = await self.api.get_pod(args.PodNamespace, args.PodName)
+            except ApiError as e:
+                return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
+        refused = self._refuse(key, args, pod)
+        if refused:
+            self.view.drop_hold(key)
+            return ExtenderBindingResult(Error=f"cannot bind {key}: {refused}")
         try:
             req = pod_request(pod, self.view.catalog)
         except InvalidRequest as e:
@@ -202,50 +259,157 @@ class Extender:
                 "that do"
             )
         # From here to reserve() nothing awaits: the decision and the reservation see one ledger state.
-        led = self.view.ledger
-        n = led.index.get(args.Node)
-        if n is None:
-            return ExtenderBindingResult(Error=f"cannot bind {key}: {self.view.node_problem(args.Node)}")
-        self.view.forget_unbound(key)  # the pod is unbound: an earlier attempt's assignment holds nothing real
-        d = self.view.scheduler().decide_on(req, n)
-        if not isinstance(d, Decision):
-            return ExtenderBindingResult(Error=f"cannot bind {key}: {d.reason}")
+        held = self.view.held(key)
+        if held is not None and held.node == args.Node:
+            a = held  # what prioritize chose and held for this pod on this node
+        else:
+            self.view.drop_hold(key)
+            n = self.view.ledger.index.get(args.Node)
+            if n is None:
+                return ExtenderBindingResult(Error=f"cannot bind {key}: {self.view.node_problem(args.Node)}")
+            d = self.view.scheduler().decide_on(req, n)
+            if not isinstance(d, Decision):
+                return ExtenderBindingResult(Error=f"cannot bind {key}: {_event_safe(d.reason)}")
+            a = d.assignment
         try:
-            self.view.reserve(d.assignment, pod.metadata.uid)
+            self.view.reserve(a, pod.metadata.uid)
         except LedgerError as e:
             return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
-        return await self._write(key, pod, d)
+        return await self._bind(key, pod, a)
 
-    async def _write(self, key: str, pod: Pod, d: Decision) -> ExtenderBindingResult:
-        assert self.api is not None
-        a = d.assignment
-        ns, name = pod.metadata.namespace, pod.metadata.name
-        try:
-            annotated = await self.api.patch_pod_annotations(
-                ns, name, {ASSIGNMENT_ANNOTATION: a.to_json()}, pod.metadata.resource_version
+    def _refuse(self, key: str, args: ExtenderBindingArgs, pod: Pod) -> str:
+        if args.PodUID and pod.metadata.uid and pod.metadata.uid != args.PodUID:
+            return f"it was replaced (UID {pod.metadata.uid})"
+        if pod.spec.node_name:
+            return f"it is already bound to {pod.spec.node_name}"
+        if pod.spec.scheduler_name != self.scheduler_name:
+            # The extender binds only what its own scheduler placed: its pods/binding permission is cluster-wide.
+            return (
+                f"its schedulerName is {pod.spec.scheduler_name or 'unset'}, not {self.scheduler_name}; the sharegpu "
+                "extender binds only the pods of its scheduler"
             )
-        except ApiError as e:
-            self.view.settle(key, None)
-            why = "it changed since it was read; the scheduler retries" if isinstance(e, Conflict) else str(e)
-            return ExtenderBindingResult(Error=f"cannot bind {key}: {why}")
-        try:
-            await self.api.bind_pod(ns, name, pod.metadata.uid, a.node)
-        except ApiError as e:
-            # Not bound: take the assignment back so that it holds nothing (best effort; a leftover annotation on an
-            # unbound pod is replaced by its next bind).
-            cleaned: Pod | None = None
+        return ""
+
+    async def _bind(self, key: str, pod: Pod, a: Assignment) -> ExtenderBindingResult:
+        """Write the Binding (node and assignment annotation in one request) and settle the reservation.
+
+        Every Binding carries the pod's UID and resourceVersion as preconditions, so at most one Binding sent at a
+        given version can apply, and none can once the pod changed. A lost answer or a conflict is settled by
+        reading the pod back: bound with this assignment (done), bound otherwise or gone (failed), or unbound (bind
+        again at its current version). What cannot be read back stays reserved (UNKNOWN) until it can.
+        """
+        assert self.api is not None
+        ns, name, uid = pod.metadata.namespace, pod.metadata.name, pod.metadata.uid
+        annotation = {ASSIGNMENT_ANNOTATION: a.to_json()}
+        rv = pod.metadata.resource_version
+        lost_rv = ""  # the version of a Binding whose answer was lost and that may still apply
+        for _ in range(BIND_ATTEMPTS):
             try:
-                cleaned = await self.api.patch_pod_annotations(
-                    ns, name, {ASSIGNMENT_ANNOTATION: None}, annotated.metadata.resource_version
-                )
-            except ApiError as e2:
-                log.warning("pod %s: cannot remove the assignment of a failed bind: %s", key, e2)
-            self.view.settle(key, cleaned)
-            return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
-        self.view.settle(key, annotated, bound=True)
-        units = ", ".join(f"{s.gpu_uuid}{'/' + s.mig.profile if s.mig else ''} ({s.sharing})" for s in a.shares)
-        log.info("bound %s to %s: %s", key, a.node, units or "no GPU")
-        return ExtenderBindingResult()
+                await self.api.bind_pod(ns, name, uid, a.node, annotation, rv)
+            except (Unavailable, Conflict) as e:
+                if isinstance(e, Unavailable):
+                    lost_rv = rv
+                    log.warning("pod %s: the answer to its Binding was lost (%s); reading it back", key, e)
+                judged, judged_why, fresh = await self._read_back(key, uid, a)
+                if judged is not None:
+                    outcome, why = judged, judged_why
+                    break
+                if fresh is None:  # cannot be read back
+                    outcome, why = (Outcome.UNKNOWN, judged_why) if lost_rv else (Outcome.FAILED, str(e))
+                    break
+                rv = fresh.metadata.resource_version  # unbound, the same pod: bind again at its current version
+                if rv != lost_rv:
+                    lost_rv = ""  # the pod moved past the lost Binding's precondition: that one never applies
+            except ApiError as e:
+                outcome, why = (Outcome.UNKNOWN, str(e)) if lost_rv else (Outcome.FAILED, str(e))
+                break
+            else:
+                outcome, why = Outcome.BOUND, ""
+                break
+        else:
+            if lost_rv:
+                outcome, why = Outcome.UNKNOWN, "the API server's answers to its Binding were lost"
+            else:
+                outcome, why = Outcome.FAILED, "it kept changing while being bound; the scheduler retries"
+        self.view.settle(key, outcome, rv=lost_rv)
+        if outcome is Outcome.BOUND:
+            units = ", ".join(f"{s.gpu_uuid}{'/' + s.mig.profile if s.mig else ''} ({s.sharing})" for s in a.shares)
+            log.info("bound %s to %s: %s", key, a.node, units or "no GPU")
+            return ExtenderBindingResult()
+        if outcome is Outcome.UNKNOWN:
+            log.warning("pod %s: bind outcome unknown; its GPUs stay reserved until it is settled: %s", key, why)
+            self._spawn_settler(key)
+        return ExtenderBindingResult(Error=f"cannot bind {key}: {_event_safe(why)}")
+
+    async def _read_back(self, key: str, uid: str, a: Assignment) -> tuple[Outcome | None, str, Pod | None]:
+        """The pod as it is now, judged against the Binding of ``a``: (BOUND | FAILED, why, pod) when that settles
+        the bind, (None, "", pod) when the pod is unbound and may be bound again, (None, why, None) when it cannot be
+        read."""
+        assert self.api is not None
+        ns, _, name = key.partition("/")
+        why = ""
+        for attempt in range(READ_BACK_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(READ_BACK_BACKOFF_S * attempt)
+            try:
+                pod = await self.api.get_pod(ns, name)
+            except NotFound:
+                return Outcome.FAILED, "it was deleted", None
+            except ApiError as e:
+                why = str(e)
+                continue
+            if uid and pod.metadata.uid and pod.metadata.uid != uid:
+                return Outcome.FAILED, f"it was replaced (UID {pod.metadata.uid})", pod
+            if pod.spec.node_name:
+                if pod.spec.node_name == a.node and pod.metadata.annotations.get(ASSIGNMENT_ANNOTATION) == a.to_json():
+                    return Outcome.BOUND, "", pod
+                return Outcome.FAILED, f"it is already bound to {pod.spec.node_name}", pod
+            if pod.finished:
+                return Outcome.FAILED, "it has finished", pod
+            return None, "", pod
+        return (
+            None,
+            (
+                f"the API server did not confirm the Binding to {a.node} and the pod cannot be read back ({why}); its "
+                "GPUs stay reserved until the pod is seen bound, changed or deleted"
+            ),
+            None,
+        )
+
+    async def _settle_unknown(self, key: str) -> None:
+        """Settle a bind whose outcome is unknown: read the pod back and, if it is still unbound at the version the
+        lost Binding was sent at, move it past that version (an annotation written under that precondition) so that
+        the Binding can never apply. The watch may settle it first."""
+        assert self.api is not None
+        a, uid, rv = self.view.unknown(key)
+        if a is None:
+            return
+        ns, _, name = key.partition("/")
+        outcome, _, pod = await self._read_back(key, uid, a)
+        if outcome is None and pod is not None:
+            if pod.metadata.resource_version != rv:
+                outcome = Outcome.FAILED  # changed past the lost Binding's precondition: it can never apply
+            else:
+                try:
+                    pod = await self.api.patch_pod_annotations(ns, name, {FENCE_ANNOTATION: rv}, rv)
+                    outcome = Outcome.FAILED
+                except ApiError as e:
+                    log.info("pod %s: cannot fence its lost Binding yet: %s", key, e)
+        if outcome is not None and self.view.phase(key) is Phase.UNKNOWN:
+            self.view.settle(key, outcome, pod=pod, rv=rv)
+            log.info("pod %s: its bind of unknown outcome settled: %s", key, outcome.value)
+
+    def _spawn_settler(self, key: str) -> None:
+        async def settle_until_known() -> None:
+            delay = 1.0
+            while self.view.phase(key) is Phase.UNKNOWN:
+                await asyncio.sleep(delay)
+                await self._settle_unknown(key)
+                delay = min(delay * 2, 30.0)
+
+        task = asyncio.ensure_future(settle_until_known())
+        self._settlers.add(task)
+        task.add_done_callback(self._settlers.discard)
 
     # ----- preempt ---------------------------------------------------------------------------------------------
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
@@ -294,6 +458,10 @@ class Extender:
                 kept[node] = mv if len(unique) == len(mv.Pods) else mv.model_copy(update={"Pods": unique})
         self.view.generation += 1  # the ledger is as it was, but its node versions moved
         return ExtenderPreemptionResult(NodeNameToMetaVictims=kept)
+
+
+def _readable(reasons: dict[str, str]) -> dict[str, str]:
+    return {node: _event_safe(r) for node, r in reasons.items()}
 
 
 def _never_fits(reason: str) -> bool:

@@ -1,7 +1,8 @@
 """An in-memory API server: the :class:`~sharegpu.k8s.api.ClusterApi` that tests and the benchmark run against.
 
 It keeps objects as JSON dicts with a cluster-wide resourceVersion, enforces the preconditions the real server
-enforces (resourceVersion on patches, one Binding per pod, UID on bindings) and can be switched off
+enforces (resourceVersion on patches and bindings, one Binding per pod, UID on bindings, a Binding's
+annotations written with it) and can be switched off
 (:attr:`MemoryClusterApi.down`) or have its watches broken, to exercise reconnection.
 """
 
@@ -29,6 +30,9 @@ class MemoryClusterApi:
         self._waiters: set[asyncio.Event] = set()
         self._epoch = 0  # bumped by break_watches()
         self.watch_timeouts: list[int | None] = []  # the server-side timeout each watch asked for
+        # Faults of the next binds: applied but answered with a lost connection, or lost before they arrive.
+        self.lose_bind_answers = 0
+        self.drop_binds = 0
 
     # ----- test helpers --------------------------------------------------------------------------------------
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -180,23 +184,45 @@ class MemoryClusterApi:
         self._emit("pod", MODIFIED, obj)
         return Pod.model_validate(copy.deepcopy(obj))
 
-    async def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+    async def bind_pod(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        node: str,
+        annotations: Mapping[str, str] | None = None,
+        resource_version: str | None = None,
+    ) -> None:
         self._check(f"bind pod {namespace}/{name}")
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
+        if self.drop_binds:
+            self.drop_binds -= 1
+            raise Unavailable(f"cannot bind pod {namespace}/{name}: ReadTimeout (the request was lost)")
         obj = self.pods.get(f"{namespace}/{name}")
         if obj is None:
             raise NotFound(f"pod {namespace}/{name} not found")
-        if uid and obj["metadata"].get("uid") != uid:
-            raise Conflict(f"pod {namespace}/{name}: UID {uid} does not match {obj['metadata'].get('uid')}")
+        meta = obj["metadata"]
+        if uid and meta.get("uid") != uid:
+            raise Conflict(f"pod {namespace}/{name}: UID {uid} does not match {meta.get('uid')}")
+        if resource_version and meta["resourceVersion"] != resource_version:
+            raise Conflict(
+                f"Operation cannot be fulfilled on pods {name!r}: Precondition failed: ResourceVersion in "
+                f"precondition: {resource_version}, ResourceVersion in object meta: {meta['resourceVersion']}"
+            )
         spec = obj.setdefault("spec", {})
         if spec.get("nodeName"):
             raise Conflict(f"pod {namespace}/{name} is already assigned to node {spec['nodeName']!r}")
         if node not in self.nodes:
             raise NotFound(f"node {node} not found")
         spec["nodeName"] = node
+        if annotations:
+            meta.setdefault("annotations", {}).update(annotations)
         self._bump(obj)
         self._emit("pod", MODIFIED, obj)
+        if self.lose_bind_answers:
+            self.lose_bind_answers -= 1
+            raise Unavailable(f"cannot bind pod {namespace}/{name}: RemoteProtocolError (the answer was lost)")
 
     async def close(self) -> None:
         return None

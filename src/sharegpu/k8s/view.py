@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import random
 from collections import OrderedDict
@@ -60,14 +61,38 @@ class WatchEnded(ApiError):
     """A watch ended without an error (the server's timeout) or went silent; the view relists and stays in sync."""
 
 
+class Phase(enum.Enum):
+    """Where a placement of this process stands that the API server does not show yet."""
+
+    HELD = "held"  # prioritize chose it; kept until the pod's bind or a short deadline
+    BINDING = "binding"  # the Binding (node and assignment in one write) is being created
+    BOUND = "bound"  # the Binding was created; kept until the watch shows the pod bound, or gone
+    UNKNOWN = "unknown"  # the Binding's answer was lost: it may or may not have been applied
+
+
+class Outcome(enum.Enum):
+    """How a bind ended, as far as the binder knows."""
+
+    BOUND = "bound"
+    FAILED = "failed"  # known not to be bound: what it reserved is released
+    UNKNOWN = "unknown"  # not known: what it reserved is kept until the API server tells
+
+
 @dataclass(slots=True)
 class _InFlight:
-    """A bind of this process: reserved before the annotation is written, kept until the watch sees its end."""
+    """A placement of this process, accounted in the ledger before (and until) the API server shows it.
+
+    A reservation is released only when the pod is known not to hold it: an UNKNOWN one stays until the watch (or a
+    read-back) shows the pod bound, gone, or changed past :attr:`rv` — the resourceVersion precondition the Binding
+    carried, after which that Binding can never be applied.
+    """
 
     assignment: Assignment
     uid: str
-    bound_rv: str | None = None  # set when the Binding was created: the resourceVersion of the annotated pod
-    deleted: bool = False  # a DELETED event came while the bind was in flight
+    phase: Phase
+    rv: str = ""  # UNKNOWN: the Binding's resourceVersion precondition
+    expires: float = 0.0  # HELD: when the hold lapses (time.monotonic())
+    deleted: bool = False  # a DELETED event came while the Binding was being written
 
 
 class ClusterView:
@@ -180,10 +205,12 @@ class ClusterView:
             listed.add(p.key)
             self._ingest_pod(p)
         for key, fl in list(self._inflight.items()):
-            # A bind that already ended waits for the pod to be seen bound; a fresh list settles that too: the pod
-            # existed when the bind annotated it, so a list without it was taken after it was deleted.
-            if fl.bound_rv is not None and (key not in listed or self._bind_seen(key, fl)):
-                del self._inflight[key]
+            # A list taken now that lacks the pod was taken after it was deleted.
+            if key not in listed and key not in self._pods:
+                if fl.phase is Phase.BINDING:
+                    fl.deleted = True
+                else:
+                    del self._inflight[key]
         self._ledger = None
         self._rebuild()
 
@@ -218,10 +245,10 @@ class ClusterView:
             return False  # a pod the view never held
         self._remember_gone(key, pod.metadata.resource_version)
         if fl is not None:
-            if fl.bound_rv is None:
+            if fl.phase is Phase.BINDING:
                 fl.deleted = True  # the bind in flight settles without taking the pod back
             else:
-                del self._inflight[key]  # bound and now gone
+                del self._inflight[key]  # gone: it holds nothing
         self._pods.pop(key, None)
         self._requests.pop(key, None)
         return True
@@ -279,8 +306,8 @@ class ClusterView:
             self._requests.pop(key, None)
             return True
         self._pods[key] = pod
-        if fl is not None and fl.bound_rv is not None and self._bind_seen(key, fl):
-            del self._inflight[key]  # the API server's own copy of the bound pod now holds the assignment
+        if fl is not None:
+            self._observed(key, fl, pod)
         try:
             req = pod_request(pod, self.catalog)
         except InvalidRequest:
@@ -291,17 +318,16 @@ class ClusterView:
             self._requests[key] = req
         return True
 
-    def _bind_seen(self, key: str, fl: _InFlight) -> bool:
-        """Whether the view holds pod ``key`` as the ended bind ``fl`` left it (or later): bound, or replaced."""
-        pod = self._pods.get(key)
-        if pod is None or fl.bound_rv is None:
-            return False
+    def _observed(self, key: str, fl: _InFlight, pod: Pod) -> None:
+        """The API server's copy of pod ``key`` may end a placement of this process that it now shows (or rules out)."""
+        if fl.phase in (Phase.HELD, Phase.BINDING):
+            return  # still this process's to settle
         if fl.uid and pod.metadata.uid and pod.metadata.uid != fl.uid:
-            return True  # another pod of that name: the bound one is gone
-        if not (pod.spec.node_name or pod.finished):
-            return False  # the annotated, not yet bound version
-        a, b = _rv(pod.metadata.resource_version), _rv(fl.bound_rv)
-        return a is None or b is None or a >= b
+            del self._inflight[key]  # another pod of that name: the one placed is gone
+        elif pod.spec.node_name or pod.finished:
+            del self._inflight[key]  # bound: from now on its own assignment annotation accounts for it
+        elif fl.phase is Phase.UNKNOWN and fl.rv and _older(fl.rv, pod.metadata.resource_version):
+            del self._inflight[key]  # changed past the Binding's precondition, unbound: that Binding never applies
 
     def _desired(self, key: str) -> Assignment | None:
         """The assignment pod ``key`` holds now, or None; records why one cannot be accounted."""
@@ -393,48 +419,93 @@ class ClusterView:
         return Ledger(self._specs.values(), self.catalog)
 
     # ----- reservations (the binder) -----------------------------------------------------------------------------
-    def forget_unbound(self, key: str) -> None:
-        """Release what unbound pod ``key`` holds from an earlier bind attempt, before its bind is retried."""
-        led = self.ledger
-        if key in led.assignments and key not in self._inflight:
-            led.release(key)
-            self.generation += 1
-
     def pod_keys_by_uid(self) -> dict[str, str]:
-        return {p.metadata.uid: k for k, p in self._pods.items() if p.metadata.uid}
+        """Pods by UID, those this process placed and the watch has not shown yet included."""
+        keys = {fl.uid: k for k, fl in self._inflight.items() if fl.uid}
+        keys.update((p.metadata.uid, k) for k, p in self._pods.items() if p.metadata.uid)
+        return keys
 
     def in_flight(self, key: str) -> bool:
         return key in self._inflight
 
+    def phase(self, key: str) -> Phase | None:
+        fl = self._inflight.get(key)
+        return None if fl is None else fl.phase
+
+    def held(self, key: str) -> Assignment | None:
+        """What prioritize holds for pod ``key``, if anything."""
+        fl = self._inflight.get(key)
+        return fl.assignment if fl is not None and fl.phase is Phase.HELD else None
+
+    def hold(self, a: Assignment, uid: str, expires: float) -> None:
+        """Account ``a`` for a pod that is being scheduled, until its bind or ``expires`` (time.monotonic()), so
+        that the pods scheduled meanwhile see it taken; raises :class:`LedgerConflict`."""
+        self.drop_hold(a.pod)
+        self._account(a, _InFlight(a, uid, Phase.HELD, expires=expires))
+
+    def drop_hold(self, key: str) -> bool:
+        fl = self._inflight.get(key)
+        if fl is None or fl.phase is not Phase.HELD:
+            return False
+        del self._inflight[key]
+        if self._ledger is not None:
+            self._reconcile(key)
+        return True
+
+    def expire_holds(self, now: float) -> int:
+        """Drop the holds whose bind never came (the scheduler chose another node, or gave up)."""
+        lapsed = [k for k, fl in self._inflight.items() if fl.phase is Phase.HELD and fl.expires <= now]
+        for key in lapsed:
+            self.drop_hold(key)
+        return len(lapsed)
+
+    def unknown(self, key: str) -> tuple[Assignment | None, str, str]:
+        """(assignment, pod UID, the lost Binding's resourceVersion) of a bind of unknown outcome, or (None, "", "")."""
+        fl = self._inflight.get(key)
+        if fl is None or fl.phase is not Phase.UNKNOWN:
+            return None, "", ""
+        return fl.assignment, fl.uid, fl.rv
+
+    def holds(self) -> int:
+        return sum(fl.phase is Phase.HELD for fl in self._inflight.values())
+
     def reserve(self, a: Assignment, uid: str = "") -> None:
-        """Account ``a`` now, before its annotation is written; raises :class:`LedgerConflict`."""
+        """Account ``a`` now, before its Binding is written (taking over the pod's hold when it is the same
+        placement); raises :class:`LedgerConflict`."""
+        fl = self._inflight.get(a.pod)
+        if fl is not None and fl.phase is Phase.HELD and fl.assignment == a and fl.uid == uid:
+            fl.phase = Phase.BINDING
+            return
+        if fl is not None and fl.phase is not Phase.HELD:
+            raise LedgerConflict(f"a bind of pod {a.pod} is already in progress ({fl.phase.value})")
+        self.drop_hold(a.pod)
+        self._account(a, _InFlight(a, uid, Phase.BINDING))
+
+    def _account(self, a: Assignment, fl: _InFlight) -> None:
         led = self.ledger
-        if a.pod in self._inflight:
-            raise LedgerConflict(f"a bind of pod {a.pod} is already in progress")
         if a.pod in led.assignments:
-            led.release(a.pod)  # a stale reservation of an earlier attempt (the pod is not bound)
-            self.generation += 1
+            raise LedgerConflict(f"pod {a.pod} already holds GPUs on {led.assignments[a.pod].node}")
         led.place(a)  # a new placement: only healthy GPUs
-        self._inflight[a.pod] = _InFlight(a, uid)
+        self._inflight[a.pod] = fl
         self.generation += 1
 
-    def settle(self, key: str, pod: Pod | None, bound: bool = False) -> None:
-        """A bind of ``key`` ended: ``pod`` is the pod as it now is (annotated, or not), if known.
+    def settle(self, key: str, outcome: Outcome, pod: Pod | None = None, rv: str = "") -> None:
+        """A bind of ``key`` ended with ``outcome``; ``pod`` is the pod as the binder last read it, if it did.
 
-        ``bound``: the Binding was created, and ``pod`` is the annotated pod the bind wrote. The reservation is then
-        kept until the watch delivers the pod bound (at or after that resourceVersion) or deleted, so that no older
-        copy of the pod can take the assignment away meanwhile. Otherwise the reservation ends now.
+        BOUND keeps the reservation until the watch delivers the pod bound (so that no older copy of the pod can
+        take the assignment away meanwhile); UNKNOWN keeps it until the pod is seen bound, gone, or changed past
+        ``rv`` (the Binding's resourceVersion precondition); FAILED releases it now.
         """
         fl = self._inflight.get(key)
-        if fl is not None and fl.deleted:
-            del self._inflight[key]  # deleted while binding: it holds nothing, and no copy of it may come back
-            pod = None
-        elif fl is not None and (not bound or pod is None):
-            del self._inflight[key]  # failed: it holds nothing
-        elif fl is not None and pod is not None:
-            fl.bound_rv = pod.metadata.resource_version
-            if self._bind_seen(key, fl):
-                del self._inflight[key]  # the watch was faster than the binder
+        if fl is not None and fl.phase in (Phase.BINDING, Phase.UNKNOWN):
+            if fl.deleted:
+                del self._inflight[key]  # deleted while binding: it holds nothing, and no copy of it may come back
+                pod = None
+            elif outcome is Outcome.FAILED:
+                del self._inflight[key]
+            else:
+                fl.phase = Phase.BOUND if outcome is Outcome.BOUND else Phase.UNKNOWN
+                fl.rv = rv
         if pod is not None:
             self._ingest_pod(pod)
         if self._ledger is not None:
