@@ -1,0 +1,563 @@
+"""A harness over ../shared/k8s-rig: a real kube-apiserver and kube-scheduler, sharegpu's own processes around them.
+
+What runs for real: the API server (validation, preconditions, watches, Binding's Status answer), a second
+kube-scheduler process with the Helm chart's own KubeSchedulerConfiguration (profile ``sharegpu-scheduler``, the
+extender for filter/prioritize/bind/preempt), ``sharegpu scheduler-extender`` and ``sharegpu node-agent``
+(simulated GPU backend) as subprocesses. What the harness plays: the kubelet, which the rig has none of — for each
+node, a device-plugin Registration server on ``kubelet.sock`` built from the real deviceplugin protos that, like the
+kubelet, calls the registered plugin's ListAndWatch and publishes the healthy device count as the node's capacity.
+
+Used by tests/k8s/test_k8s_rig_*.py (skipped unless SHAREGPU_TEST_KUBECONFIG is set) and bench/k8s_load.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import yaml
+
+from sharegpu.ledger import Ledger, LedgerError
+from sharegpu.model.assignment import Assignment, InvalidAssignment
+from sharegpu.model.catalog import DEFAULT_CATALOG
+from sharegpu.model.inventory import INVENTORY_ANNOTATION, InvalidInventory, NodeSpec
+from sharegpu.node.proto import deviceplugin_pb2 as pb
+from sharegpu.node.proto import deviceplugin_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "sharegpu"
+KUBECONFIG = os.environ.get("SHAREGPU_TEST_KUBECONFIG", "")
+SKIP_REASON = (
+    "no API server: set SHAREGPU_TEST_KUBECONFIG to the kubeconfig of ../shared/k8s-rig (and SHAREGPU_TEST_K8S_REAL "
+    "to its folder if the kubeconfig is elsewhere) to run the integration suite; .ci/run starts the rig and sets both"
+)
+ASSIGNMENT = "sharegpu.io/assignment"
+GPU_RESOURCE = "sharegpu.io/gpu"
+SCHEDULER_NAME = "sharegpu-scheduler"
+
+
+def rig_dir() -> Path:
+    return Path(os.environ.get("SHAREGPU_TEST_K8S_REAL") or Path(KUBECONFIG).parent)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sharegpu_argv(*args: str) -> list[str]:
+    """The installed console script of this environment (what the image's entry point runs)."""
+    return [str(Path(sys.executable).parent / "sharegpu"), *args]
+
+
+class Proc:
+    """A background process with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.name, self.argv, self.log = name, argv, log
+        self._log = log.open("ab")
+        self.p = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as an OOM kill or a lost node would do."""
+        if self.alive:
+            self.p.send_signal(signal.SIGKILL)
+            self.p.wait(10)
+
+    def stop(self) -> None:
+        if self.alive:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def text(self) -> str:
+        self._log.flush()
+        return self.log.read_text(errors="replace")
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, however it dies (a crash leaves no orphan scheduler that
+    would keep binding the next test's pods)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return 200 <= r.status < 300
+    except Exception:
+        return False
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0, every: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(every)
+
+
+# ----- the kubelet's side of the device plugin protocol --------------------------------------------------------------
+class Kubelet(pb_grpc.RegistrationServicer):
+    """Plays one node's kubelet: serves Registration on ``kubelet.sock``; for each plugin that registers, follows its
+    ListAndWatch and publishes the healthy devices as the node's capacity and allocatable (as the kubelet does)."""
+
+    def __init__(self, node: str, plugin_dir: Path, publish: Callable[[str, str, int], None]) -> None:
+        self.node, self.plugin_dir, self.publish = node, plugin_dir, publish
+        self.registered: list[pb.RegisterRequest] = []
+        self.devices: dict[str, int] = {}
+        self._server: grpc.aio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = grpc.aio.server()
+        pb_grpc.add_RegistrationServicer_to_server(self, self._server)
+        self._server.add_insecure_port(f"unix://{self.plugin_dir / 'kubelet.sock'}")
+        await self._server.start()
+
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Empty:  # type: ignore[override]
+        assert request.version == "v1beta1", request.version
+        self.registered.append(request)
+        task = asyncio.ensure_future(self._follow(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return pb.Empty()
+
+    async def _follow(self, request: pb.RegisterRequest) -> None:
+        async with grpc.aio.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}") as channel:
+            stub = pb_grpc.DevicePluginStub(channel)
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the plugin stopped: it registers again when back
+                async for resp in stub.ListAndWatch(pb.Empty()):
+                    healthy = sum(d.health == "Healthy" for d in resp.devices)
+                    self.devices[request.resource_name] = healthy
+                    self.publish(self.node, request.resource_name, healthy)
+
+    async def allocate(self, request: pb.RegisterRequest, device_ids: list[str]) -> pb.AllocateResponse:
+        async with grpc.aio.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}") as channel:
+            stub = pb_grpc.DevicePluginStub(channel)
+            req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)])
+            return await stub.Allocate(req)
+
+    async def stop(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._server is not None:
+            await self._server.stop(0)
+
+
+class KubeletLoop:
+    """The kubelets of every node, on one asyncio loop in a thread (the harness itself is synchronous)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.kubelets: dict[str, Kubelet] = {}
+
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def add(self, kubelet: Kubelet) -> None:
+        self.kubelets[kubelet.node] = kubelet
+        self.run(kubelet.start())
+
+    def close(self) -> None:
+        for k in self.kubelets.values():
+            with contextlib.suppress(Exception):
+                self.run(k.stop(), timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+# ----- the rig ---------------------------------------------------------------------------------------------------------
+@dataclass
+class RigNode:
+    name: str
+    gpus: list[dict[str, Any]]  # the simulated backend's `gpus:` entries: model, count, mig
+    plugin_dir: Path
+    agent: Proc | None = None
+
+
+@dataclass
+class Rig:
+    """One test's (or bench run's) objects and processes on the shared control plane; :meth:`close` removes them."""
+
+    kubeconfig: Path
+    k8s_real: Path
+    work: Path
+    prefix: str = field(default_factory=lambda: f"sg{uuid.uuid4().hex[:5]}")
+    procs: list[Proc] = field(default_factory=list)
+    nodes: dict[str, RigNode] = field(default_factory=dict)
+    namespaces: list[str] = field(default_factory=list)
+    _kubelets: KubeletLoop | None = None
+
+    def __post_init__(self) -> None:
+        from lightkube import Client, KubeConfig
+
+        self.client = Client(config=KubeConfig.from_file(self.kubeconfig), field_manager="sharegpu-test-rig")
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(cls) -> Iterator[Rig]:
+        work = Path(tempfile.mkdtemp(prefix="sharegpu-rig-"))
+        rig = cls(Path(KUBECONFIG), rig_dir(), work)
+        try:
+            yield rig
+        finally:
+            rig.close()
+            if not os.environ.get("SHAREGPU_RIG_KEEP"):  # set it to read the processes' logs afterwards
+                shutil.rmtree(work, ignore_errors=True)
+
+    # ----- objects ------------------------------------------------------------------------------------------------
+    def namespace(self, name: str = "") -> str:
+        from lightkube.models.meta_v1 import ObjectMeta
+        from lightkube.resources.core_v1 import Namespace
+
+        ns = name or f"{self.prefix}-{len(self.namespaces)}"
+        self.client.create(Namespace(metadata=ObjectMeta(name=ns)))
+        self.namespaces.append(ns)
+        return ns
+
+    def add_node(
+        self,
+        suffix: str,
+        gpus: list[dict[str, Any]],
+        *,
+        agent: bool = True,
+        cpu: str = "64",
+        memory: str = "256Gi",
+        labels: dict[str, str] | None = None,
+        inventory: NodeSpec | None = None,
+    ) -> str:
+        """A kubelet-less Node, Ready; with ``agent`` a real node agent on the simulated backend publishes its
+        inventory and (through the harness's kubelet) its ``sharegpu.io/gpu`` capacity; otherwise ``inventory`` is
+        written directly (what an agent would write) with the capacity the device plugin would advertise."""
+        from lightkube.resources.core_v1 import Node
+        from lightkube.types import PatchType
+
+        name = f"{self.prefix}-{suffix}"
+        meta_labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "sharegpu-test/rig": self.prefix}
+        meta_labels |= labels or {}
+        annotations = {INVENTORY_ANNOTATION: inventory.to_json()} if inventory is not None else {}
+        self.client.create(
+            Node.from_dict({"metadata": {"name": name, "labels": meta_labels, "annotations": annotations}, "spec": {}})
+        )
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        resources = {"cpu": cpu, "memory": memory, "pods": "500"}
+        if inventory is not None:
+            resources[GPU_RESOURCE] = str(64 * len(inventory.gpus))
+        status = {
+            "capacity": resources,
+            "allocatable": resources,
+            "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "sharegpu test rig",
+                 "lastHeartbeatTime": now, "lastTransitionTime": now},
+            ],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+        }  # fmt: skip
+        self._patch_node_status(name, status)
+        # The API server taints a new Node not-ready; the node lifecycle controller (off on the rig: no kubelet
+        # renews leases) would lift it once the node reports Ready.
+        self.client.patch(Node, name, {"spec": {"taints": None}}, patch_type=PatchType.MERGE)
+        plugin_dir = self.work / name
+        plugin_dir.mkdir()
+        node = RigNode(name, gpus, plugin_dir)
+        self.nodes[name] = node
+        if agent:
+            self._start_agent(node)
+        return name
+
+    def _patch_node_status(self, name: str, status: dict[str, Any]) -> None:
+        from lightkube.resources.core_v1 import Node
+        from lightkube.types import PatchType
+
+        self.client.patch(Node.Status, name, {"status": status}, patch_type=PatchType.MERGE)
+
+    def _publish_capacity(self, node: str, resource: str, count: int) -> None:
+        self._patch_node_status(node, {"capacity": {resource: str(count)}, "allocatable": {resource: str(count)}})
+
+    @property
+    def kubelets(self) -> KubeletLoop:
+        if self._kubelets is None:
+            self._kubelets = KubeletLoop()
+        return self._kubelets
+
+    def _start_agent(self, node: RigNode) -> None:
+        self.kubelets.add(Kubelet(node.name, node.plugin_dir, self._publish_capacity))
+        sim = self.work / f"{node.name}.yaml"
+        sim.write_text(yaml.safe_dump({"gpus": node.gpus}))
+        state = self.work / f"{node.name}.state"
+        state.mkdir()
+        argv = sharegpu_argv(
+            "node-agent",
+            "--node-name", node.name,
+            "--kubeconfig", str(self.kubeconfig),
+            "--backend", "sim",
+            "--sim-config", str(sim),
+            "--device-plugin-dir", str(node.plugin_dir),
+            "--metrics-listen", "",
+        )  # fmt: skip
+        node.agent = self.spawn(f"agent-{node.name}", argv, env={"SHAREGPU_STATE_DIR": str(state)})
+
+    def wait_nodes_published(self, timeout: float = 60.0) -> None:
+        """Until every node with an agent shows its inventory and its ``sharegpu.io/gpu`` capacity."""
+
+        def published() -> bool:
+            for name, rn in self.nodes.items():
+                if rn.agent is None:
+                    continue
+                node = self.node(name)
+                if INVENTORY_ANNOTATION not in node["metadata"].get("annotations", {}):
+                    return False
+                if int(node["status"].get("allocatable", {}).get(GPU_RESOURCE, "0")) <= 0:
+                    return False
+            return True
+
+        wait_for(published, "the node agents' inventories and device plugins", timeout)
+
+    def node(self, name: str) -> dict[str, Any]:
+        from lightkube.resources.core_v1 import Node
+
+        return dict(self.client.get(Node, name).to_dict())
+
+    # ----- processes ------------------------------------------------------------------------------------------------
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        p = Proc(name, argv, self.work / f"{name}.log", env)
+        self.procs.append(p)
+        return p
+
+    def start_extender(
+        self, port: int = 0, *extra: str, name: str = "extender", ready: bool = True
+    ) -> tuple[Proc, str]:
+        port = port or free_port()
+        argv = sharegpu_argv(
+            "scheduler-extender", "--kubeconfig", str(self.kubeconfig), "--listen", f"127.0.0.1:{port}", *extra
+        )
+        p = self.spawn(name, argv)
+        url = f"http://127.0.0.1:{port}"
+        if ready:
+            wait_for(lambda: http_ok(url + "/readyz") or not p.alive, f"{name} to be ready", 60)
+            assert p.alive, f"{name} exited:\n{p.text()[-3000:]}"
+        return p, url
+
+    def scheduler_config(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> dict[str, Any]:
+        """The chart's own KubeSchedulerConfiguration, pointed at ``extender_url`` and at the rig's credentials."""
+        import helm_python as helm
+
+        rendered = helm.Chart.load(str(CHART)).render({}, name="sg", namespace="gpu-system", is_install=True)
+        docs = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
+        config: dict[str, Any] = yaml.safe_load(cm["data"]["config.yaml"])
+        config["clientConnection"] = {"kubeconfig": str(self.k8s_real / "scheduler.kubeconfig")}
+        config["leaderElection"] = {"leaderElect": False}
+        config["profiles"][0]["schedulerName"] = scheduler_name
+        config["extenders"][0]["urlPrefix"] = extender_url
+        return config
+
+    def start_scheduler(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> Proc:
+        """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile."""
+        config = self.work / "scheduler-config.yaml"
+        config.write_text(yaml.safe_dump(self.scheduler_config(extender_url, scheduler_name)))
+        port = free_port()
+        sk = str(self.k8s_real / "scheduler.kubeconfig")
+        argv = [
+            str(self.k8s_real / "bin" / "kube-scheduler"),
+            f"--config={config}",
+            f"--authentication-kubeconfig={sk}",
+            f"--authorization-kubeconfig={sk}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            "--v=2",
+        ]
+        gates = self.k8s_real / "feature-gates.txt"
+        if gates.exists() and gates.read_text().strip():
+            argv.append(f"--feature-gates={gates.read_text().strip()}")
+        p = self.spawn("kube-scheduler", argv)
+        wait_for(lambda: _https_ok(f"https://127.0.0.1:{port}/healthz") or not p.alive, "kube-scheduler", 60)
+        assert p.alive, f"kube-scheduler exited:\n{p.text()[-3000:]}"
+        return p
+
+    # ----- pods -----------------------------------------------------------------------------------------------------
+    def create_pods(self, ns: str, objs: Iterable[dict[str, Any]], parallel: int = 16) -> None:
+        """Create pods at once (``parallel`` requests in flight), as a Job controller or kubectl apply would."""
+        from lightkube.resources.core_v1 import Pod
+
+        # Decoded here: lightkube's model classes are not safe to build from several threads at once.
+        models = [Pod.from_dict(obj) for obj in objs]
+
+        def create(pod: Pod) -> None:
+            self.client.create(pod, namespace=ns)
+
+        with ThreadPoolExecutor(parallel) as pool:
+            list(pool.map(create, models))
+
+    def pods(self, ns: str) -> list[dict[str, Any]]:
+        from lightkube.resources.core_v1 import Pod
+
+        return [p.to_dict() for p in self.client.list(Pod, namespace=ns)]
+
+    def events(self, ns: str) -> list[dict[str, Any]]:
+        from lightkube.resources.core_v1 import Event
+
+        return [e.to_dict() for e in self.client.list(Event, namespace=ns)]
+
+    def wait_settled(self, ns: str, quiet_s: float = 6.0, timeout: float = 300.0) -> list[dict[str, Any]]:
+        """Until no pod of ``ns`` was bound for ``quiet_s`` (the rest are pending for want of room)."""
+        deadline = time.monotonic() + timeout
+        last, since = -1, time.monotonic()
+        while True:
+            pods = self.pods(ns)
+            bound = sum(bool(p["spec"].get("nodeName")) for p in pods)
+            if bound != last:
+                last, since = bound, time.monotonic()
+            if bound == len(pods) or time.monotonic() - since >= quiet_s:
+                return pods
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pods of {ns} still being bound after {timeout:g}s")
+            time.sleep(0.5)
+
+    # ----- cleanup --------------------------------------------------------------------------------------------------
+    def dump(self, lines: int = 40) -> str:
+        """The tail of every process's log (printed by the tests' fixture: pytest shows it when a test fails)."""
+        out = []
+        for p in self.procs:
+            tail = p.text().splitlines()[-lines:]
+            out.append(f"----- {p.name} ({'running' if p.alive else f'exit {p.p.returncode}'}) -----")
+            out.extend(tail)
+        return "\n".join(out)
+
+    def close(self) -> None:
+        from lightkube.resources.core_v1 import Namespace, Node, Pod
+
+        for p in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                p.stop()
+        if self._kubelets is not None:
+            self._kubelets.close()
+        for ns in self.namespaces:
+            # Bound pods wait for a kubelet to confirm they stopped; there is none.
+            with contextlib.suppress(Exception):
+                self.client.deletecollection(Pod, namespace=ns, grace_period=0)
+            with contextlib.suppress(Exception):
+                self.client.delete(Namespace, ns)
+        for name in self.nodes:
+            with contextlib.suppress(Exception):
+                self.client.delete(Node, name)
+        self.client.close()
+
+
+def _https_ok(url: str) -> bool:
+    import ssl
+
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(url, timeout=1, context=ctx) as r:
+            return bool(r.status == 200)
+    except Exception:
+        return False
+
+
+# ----- checks recomputed from the API server alone -------------------------------------------------------------------
+@dataclass
+class Audit:
+    bound: int
+    pending: int
+    findings: list[str]
+    per_gpu: dict[str, dict[str, int]]  # gpu uuid -> {"memory_mib": used, "compute_milli": used, "pods": n}
+
+
+def audit(nodes: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Audit:
+    """Recompute every GPU's use from the nodes' inventories and the bound pods' ``sharegpu.io/assignment``
+    annotations (nothing of the extender's state) into a fresh :class:`Ledger`, which refuses any over-allocation or
+    MIG overlap; each refusal, and each bound sharegpu pod without a valid assignment for its node, is a finding."""
+    specs = {}
+    findings: list[str] = []
+    for n in nodes:
+        text = n["metadata"].get("annotations", {}).get(INVENTORY_ANNOTATION)
+        if text:
+            try:
+                specs[n["metadata"]["name"]] = NodeSpec.from_json(text, DEFAULT_CATALOG)
+            except InvalidInventory as e:
+                findings.append(f"node {n['metadata']['name']}: {e}")
+    led = Ledger(specs.values(), DEFAULT_CATALOG)
+    bound = pending = 0
+    for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        key = f"{p['metadata']['namespace']}/{p['metadata']['name']}"
+        node = p["spec"].get("nodeName")
+        if not node:
+            pending += 1
+            continue
+        bound += 1
+        text = p["metadata"].get("annotations", {}).get(ASSIGNMENT)
+        if text is None:
+            findings.append(f"{key}: bound to {node} without an assignment")
+            continue
+        try:
+            a = Assignment.from_json(text)
+        except InvalidAssignment as e:
+            findings.append(f"{key}: {e}")
+            continue
+        if a.node != node or a.pod != key:
+            findings.append(f"{key}: bound to {node} but its assignment is {a.pod} on {a.node}")
+            continue
+        try:
+            led.place(a, check_health=False)
+        except LedgerError as e:
+            findings.append(f"{key}: over-allocation: {e}")
+    led.check_invariants()
+    per_gpu: dict[str, dict[str, int]] = {}
+    for a in led.assignments.values():
+        for s in a.shares:
+            u = per_gpu.setdefault(s.gpu_uuid, {"memory_mib": 0, "compute_milli": 0, "pods": 0})
+            u["memory_mib"] += s.memory_mib
+            u["compute_milli"] += s.compute_milli
+            u["pods"] += 1
+    return Audit(bound, pending, findings, per_gpu)
+
+
+def status_json(rig: Rig) -> dict[str, Any]:
+    out = subprocess.run(
+        sharegpu_argv("status", "--kubeconfig", str(rig.kubeconfig), "--json"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return dict(json.loads(out.stdout))
