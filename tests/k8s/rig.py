@@ -500,7 +500,7 @@ class Audit:
     bound: int
     pending: int
     findings: list[str]
-    per_gpu: dict[str, dict[str, int]]  # gpu uuid -> {"memory_mib": used, "compute_milli": used, "pods": n}
+    per_gpu: dict[str, set[str]]  # gpu uuid -> the pods that hold a share of it
 
 
 def audit(nodes: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Audit:
@@ -542,13 +542,10 @@ def audit(nodes: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Audit:
         except LedgerError as e:
             findings.append(f"{key}: over-allocation: {e}")
     led.check_invariants()
-    per_gpu: dict[str, dict[str, int]] = {}
-    for a in led.assignments.values():
+    per_gpu: dict[str, set[str]] = {}
+    for key, a in led.assignments.items():
         for s in a.shares:
-            u = per_gpu.setdefault(s.gpu_uuid, {"memory_mib": 0, "compute_milli": 0, "pods": 0})
-            u["memory_mib"] += s.memory_mib
-            u["compute_milli"] += s.compute_milli
-            u["pods"] += 1
+            per_gpu.setdefault(s.gpu_uuid, set()).add(key)
     return Audit(bound, pending, findings, per_gpu)
 
 
@@ -561,3 +558,92 @@ def status_json(rig: Rig) -> dict[str, Any]:
         check=True,
     )
     return dict(json.loads(out.stdout))
+
+
+# ----- the mixed load of issue 8 -----------------------------------------------------------------------------------
+# Five nodes of different models, some GPUs in MIG mode: room for well under 300 mixed pods, so the cluster saturates.
+LOAD_NODES: dict[str, list[dict[str, Any]]] = {
+    "h100": [{"model": "H100-80GB", "count": 2}, {"model": "H100-80GB", "count": 1, "mig": True}],
+    "a100-80": [{"model": "A100-80GB", "count": 1}, {"model": "A100-80GB", "count": 1, "mig": True}],
+    "a100-40": [{"model": "A100-40GB", "count": 1, "mig": True}, {"model": "A30-24GB", "count": 1}],
+    "a30": [{"model": "A30-24GB", "count": 2, "mig": True}],
+    "t4": [{"model": "T4", "count": 2}],
+}
+
+
+def mixed_pods(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` pods of every kind sharegpu places: MPS shares with memory and compute limits (isolation memory),
+    time-sliced shares, hardware-isolated MIG instances, whole GPUs and 2-GPU pods, some pinned to GPU models."""
+    import random
+
+    rng = random.Random(seed)
+    pods = []
+    for i in range(n):
+        kind = ("mps", "mps", "ts", "mig", "whole", "multi")[i % 6]
+        limits: dict[str, str] = {}
+        ann: dict[str, str] = {}
+        if kind == "mps":
+            limits = {"sharegpu.io/gpu": "1", "sharegpu.io/gpu-memory": f"{rng.choice([2, 4, 8, 12, 20])}Gi",
+                      "sharegpu.io/gpu-compute": str(rng.choice([10, 20, 30, 50]))}  # fmt: skip
+            ann["sharegpu.io/isolation"] = "memory"
+        elif kind == "ts":
+            limits = {"sharegpu.io/gpu": "1", "sharegpu.io/gpu-memory": f"{rng.choice([1, 2, 4])}Gi"}
+            ann["sharegpu.io/sharing"] = "time-slicing"
+        elif kind == "mig":
+            limits = {"sharegpu.io/gpu": "1", "sharegpu.io/gpu-memory": f"{rng.choice([5, 10, 20])}Gi"}
+            ann["sharegpu.io/isolation"] = "hardware"
+        elif kind == "whole":
+            limits = {"sharegpu.io/gpu": "1"}
+        else:
+            limits = {"sharegpu.io/gpu": "2"}
+        if i % 7 == 0:
+            ann["sharegpu.io/gpu-model"] = rng.choice(["H100-80GB", "A100-80GB,A100-40GB", "T4", "A30-24GB"])
+        pods.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"{kind}-{i:04d}", "annotations": ann},
+                "spec": {
+                    "schedulerName": SCHEDULER_NAME,
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "registry.example/app:1",
+                            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": limits},
+                        },
+                    ],
+                },
+            }
+        )
+    return pods
+
+
+def bind_failures(events: list[dict[str, Any]], pods: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """FailedScheduling messages that report a failed bind, for the pods that ended bound: a bind that succeeded
+    but was reported failed shows up here."""
+    bound = {p["metadata"]["name"] for p in pods if p["spec"].get("nodeName")}
+    out: dict[str, list[str]] = {}
+    for e in events:
+        name = e.get("involvedObject", {}).get("name", "")
+        msg = e.get("message") or ""
+        if e.get("reason") == "FailedScheduling" and name in bound and ("bind" in msg.lower() or "assume" in msg):
+            out.setdefault(name, []).append(msg)
+    return out
+
+
+def status_agrees(report: dict[str, Any], result: Audit, node_names: Iterable[str]) -> list[str]:
+    """Where ``sharegpu status --json`` disagrees with the audit recomputed from the API server."""
+    names = set(node_names)
+    seen: dict[str, set[str]] = {}
+    for node in report["nodes"]:
+        if node["name"] in names:
+            for g in node["gpus"]:
+                pods = set(g["pods"]) | {p for inst in g["mig"] for p in inst["pods"]}
+                if pods:
+                    seen[g["uuid"]] = pods
+    return [
+        f"{gpu}: status shows {sorted(seen.get(gpu, ()))}, the API server's pods give {sorted(result.per_gpu.get(gpu, ()))}"
+        for gpu in sorted(set(seen) | set(result.per_gpu))
+        if seen.get(gpu) != result.per_gpu.get(gpu)
+    ]

@@ -1,0 +1,75 @@
+"""Correctness under load on a real control plane (issue 8): 300 mixed pods created at once on a saturated cluster of
+five nodes of different models with node agents running. Nothing is taken from the extender's own state: every check
+is recomputed from the API server's objects (the nodes' inventories, the bound pods' assignment annotations).
+
+Skipped unless SHAREGPU_TEST_KUBECONFIG names the rig's kubeconfig (.ci/run starts the rig and sets it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from rig import (
+    KUBECONFIG,
+    LOAD_NODES,
+    SKIP_REASON,
+    Rig,
+    audit,
+    bind_failures,
+    mixed_pods,
+    status_agrees,
+    status_json,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
+PODS = 300
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    with Rig.open() as r:
+        try:
+            yield r
+        finally:
+            print(r.dump())
+
+
+def saturated_cluster(rig: Rig) -> None:
+    for suffix, gpus in LOAD_NODES.items():
+        rig.add_node(suffix, gpus)
+    rig.wait_nodes_published()
+
+
+def check(rig: Rig, ns: str) -> None:
+    pods = rig.wait_settled(ns)
+    result = audit([rig.node(n) for n in rig.nodes], pods)
+    assert result.findings == []
+    assert result.bound >= 20 and result.pending > 0, (result.bound, result.pending)  # saturated, and not idle
+    assert bind_failures(rig.events(ns), pods) == {}
+    assert status_agrees(status_json(rig), result, rig.nodes) == []
+
+
+def test_300_mixed_pods_at_once_never_over_allocate(rig: Rig) -> None:
+    saturated_cluster(rig)
+    _, url = rig.start_extender()
+    rig.start_scheduler(url)
+    ns = rig.namespace()
+    rig.create_pods(ns, mixed_pods(PODS))
+    check(rig, ns)
+
+
+def test_extender_killed_mid_load_and_restarted_never_over_allocates(rig: Rig) -> None:
+    saturated_cluster(rig)
+    ext, url = rig.start_extender()
+    port = url.rsplit(":", 1)[1]
+    rig.start_scheduler(url)
+    ns = rig.namespace()
+    rig.create_pods(ns, mixed_pods(PODS, seed=1))
+    wait_for(lambda: sum(bool(p["spec"].get("nodeName")) for p in rig.pods(ns)) >= 10, "the first binds", 120)
+    ext.kill()  # SIGKILL in the middle of the load: binds in flight are cut off
+    time.sleep(1.0)
+    rig.start_extender(int(port), name="extender-restarted")
+    check(rig, ns)
