@@ -38,7 +38,9 @@ class ClusterApi(Protocol):
         """All nodes and the list's resourceVersion (to watch from)."""
         ...
 
-    async def list_pods(self) -> tuple[list[Pod], str]: ...
+    async def list_pods(self, scheduler_name: str | None = None) -> tuple[list[Pod], str]:
+        """All pods (only those of ``scheduler_name``, when given: a field selector the server applies)."""
+        ...
 
     def watch_nodes(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Node]]:
         """(ADDED | MODIFIED | DELETED, node) after ``resource_version``; raises :class:`ApiError` when it breaks.
@@ -47,7 +49,9 @@ class ClusterApi(Protocol):
         (the stream may end, or the client may resume it by itself)."""
         ...
 
-    def watch_pods(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Pod]]: ...
+    def watch_pods(
+        self, resource_version: str, timeout_s: int | None = None, scheduler_name: str | None = None
+    ) -> AsyncIterator[tuple[str, Pod]]: ...
 
     async def get_pod(self, namespace: str, name: str) -> Pod: ...
 
@@ -100,11 +104,11 @@ class LightkubeClusterApi:
         except Exception as e:
             raise _translate(e, "list nodes") from None
 
-    async def list_pods(self) -> tuple[list[Pod], str]:
+    async def list_pods(self, scheduler_name: str | None = None) -> tuple[list[Pod], str]:
         from lightkube.resources.core_v1 import Pod as KPod
 
         try:
-            it = self._client.list(KPod, namespace="*")
+            it = self._client.list(KPod, namespace="*", fields=_of_scheduler(scheduler_name))
             pods = [Pod.model_validate(p.to_dict()) async for p in it]
             return pods, self._version(it)
         except Exception as e:
@@ -128,13 +132,19 @@ class LightkubeClusterApi:
         except Exception as e:
             raise _translate(e, "watch nodes") from None
 
-    async def watch_pods(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Pod]]:
+    async def watch_pods(
+        self, resource_version: str, timeout_s: int | None = None, scheduler_name: str | None = None
+    ) -> AsyncIterator[tuple[str, Pod]]:
         from lightkube.resources.core_v1 import Pod as KPod
 
         # lightkube resumes a watch the server ended by itself (from the last resourceVersion it saw).
         try:
             async for kind, obj in self._client.watch(
-                KPod, namespace="*", resource_version=resource_version or None, server_timeout=timeout_s
+                KPod,
+                namespace="*",
+                fields=_of_scheduler(scheduler_name),
+                resource_version=resource_version or None,
+                server_timeout=timeout_s,
             ):
                 yield kind, Pod.model_validate(obj.to_dict())
         except Exception as e:
@@ -203,6 +213,11 @@ class LightkubeClusterApi:
 
     async def close(self) -> None:
         await self._client.close()
+
+
+def _of_scheduler(name: str | None) -> dict[str, Any] | None:
+    # spec.schedulerName is immutable, so a pod never enters or leaves the selection while it exists.
+    return {"spec.schedulerName": name} if name else None
 
 
 def _translate(e: Exception, what: str) -> ApiError:

@@ -34,6 +34,9 @@ def _fail(message: str) -> typer.Exit:
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per API request (every bind, every watch) is noise at INFO and costs time on a busy scheduler.
+    for noisy in ("httpx", "httpx2"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def scheduler_extender(
@@ -52,7 +55,7 @@ def scheduler_extender(
     _logging()
     try:
         host, port = parse_listen(listen)
-        view = ClusterView(policy=policy, seed=seed)
+        view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name)
         api = LightkubeClusterApi(kubeconfig)
     except (SetupError, UnknownPolicy, ApiError) as e:
         raise _fail(str(e)) from None

@@ -109,9 +109,10 @@ class MemoryClusterApi:
         self._check("list nodes")
         return [Node.model_validate(n) for n in self.nodes.values()], str(self.rv)
 
-    async def list_pods(self) -> tuple[list[Pod], str]:
+    async def list_pods(self, scheduler_name: str | None = None) -> tuple[list[Pod], str]:
         self._check("list pods")
-        return [Pod.model_validate(p) for p in self.pods.values()], str(self.rv)
+        pods = [p for p in self.pods.values() if _of(p, scheduler_name)]
+        return [Pod.model_validate(p) for p in pods], str(self.rv)
 
     async def _watch(
         self, kind: str, resource_version: str, timeout_s: int | None
@@ -149,9 +150,12 @@ class MemoryClusterApi:
         async for type_, obj in self._watch("node", resource_version, timeout_s):
             yield type_, Node.model_validate(obj)
 
-    async def watch_pods(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Pod]]:
+    async def watch_pods(
+        self, resource_version: str, timeout_s: int | None = None, scheduler_name: str | None = None
+    ) -> AsyncIterator[tuple[str, Pod]]:
         async for type_, obj in self._watch("pod", resource_version, timeout_s):
-            yield type_, Pod.model_validate(obj)
+            if _of(obj, scheduler_name):
+                yield type_, Pod.model_validate(obj)
 
     async def get_pod(self, namespace: str, name: str) -> Pod:
         self._check(f"get pod {namespace}/{name}")
@@ -226,3 +230,8 @@ class MemoryClusterApi:
 
     async def close(self) -> None:
         return None
+
+
+def _of(pod: Mapping[str, Any], scheduler_name: str | None) -> bool:
+    """The field selector spec.schedulerName=NAME (the server's default scheduler name when unset)."""
+    return scheduler_name is None or pod.get("spec", {}).get("schedulerName", "default-scheduler") == scheduler_name

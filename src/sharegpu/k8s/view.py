@@ -104,8 +104,12 @@ class ClusterView:
         workload: Workload | None = None,
         watch_timeout_s: tuple[int, int] = WATCH_TIMEOUT_S,
         watch_idle_s: float | None = None,
+        scheduler_name: str | None = None,
     ) -> None:
         self.catalog = catalog
+        # Only this scheduler's pods are listed and watched: it is the only one that binds sharegpu pods (the webhook
+        # gives them its name), and a busy cluster's other pods would cost the view an event each for nothing.
+        self.scheduler_name = scheduler_name
         self.policy_name = policy
         self.seed = seed
         self._fixed_workload = workload
@@ -523,7 +527,7 @@ class ClusterView:
         while not stop.is_set():
             try:
                 nodes, node_rv = await api.list_nodes()
-                pods, pod_rv = await api.list_pods()
+                pods, pod_rv = await api.list_pods(self.scheduler_name)
                 self.reset(nodes, pods)
                 log.log(
                     logging.DEBUG if self.synced else logging.INFO,
@@ -571,7 +575,9 @@ class ClusterView:
 
         tasks = [
             asyncio.ensure_future(stream("node", api.watch_nodes(node_rv, rng.randint(lo, hi)), self.apply_node)),
-            asyncio.ensure_future(stream("pod", api.watch_pods(pod_rv, rng.randint(lo, hi)), self.apply_pod)),
+            asyncio.ensure_future(
+                stream("pod", api.watch_pods(pod_rv, rng.randint(lo, hi), self.scheduler_name), self.apply_pod)
+            ),
             asyncio.ensure_future(stop.wait()),
         ]
         try:

@@ -1,0 +1,164 @@
+"""Pods/s through the real kube-scheduler: sharegpu pods (chart profile + extender) against plain pods (the stock
+scheduler), on the same rig and the same nodes, measured side by side in one run (issue 8, item 5).
+
+Needs a running ../shared/k8s-rig (install.sh, start-all.sh) and SHAREGPU_TEST_KUBECONFIG set to its kubeconfig.
+
+    uv run python bench/k8s_throughput.py                      # the five load nodes with node agents
+    uv run python bench/k8s_throughput.py --openb              # 1,213 nodes with the openb node list's inventories
+
+Each round creates ``--pods`` pods at once (16 requests in flight) and times from the first create to the last
+pod bound (polled every 0.1 s); plain and sharegpu rounds alternate, medians are reported with their ratio. The
+sharegpu pods are small MPS shares (2Gi, 5 %) that all fit; a bind refused (FailedScheduling) is counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "k8s"))
+
+from rig import KUBECONFIG, LOAD_NODES, SCHEDULER_NAME, Rig  # noqa: E402
+
+from sharegpu.sim.openb import load_nodes  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openb"
+
+
+def plain_pod(i: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"plain-{i:04d}"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "x", "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}}}],
+        },
+    }
+
+
+def share_pod(i: int) -> dict[str, Any]:
+    limits = {"sharegpu.io/gpu": "1", "sharegpu.io/gpu-memory": "2Gi", "sharegpu.io/gpu-compute": "5"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"share-{i:04d}", "annotations": {"sharegpu.io/isolation": "memory"}},
+        "spec": {
+            "schedulerName": SCHEDULER_NAME,
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "x",
+                    "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": limits},
+                }
+            ],
+        },
+    }
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_round(rig: Rig, kind: str, n: int, extender_pid: int) -> dict[str, Any]:
+    ns = rig.namespace()
+    pods = [plain_pod(i) if kind == "plain" else share_pod(i) for i in range(n)]
+    cpu0 = cpu_s(extender_pid)
+    started = time.perf_counter()
+    rig.create_pods(ns, pods)
+    created = time.perf_counter() - started
+    while True:
+        listed = rig.pods(ns)
+        bound = sum(bool(p["spec"].get("nodeName")) for p in listed)
+        if bound == n:
+            break
+        if time.perf_counter() - started > 300:
+            raise SystemExit(f"{kind}: only {bound}/{n} bound after 300 s")
+        time.sleep(0.1)
+    elapsed = time.perf_counter() - started
+    cpu = cpu_s(extender_pid) - cpu0
+    refused = sum(1 for e in rig.events(ns) if e.get("reason") == "FailedScheduling")
+    from lightkube.resources.core_v1 import Pod
+
+    rig.client.deletecollection(Pod, namespace=ns, grace_period=0)
+    while rig.pods(ns):
+        time.sleep(0.2)
+    return {"kind": kind, "pods": n, "seconds": round(elapsed, 3), "create_s": round(created, 3),
+            "pods_per_s": round(n / elapsed, 1), "failed_scheduling": refused,
+            "extender_cpu_ms_per_pod": round(1000 * cpu / n, 2)}  # fmt: skip
+
+
+def openb_nodes(rig: Rig, path: Path) -> int:
+    specs = load_nodes(path)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda s: rig.add_node(s.name.lower(), [], agent=False, inventory=_renamed(rig, s),
+                                             cpu=f"{s.cpu_milli}m", memory=f"{s.memory_mib}Mi"), specs))  # fmt: skip
+    return len(specs)
+
+
+def _renamed(rig: Rig, spec: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(spec, name=f"{rig.prefix}-{spec.name.lower()}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pods", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each kind, alternating")
+    ap.add_argument("--openb", action="store_true", help="1,213 nodes from the openb node list (no agents)")
+    ap.add_argument("--nodes-csv", type=Path, default=DATA / "openb_node_list_gpu_node.csv")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not KUBECONFIG:
+        print("set SHAREGPU_TEST_KUBECONFIG to a running k8s-rig's kubeconfig (see ../shared/k8s-rig/README.md)")
+        return 2
+    with Rig.open() as rig:
+        if args.openb:
+            n_nodes = openb_nodes(rig, args.nodes_csv)
+        else:
+            for suffix, gpus in LOAD_NODES.items():
+                rig.add_node(suffix, gpus)
+            rig.wait_nodes_published()
+            n_nodes = len(LOAD_NODES)
+        ext, url = rig.start_extender()
+        rig.start_scheduler(url)
+        time.sleep(2.0)  # both schedulers' caches hold every node before the first round
+        results = []
+        for r in range(args.rounds):
+            for kind in ("plain", "sharegpu") if r % 2 == 0 else ("sharegpu", "plain"):
+                res = one_round(rig, kind, args.pods, ext.p.pid)
+                print(json.dumps(res))
+                results.append(res)
+        rig_extender_log = next(p for p in rig.procs if p.name == "extender").text()
+    med = {k: statistics.median(x["pods_per_s"] for x in results if x["kind"] == k) for k in ("plain", "sharegpu")}
+    cpu = {k: statistics.median(x["extender_cpu_ms_per_pod"] for x in results if x["kind"] == k) for k in med}
+    summary = {
+        "nodes": n_nodes,
+        "pods_per_round": args.pods,
+        "rounds": args.rounds,
+        "plain_pods_per_s_median": med["plain"],
+        "sharegpu_pods_per_s_median": med["sharegpu"],
+        "ratio": round(med["sharegpu"] / med["plain"], 2),
+        "extender_cpu_ms_per_pod_median": cpu,
+        "sharegpu_failed_scheduling": sum(x["failed_scheduling"] for x in results if x["kind"] == "sharegpu"),
+        "extender_binds_refused": rig_extender_log.count("cannot bind"),
+    }
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps({"rounds": results, "summary": summary}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
