@@ -25,9 +25,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "k8s"))
 
-from rig import KUBECONFIG, LOAD_NODES, SCHEDULER_NAME, Rig  # noqa: E402
+from rig import KUBECONFIG, LOAD_NODES, SCHEDULER_NAME, Rig
 
-from sharegpu.sim.openb import load_nodes  # noqa: E402
+from sharegpu.sim.openb import load_nodes
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openb"
 

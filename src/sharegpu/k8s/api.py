@@ -8,10 +8,14 @@ tests and the benchmark use. Objects cross the interface as the pydantic models 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sharegpu.k8s.schema import Node, Pod
+
+if TYPE_CHECKING:
+    from sharegpu.k8s.leader import LeaseRecord
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
 
@@ -211,8 +215,74 @@ class LightkubeClusterApi:
         except Exception as e:
             raise _translate(e, f"bind pod {namespace}/{name} to {node}") from None
 
+    # ----- leases (leader election) ----------------------------------------------------------------------------
+    async def get_lease(self, namespace: str, name: str) -> LeaseRecord:
+        from lightkube.resources.coordination_v1 import Lease
+
+        try:
+            lease = await self._client.get(Lease, name, namespace=namespace)
+        except Exception as e:
+            raise _translate(e, f"read lease {namespace}/{name}") from None
+        return _lease_record(lease.to_dict())
+
+    async def create_lease(self, namespace: str, name: str, record: LeaseRecord) -> LeaseRecord:
+        from lightkube.resources.coordination_v1 import Lease
+
+        try:
+            lease = await self._client.create(cast(Lease, Lease.from_dict(_lease_dict(namespace, name, record))))
+        except Exception as e:
+            raise _translate(e, f"create lease {namespace}/{name}") from None
+        return _lease_record(lease.to_dict())
+
+    async def update_lease(self, namespace: str, name: str, record: LeaseRecord) -> LeaseRecord:
+        from lightkube.resources.coordination_v1 import Lease
+
+        try:
+            lease = await self._client.replace(cast(Lease, Lease.from_dict(_lease_dict(namespace, name, record))))
+        except Exception as e:
+            raise _translate(e, f"update lease {namespace}/{name}") from None
+        return _lease_record(lease.to_dict())
+
     async def close(self) -> None:
         await self._client.close()
+
+
+def _micro_time(t: datetime | None) -> str | None:
+    return None if t is None else t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse_time(v: Any) -> datetime | None:
+    if v is None or isinstance(v, datetime):
+        return v
+    return datetime.fromisoformat(str(v).replace("Z", "+00:00"))
+
+
+def _lease_dict(namespace: str, name: str, r: LeaseRecord) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace}
+    if r.resource_version:
+        meta["resourceVersion"] = r.resource_version
+    spec = {
+        "holderIdentity": r.holder,
+        "leaseDurationSeconds": r.lease_s,
+        "acquireTime": _micro_time(r.acquired),
+        "renewTime": _micro_time(r.renewed),
+        "leaseTransitions": r.transitions,
+    }
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+
+
+def _lease_record(d: Mapping[str, Any]) -> LeaseRecord:
+    from sharegpu.k8s.leader import LeaseRecord  # leader.py builds on this module's errors
+
+    spec = d.get("spec") or {}
+    return LeaseRecord(
+        holder=spec.get("holderIdentity") or "",
+        lease_s=int(spec.get("leaseDurationSeconds") or 0),
+        acquired=_parse_time(spec.get("acquireTime")),
+        renewed=_parse_time(spec.get("renewTime")),
+        transitions=int(spec.get("leaseTransitions") or 0),
+        resource_version=str((d.get("metadata") or {}).get("resourceVersion") or ""),
+    )
 
 
 def _of_scheduler(name: str | None) -> dict[str, Any] | None:

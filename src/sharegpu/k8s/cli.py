@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
+import uuid
 from pathlib import Path
 
 import typer
@@ -27,6 +30,14 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def _service_account_namespace() -> str:
+    path = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"sharegpu: {message}", err=True)
     return typer.Exit(2)
@@ -47,9 +58,22 @@ def scheduler_extender(
     scheduler_name: str = typer.Option(
         DEFAULT_SCHEDULER_NAME, "--scheduler-name", help="The sharegpu scheduler's name: /bind binds only its pods."
     ),
+    leader_elect: bool = typer.Option(
+        False,
+        "--leader-elect/--no-leader-elect",
+        help="Run as one of several replicas: only the holder of a coordination.k8s.io Lease binds and is ready.",
+    ),
+    lease_name: str = typer.Option(
+        "sharegpu-extender", "--lease-name", help="The Lease replicas elect their leader on."
+    ),
+    lease_namespace: str = typer.Option(
+        "", "--lease-namespace", help="Namespace of the Lease (default: $POD_NAMESPACE, else the service account's)."
+    ),
+    identity: str = typer.Option("", "--identity", help="This replica's name in the Lease (default: $POD_NAME)."),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.extender import run_extender
+    from sharegpu.k8s.leader import LeaderElector
     from sharegpu.k8s.view import ClusterView
 
     _logging()
@@ -59,8 +83,13 @@ def scheduler_extender(
         api = LightkubeClusterApi(kubeconfig)
     except (SetupError, UnknownPolicy, ApiError) as e:
         raise _fail(str(e)) from None
+    elector = None
+    if leader_elect:
+        ns = lease_namespace or os.environ.get("POD_NAMESPACE") or _service_account_namespace() or "default"
+        me = identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        elector = LeaderElector(api, ns, lease_name, me)
     try:
-        asyncio.run(run_extender(view, api, host, port, scheduler_name=scheduler_name))
+        asyncio.run(run_extender(view, api, host, port, scheduler_name=scheduler_name, elector=elector))
     except OSError as e:
         raise _fail(f"cannot serve on {listen}: {e}") from None
 

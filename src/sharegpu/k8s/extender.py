@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.api import ApiError, ClusterApi, Conflict, NotFound, Unavailable
+from sharegpu.k8s.leader import LeaderElector
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
 from sharegpu.k8s.schema import (
     MAX_EXTENDER_PRIORITY,
@@ -537,6 +538,9 @@ def make_app(extender: Extender) -> Starlette:
         return Response("ok\n", media_type="text/plain")
 
     async def readyz(request: Request) -> Response:
+        # Behind the Service, only the leader is ready: the scheduler's calls reach the one replica that binds.
+        if not extender.is_leader():
+            return Response(NOT_LEADER + "\n", status_code=503, media_type="text/plain")
         if extender.view.synced:
             return Response("in sync\n", media_type="text/plain")
         return Response(NOT_SYNCED + "\n", status_code=503, media_type="text/plain")
@@ -560,18 +564,31 @@ async def run_extender(
     port: int,
     stop: asyncio.Event | None = None,
     scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+    elector: LeaderElector | None = None,
 ) -> None:
-    """Serve the extender and follow the API server until ``stop`` (or SIGTERM/SIGINT, handled by uvicorn)."""
+    """Serve the extender and follow the API server until ``stop`` (or SIGTERM/SIGINT, handled by uvicorn); with an
+    ``elector``, only while it holds the Lease does this replica hold, bind and report ready."""
     import uvicorn
 
     stop = stop or asyncio.Event()
-    app = make_app(Extender(view, api, scheduler_name))
+    extender = Extender(view, api, scheduler_name, is_leader=elector.is_leader if elector else lambda: True)
+    app = make_app(extender)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
-    follow = asyncio.ensure_future(view.follow(api, stop))
+    tasks = [asyncio.ensure_future(view.follow(api, stop))]
+    if elector is not None:
+
+        def changed(leader: bool) -> None:
+            if leader:
+                view.resync()  # bind only on a ledger listed after the previous leader stopped
+            else:
+                view.drop_holds()
+
+        elector.on_change = changed
+        tasks.append(asyncio.ensure_future(elector.run(stop)))
     try:
         await server.serve()
     finally:
         stop.set()
-        await follow
+        await asyncio.gather(*tasks, return_exceptions=True)
         await api.close()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from sharegpu.k8s.api import ADDED, DELETED, MODIFIED, Conflict, NotFound, Unavailable
+from sharegpu.k8s.leader import LeaseRecord
 from sharegpu.k8s.schema import Node, Pod
 from sharegpu.model.inventory import INVENTORY_ANNOTATION, NodeSpec
 
@@ -33,6 +35,7 @@ class MemoryClusterApi:
         # Faults of the next binds: applied but answered with a lost connection, or lost before they arrive.
         self.lose_bind_answers = 0
         self.drop_binds = 0
+        self.leases: dict[str, LeaseRecord] = {}
 
     # ----- test helpers --------------------------------------------------------------------------------------
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -227,6 +230,35 @@ class MemoryClusterApi:
         if self.lose_bind_answers:
             self.lose_bind_answers -= 1
             raise Unavailable(f"cannot bind pod {namespace}/{name}: RemoteProtocolError (the answer was lost)")
+
+    # ----- leases ---------------------------------------------------------------------------------------------
+    async def get_lease(self, namespace: str, name: str) -> LeaseRecord:
+        self._check(f"get lease {namespace}/{name}")
+        record = self.leases.get(f"{namespace}/{name}")
+        if record is None:
+            raise NotFound(f"lease {namespace}/{name} not found")
+        return record
+
+    async def create_lease(self, namespace: str, name: str, record: LeaseRecord) -> LeaseRecord:
+        self._check(f"create lease {namespace}/{name}")
+        key = f"{namespace}/{name}"
+        if key in self.leases:
+            raise Conflict(f"lease {key} already exists")
+        self.rv += 1
+        self.leases[key] = dataclasses.replace(record, resource_version=str(self.rv))
+        return self.leases[key]
+
+    async def update_lease(self, namespace: str, name: str, record: LeaseRecord) -> LeaseRecord:
+        self._check(f"update lease {namespace}/{name}")
+        key = f"{namespace}/{name}"
+        current = self.leases.get(key)
+        if current is None:
+            raise NotFound(f"lease {key} not found")
+        if record.resource_version != current.resource_version:
+            raise Conflict(f"lease {key}: the object has been modified")
+        self.rv += 1
+        self.leases[key] = dataclasses.replace(record, resource_version=str(self.rv))
+        return self.leases[key]
 
     async def close(self) -> None:
         return None

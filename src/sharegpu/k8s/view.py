@@ -129,6 +129,7 @@ class ClusterView:
         self._workload_pods = -1
         self.generation = 0  # bumped on every change of the ledger (cache key for per-cycle results)
         self.synced = False  # True while the view follows the API server (listed and watching)
+        self._relist = asyncio.Event()  # set by resync(): end the watches and list afresh
         self.active_policy = ""
 
     # ----- reading ---------------------------------------------------------------------------------------------
@@ -470,6 +471,10 @@ class ClusterView:
             return None, "", ""
         return fl.assignment, fl.uid, fl.rv
 
+    def drop_holds(self) -> None:
+        for key in [k for k, fl in self._inflight.items() if fl.phase is Phase.HELD]:
+            self.drop_hold(key)
+
     def holds(self) -> int:
         return sum(fl.phase is Phase.HELD for fl in self._inflight.values())
 
@@ -516,6 +521,12 @@ class ClusterView:
             self._reconcile(key)
 
     # ----- following the API server ----------------------------------------------------------------------------
+    def resync(self) -> None:
+        """List everything afresh before the next bind (a replica that just became the leader: what the previous
+        leader bound must be in its ledger, not only on its way through the watch)."""
+        self.synced = False
+        self._relist.set()
+
     async def follow(self, api: ClusterApi, stop: asyncio.Event, max_backoff_s: float = 30.0) -> None:
         """List, then watch Nodes and Pods until ``stop``; on any API error relist after a backoff, for ever.
 
@@ -579,9 +590,13 @@ class ClusterView:
                 stream("pod", api.watch_pods(pod_rv, rng.randint(lo, hi), self.scheduler_name), self.apply_pod)
             ),
             asyncio.ensure_future(stop.wait()),
+            asyncio.ensure_future(self._relist.wait()),
         ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if self._relist.is_set():
+                self._relist.clear()
+                raise WatchEnded("asked to relist")
             for t in done:
                 t.result()  # re-raises a watch's ApiError (or WatchEnded)
         finally:
