@@ -15,6 +15,7 @@ from rig import (
     KUBECONFIG,
     LOAD_NODES,
     SKIP_REASON,
+    ReadyProxy,
     Rig,
     audit,
     bind_failures,
@@ -73,3 +74,28 @@ def test_extender_killed_mid_load_and_restarted_never_over_allocates(rig: Rig) -
     time.sleep(1.0)
     rig.start_extender(int(port), name="extender-restarted")
     check(rig, ns)
+
+
+def test_two_replicas_the_leader_killed_mid_load_never_over_allocate(rig: Rig) -> None:
+    from lightkube.resources.coordination_v1 import Lease
+
+    saturated_cluster(rig)
+    lease_ns = rig.namespace()
+    flags = ("--leader-elect", "--lease-namespace", lease_ns, "--lease-name", "sharegpu-extender")
+    a, url_a = rig.start_extender(0, *flags, "--identity", "replica-a", name="extender-a", ready=False)
+    b, url_b = rig.start_extender(0, *flags, "--identity", "replica-b", name="extender-b", ready=False)
+    with ReadyProxy([url_a, url_b]) as proxy:
+        wait_for(lambda: proxy.ready is not None, "a leader", 60)
+        rig.start_scheduler(proxy.url)
+        ns = rig.namespace()
+        rig.create_pods(ns, mixed_pods(PODS, seed=2))
+        wait_for(lambda: sum(bool(p["spec"].get("nodeName")) for p in rig.pods(ns)) >= 5, "the first binds", 120)
+        holder = rig.client.get(Lease, "sharegpu-extender", namespace=lease_ns).spec.holderIdentity
+        leader, follower_url = (a, url_b) if holder == "replica-a" else (b, url_a)
+        leader.kill()
+        killed = time.monotonic()
+        wait_for(lambda: proxy.ready == follower_url, "the other replica to take over", 30)
+        takeover_s = time.monotonic() - killed
+        assert takeover_s <= 15, takeover_s
+        check(rig, ns)
+    assert "is now the leader" in (b if leader is a else a).text()
