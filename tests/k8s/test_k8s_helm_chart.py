@@ -117,8 +117,14 @@ def test_rbac_is_least_privilege(default_docs: list[dict[str, Any]]) -> None:
             assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
     webhook = by_kind(default_docs, "Deployment")["sg-webhook"]["spec"]["template"]["spec"]
     assert webhook["automountServiceAccountToken"] is False  # the webhook needs no API access
+    # Two replicas elect a leader on a Lease they may only get and update by name.
     extender = by_kind(default_docs, "Deployment")["sg-extender"]["spec"]
-    assert extender["replicas"] == 1 and extender["strategy"]["type"] == "Recreate"
+    assert extender["replicas"] == 2 and extender["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    args = extender["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-elect" in args and "--lease-name=sg-extender" in args
+    lease_rules = by_kind(default_docs, "Role")["sg-extender-leader-election"]["rules"]
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["sg-extender"],
+            "verbs": ["get", "update"]} in lease_rules  # fmt: skip
 
 
 def test_webhook_is_served_with_a_certificate_the_api_server_trusts(default_docs: list[dict[str, Any]]) -> None:
