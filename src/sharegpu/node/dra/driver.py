@@ -198,6 +198,16 @@ class DraDriver:
                 "put each MPS share in its own claim"
             )
         gpus = {g.index: g for g in self.backend.devices()}
+        # The scheduler never allocates a partition beside a whole or shared GPU (they share counters); an
+        # allocation that does anyway (a stale pool generation) is refused rather than allowed to break the other.
+        in_use = {(d.gpu_index, d.mechanism is Mechanism.MIG) for d, _ in self.checkpoint.devices()}
+        for d in plan.devices:
+            is_mig = d.mechanism is Mechanism.MIG
+            if (d.gpu_index, not is_mig) in in_use:
+                other = (
+                    "used without MIG by another claim" if is_mig else "partitioned into MIG instances of other claims"
+                )
+                raise ClaimError(f"claim {plan.key}: {d.device} cannot be prepared: GPU {d.gpu_uuid} is {other}")
         units: list[str] = []
         for d in plan.devices:
             if d.mechanism is Mechanism.MIG:
