@@ -241,6 +241,20 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
     assert ra["shareID"] and rb["shareID"] and ra["shareID"] != rb["shareID"]
     assert (await rig.c.get(Pod, "infer-a", namespace=rig.ns)).spec.nodeName == rig.node
 
+    # `sharegpu status` shows the DRA node from its slices and claims (and the extender's view leaves it out).
+    from sharegpu.k8s.dra_view import load_dra_status
+
+    shown = [n for n in await load_dra_status(Path(str(KUBECONFIG))) if n["name"] == rig.node]
+    assert len(shown) == 1 and len(shown[0]["gpus"]) == 1
+    row = shown[0]["gpus"][0]
+    assert (row["uuid"], row["mechanism"], row["memory_mib_used"], row["compute_pct_used"]) == (
+        gpu.uuid,
+        "shared",
+        31744,
+        85,
+    )
+    assert sorted(row["claims"]) == sorted(f"{rig.ns}/{n}" for n in ("infer-a", "infer-b", "bad-config"))
+
     # 3. The kubelet's side: register over the registration socket, then prepare through the endpoint it names.
     async with grpc.aio.insecure_channel(f"unix://{service.server.paths.registration}") as ch:
         reg = pluginregistration_pb2_grpc.RegistrationStub(ch)
