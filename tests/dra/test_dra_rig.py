@@ -25,6 +25,8 @@ import pytest
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.cli import BackendKind, build_dra_service
 from sharegpu.node.dra.classes import MIG_CLASS, SHARED_CLASS, device_classes
+from sharegpu.node.dra.config import TimeSlice
+from sharegpu.node.dra.driver import SimTimeSlicer
 from sharegpu.node.dra.kube import LightkubeDraApi
 from sharegpu.node.dra.service import DEVICE_PATH_LABEL, DraDriverService
 from sharegpu.node.mps import SimMpsDaemon
@@ -371,4 +373,62 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
             dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[claim_msg(ma), claim_msg(mb)])
         )
         assert backend.mig_instances(0) == ()  # released: sharegpu made them and no claim needs them
+
+    # 6. The docs' other examples: the 80/20 MPS split, a dedicated GPU, a time-sliced notebook.
+    for name in ("mig-a", "mig-b", "mig-c", "late-share"):
+        await rig.remove(name)
+    shared = {"deviceClassName": SHARED_CLASS}
+    await rig.make_claim_and_pod("heavy", shared | {"capacity": {"requests": {"memory": "64Gi", "compute": "80"}}})
+    await rig.make_claim_and_pod("light", shared | {"capacity": {"requests": {"memory": "16Gi", "compute": "20"}}})
+    for name in ("heavy", "light"):
+        await until(lambda n=name: rig.allocated(n), f"{name} allocated")  # type: ignore[misc]
+    heavy, light = await rig.claim("heavy"), await rig.claim("light")
+    async with grpc.aio.insecure_channel(f"unix://{restarted.server.paths.service}") as ch:
+        dra = dra_v1_pb2_grpc.DRAPluginStub(ch)
+        resp = await dra.NodePrepareResources(
+            dra_v1_pb2.NodePrepareResourcesRequest(claims=[claim_msg(heavy), claim_msg(light)])
+        )
+        assert all(r.error == "" for r in resp.claims.values()), resp
+        for c, pct, mib in ((heavy, "80", "65536"), (light, "20", "16384")):
+            spec = json.loads((tmp / "cdi" / f"sharegpu.io-gpu_{c['metadata']['uid']}.json").read_text())
+            env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+            assert (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
+                pct,
+                f"0={mib}M",
+            )
+        await dra.NodeUnprepareResources(
+            dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[claim_msg(heavy), claim_msg(light)])
+        )
+    for name in ("heavy", "light"):
+        await rig.remove(name)
+    await rig.make_claim_and_pod("dedicated", {"deviceClassName": "whole-gpu.sharegpu.io"})
+    await until(lambda: rig.allocated("dedicated"), "dedicated allocated")
+    await rig.make_claim_and_pod(
+        "notebook",
+        shared | {"capacity": {"requests": {"memory": "8Gi", "compute": "25"}}},
+        {
+            "apiVersion": "gpu.sharegpu.io/v1alpha1",
+            "kind": "GpuConfig",
+            "sharing": "TimeSlicing",
+            "timeSliceInterval": "Short",
+        },
+    )
+    await asyncio.sleep(3)
+    assert not await rig.allocated("notebook")  # the dedicated claim holds the whole GPU
+    dedicated = await rig.claim("dedicated")
+    async with grpc.aio.insecure_channel(f"unix://{restarted.server.paths.service}") as ch:
+        dra = dra_v1_pb2_grpc.DRAPluginStub(ch)
+        resp = await dra.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(claims=[claim_msg(dedicated)]))
+        assert resp.claims[dedicated["metadata"]["uid"]].error == ""
+        spec = json.loads((tmp / "cdi" / f"sharegpu.io-gpu_{dedicated['metadata']['uid']}.json").read_text())
+        env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+        assert env["SHAREGPU_MECHANISM"] == "exclusive" and "CUDA_MPS_PIPE_DIRECTORY" not in env
+        await dra.NodeUnprepareResources(dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[claim_msg(dedicated)]))
+        await rig.remove("dedicated")
+        await until(lambda: rig.allocated("notebook"), "notebook allocated once the GPU is free")
+        notebook = await rig.claim("notebook")
+        resp = await dra.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(claims=[claim_msg(notebook)]))
+        assert resp.claims[notebook["metadata"]["uid"]].error == ""
+        slicer = restarted.driver._time_slicer
+        assert isinstance(slicer, SimTimeSlicer) and slicer.intervals[gpu.uuid] is TimeSlice.SHORT
     await restarted.kube.close()
