@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sharegpu.k8s.cli import scheduler_extender, status, webhook
-from sharegpu.node.cli import node_agent
+from sharegpu.node.cli import dra_driver, node_agent
 from sharegpu.placement.policies import UnknownPolicy, parse_policies
 from sharegpu.sim.engine import RunResult
 from sharegpu.sim.openb import TraceError, TraceTask, load_nodes, load_pods
@@ -142,6 +142,7 @@ def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[Run
 
 
 app.command("node-agent")(node_agent)
+app.command("dra-driver")(dra_driver)
 app.command("scheduler-extender")(scheduler_extender)
 app.command("webhook")(webhook)
 app.command("status")(status)

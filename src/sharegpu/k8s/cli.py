@@ -124,6 +124,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Show every sharegpu GPU: model, mechanism, used memory and compute, MIG layout and the pods sharing it."""
+    from sharegpu.k8s.dra_view import load_dra_status
     from sharegpu.k8s.status import print_status, status_report
     from sharegpu.k8s.view import ClusterView
 
@@ -136,7 +137,7 @@ def status(
             await api.close()
         view = ClusterView(policy="bestfit")
         view.reset(nodes, pods)
-        return status_report(view)
+        return status_report(view, await load_dra_status(kubeconfig))
 
     logging.basicConfig(level=logging.ERROR)  # problems are part of the report, not log noise
     try:

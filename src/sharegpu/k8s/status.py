@@ -22,7 +22,7 @@ MODE_NAMES = {
 }
 
 
-def status_report(view: ClusterView) -> dict[str, Any]:
+def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     led = view.ledger
     users: dict[tuple[int, int], list[str]] = {}
     inst_users: dict[tuple[int, int, int], list[str]] = {}
@@ -72,12 +72,13 @@ def status_report(view: ClusterView) -> dict[str, Any]:
         nodes.append({"name": spec.name, "gpus": gpus})
     return {
         "nodes": nodes,
+        "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.dra_view.dra_status
         "problems": [{"kind": p.kind, "name": p.name, "reason": p.reason} for p in view.problems],
     }
 
 
 def print_status(console: Console, report: dict[str, Any]) -> None:
-    if not report["nodes"]:
+    if not report["nodes"] and not report.get("dra_nodes"):
         console.print("no node has a sharegpu inventory (is the sharegpu node agent running?)")
     for node in report["nodes"]:
         table = Table(title=f"node {node['name']}", title_justify="left", expand=False)
@@ -97,5 +98,24 @@ def print_status(console: Console, report: dict[str, Any]) -> None:
                 "\n".join(g["pods"]) or "-",
             )
         console.print(table)
+    print_dra_nodes(console, report.get("dra_nodes") or [])
     for p in report["problems"]:
         console.print(f"[yellow]warning:[/] {p['reason']}", highlight=False)
+
+
+def print_dra_nodes(console: Console, nodes: list[dict[str, Any]]) -> None:
+    for node in nodes:
+        table = Table(title=f"node {node['name']} (DRA)", title_justify="left", expand=False)
+        for col in ("GPU", "model", "mechanism", "memory claimed / total", "compute claimed", "MIG layout", "claims"):
+            table.add_column(col)
+        for g in node["gpus"]:
+            table.add_row(
+                f"{g['index']} {g['uuid']}",
+                g["model"],
+                g["mechanism"],
+                f"{fmt_mib(g['memory_mib_used'])} / {fmt_mib(g['memory_mib_total'])}",
+                f"{g['compute_pct_used']:g}%",
+                "\n".join(f"{m['profile']}@{m['start']}" for m in g["mig"]) or "-",
+                "\n".join(g["claims"]) or "-",
+            )
+        console.print(table)

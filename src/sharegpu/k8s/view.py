@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from sharegpu.k8s.api import DELETED, ApiError, ClusterApi
+from sharegpu.k8s.dra_view import is_dra_node
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, asks_for_sharegpu, pod_request
 from sharegpu.k8s.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerConflict, LedgerError
@@ -268,6 +269,8 @@ class ClusterView:
         name = node.metadata.name
         self._specs.pop(name, None)
         self._node_problems.pop(name, None)
+        if is_dra_node(node.metadata.labels):
+            return  # its GPUs are handed out through DRA only (see sharegpu.k8s.dra_view): never counted here
         text = node.metadata.annotations.get(INVENTORY_ANNOTATION)
         if text is None:
             return  # not a sharegpu node: no problem to report, node_problem() explains it if asked

@@ -15,6 +15,7 @@ import signal
 import sys
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -24,8 +25,12 @@ from sharegpu.node.backends.sim_config import SimConfigError
 from sharegpu.node.device_plugin import DEFAULT_PLUGIN_DIR, DevicePluginError, check_plugin_dir
 from sharegpu.node.kube import KubeApi, KubeError
 from sharegpu.node.metrics import MetricsError, parse_listen
-from sharegpu.node.mps import MPS_CONTROL, MpsDaemon, MpsError, NvidiaMpsDaemon, SimMpsDaemon
-from sharegpu.node.state import StateError
+from sharegpu.node.mps import MPS_CONTROL, MpsDaemon, MpsError, MpsManager, NvidiaMpsDaemon, SimMpsDaemon
+from sharegpu.node.state import AgentState, StateError
+
+if TYPE_CHECKING:
+    from sharegpu.node.dra.kube import DraKube
+    from sharegpu.node.dra.service import DraDriverService
 
 DEFAULT_STATE_DIR = Path("/var/lib/sharegpu")
 DEFAULT_METRICS = "0.0.0.0:9402"
@@ -86,6 +91,17 @@ def build_agent(
         raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
     listen = parse_listen(metrics_listen) if metrics_listen else None
     check_plugin_dir(device_plugin_dir)
+    backend, daemon = make_backend(node_name, backend_kind, sim_config)
+    if kube is None:
+        from sharegpu.node.kube import LightkubeApi
+
+        kube = LightkubeApi(kubeconfig)
+    config = AgentConfig(node_name, device_plugin_dir, state_dir_from_env(), listen)
+    return NodeAgent(config, backend, kube, daemon)
+
+
+def make_backend(node_name: str, backend_kind: BackendKind, sim_config: Path | None) -> tuple[GpuBackend, MpsDaemon]:
+    """The GPU backend and MPS daemon driver of a node (shared by the node agent and the DRA driver)."""
     backend: GpuBackend
     daemon: MpsDaemon
     if backend_kind is BackendKind.SIM:
@@ -103,10 +119,10 @@ def build_agent(
 
         backend = NvmlBackend(PynvmlApi())
         daemon = NvidiaMpsDaemon(os.environ.get("SHAREGPU_MPS_CONTROL", MPS_CONTROL))
-    if kube is None:
-        from sharegpu.node.kube import LightkubeApi
+    return backend, daemon
 
-        kube = LightkubeApi(kubeconfig)
+
+def state_dir_from_env() -> Path:
     state_dir = Path(os.environ.get("SHAREGPU_STATE_DIR", str(DEFAULT_STATE_DIR)))
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -114,8 +130,7 @@ def build_agent(
         raise AgentSetupError(
             f"cannot create the state directory {state_dir} ({e.strerror or e}); set SHAREGPU_STATE_DIR to a writable path"
         ) from None
-    config = AgentConfig(node_name, device_plugin_dir, state_dir, listen)
-    return NodeAgent(config, backend, kube, daemon)
+    return state_dir
 
 
 async def _serve(agent: NodeAgent) -> None:
@@ -129,3 +144,120 @@ async def _serve(agent: NodeAgent) -> None:
     finally:
         await agent.kube.close()
         agent.backend.close()
+
+
+def dra_driver(
+    node_name: str = typer.Option(..., "--node-name", help="This node's Kubernetes name (its pool's name)."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    backend: BackendKind = typer.Option(..., "--backend", help="nvml on a GPU node, sim for a simulated one."),
+    sim_config: Path | None = typer.Option(
+        None, "--sim-config", help="YAML of the simulated GPUs (with --backend sim)."
+    ),
+    kubelet_dir: Path = typer.Option(
+        Path("/var/lib/kubelet"), "--kubelet-dir", help="The kubelet's root directory (plugins_registry, plugins)."
+    ),
+    registration_socket: Path | None = typer.Option(
+        None, "--registration-socket", help="Default: <kubelet-dir>/plugins_registry/gpu.sharegpu.io-reg.sock."
+    ),
+    plugin_socket: Path | None = typer.Option(
+        None, "--plugin-socket", help="Default: <kubelet-dir>/plugins/gpu.sharegpu.io/dra.sock."
+    ),
+    cdi_dir: Path = typer.Option(
+        Path("/var/run/cdi"), "--cdi-dir", help="Where the container runtime reads CDI specs."
+    ),
+    interval_s: float = typer.Option(10.0, "--interval", help="Seconds between ResourceSlice and cleanup passes."),
+) -> None:
+    """Run the sharegpu DRA driver (gpu.sharegpu.io): ResourceSlices, kubelet plugin, MIG/MPS enforcement."""
+    from sharegpu.node.dra.cdi import CdiError
+    from sharegpu.node.dra.checkpoint import CheckpointError
+    from sharegpu.node.dra.plugin import PluginSocketError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        service = build_dra_service(
+            node_name,
+            kubeconfig,
+            backend,
+            sim_config,
+            kubelet_dir,
+            registration_socket,
+            plugin_socket,
+            cdi_dir,
+            interval_s,
+        )
+        asyncio.run(_serve_dra(service))
+    except (
+        AgentSetupError,
+        SimConfigError,
+        BackendError,
+        KubeError,
+        StateError,
+        MpsError,
+        PluginSocketError,
+        CdiError,
+        CheckpointError,
+    ) as e:
+        typer.echo(f"sharegpu dra-driver: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def build_dra_service(
+    node_name: str,
+    kubeconfig: Path | None,
+    backend_kind: BackendKind,
+    sim_config: Path | None,
+    kubelet_dir: Path,
+    registration_socket: Path | None,
+    plugin_socket: Path | None,
+    cdi_dir: Path,
+    interval_s: float = 10.0,
+    kube: DraKube | None = None,
+) -> DraDriverService:
+    from sharegpu.node.dra.cdi import CdiWriter
+    from sharegpu.node.dra.checkpoint import Checkpoint
+    from sharegpu.node.dra.driver import DraDriver, NvidiaSmiTimeSlicer, SimTimeSlicer, TimeSlicer
+    from sharegpu.node.dra.plugin import DraPluginServer, SocketPaths
+    from sharegpu.node.dra.publisher import SlicePublisher
+    from sharegpu.node.dra.service import DraDriverService, ServiceConfig
+    from sharegpu.node.mig import MigManager
+
+    if not node_name.strip():
+        raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
+    if interval_s <= 0:
+        raise AgentSetupError(f"--interval {interval_s} must be more than 0 seconds")
+    defaults = SocketPaths.under(kubelet_dir)
+    paths = SocketPaths(registration_socket or defaults.registration, plugin_socket or defaults.service)
+    paths.check()
+    backend, daemon = make_backend(node_name, backend_kind, sim_config)
+    slicer: TimeSlicer = SimTimeSlicer() if backend_kind is BackendKind.SIM else NvidiaSmiTimeSlicer()
+    if kube is None:
+        from sharegpu.node.dra.kube import LightkubeDraApi
+
+        kube = LightkubeDraApi(kubeconfig)
+    state_dir = state_dir_from_env()
+    # Its own state file: during a switch of paths the node agent may still run beside it for a moment.
+    mig = MigManager(backend, AgentState(state_dir / "dra-mig-state.json"))
+    mps = MpsManager(state_dir / "mps", daemon)
+    driver = DraDriver(
+        node_name, backend, kube, mig, mps, Checkpoint(state_dir / "dra-checkpoint.json"), CdiWriter(cdi_dir), slicer
+    )
+    return DraDriverService(
+        ServiceConfig(node_name, interval_s),
+        driver,
+        DraPluginServer(driver, paths),
+        kube,
+        SlicePublisher(node_name, kube),
+    )
+
+
+async def _serve_dra(service: DraDriverService) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if sys.platform != "win32":
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.run(stop)
+    finally:
+        await service.kube.close()
+        service.driver.backend.close()

@@ -1,0 +1,125 @@
+"""Nodes on the DRA path, for the control plane: left out of the extender's ledger, shown from ResourceSlices and
+ResourceClaims.
+
+A GPU is handed out by one path only. A node labelled ``sharegpu.io/device-path=dra`` (the DRA driver sets it on
+start; the chart's node selectors use it) belongs to the DRA path: the kube-scheduler's DRA allocator places claims
+on its GPUs, so the extender must not count them, and ``sharegpu status`` reads them from the driver's slices and
+the claims allocated on them instead of from the node agent's inventory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+DRIVER = "gpu.sharegpu.io"
+DEVICE_PATH_LABEL = "sharegpu.io/device-path"
+DEVICE_PATH_DRA = "dra"
+
+
+def is_dra_node(labels: Mapping[str, str]) -> bool:
+    return labels.get(DEVICE_PATH_LABEL) == DEVICE_PATH_DRA
+
+
+def _mib(q: Any) -> int:
+    from lightkube.utils.quantity import parse_quantity
+
+    try:
+        value = parse_quantity(str(q))
+    except ValueError:
+        return 0
+    return int(value / (1024 * 1024)) if value is not None else 0
+
+
+def _num(q: Any) -> float:
+    from lightkube.utils.quantity import parse_quantity
+
+    try:
+        value = parse_quantity(str(q))
+    except ValueError:
+        return 0.0
+    return float(value) if value is not None else 0.0
+
+
+def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per DRA node and GPU: model, memory, what the allocated claims consume, the MIG partitions and the claims."""
+    gpus: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, gpu device name) → row
+    mig_parent: dict[tuple[str, str], tuple[str, str, int]] = {}  # (pool, mig device) → (gpu device, profile, start)
+    for s in slices:
+        spec = s.get("spec") or {}
+        if spec.get("driver") != DRIVER:
+            continue
+        pool = str((spec.get("pool") or {}).get("name", ""))
+        for d in spec.get("devices") or []:
+            attrs = d.get("attributes") or {}
+            kind = (attrs.get("type") or {}).get("string")
+            index = (attrs.get("index") or {}).get("int", 0)
+            if kind == "gpu":
+                gpus[(pool, d["name"])] = {
+                    "index": index,
+                    "uuid": (attrs.get("uuid") or {}).get("string", ""),
+                    "model": (attrs.get("model") or {}).get("string", ""),
+                    "memory_mib_total": _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0")),
+                    "memory_mib_used": 0,
+                    "compute_pct_used": 0.0,
+                    "mechanism": "free",
+                    "mig": [],
+                    "claims": [],
+                }
+            elif kind == "mig":
+                profile = (attrs.get("profile") or {}).get("string", "")
+                start = (attrs.get("placementStart") or {}).get("int", 0)
+                mig_parent[(pool, d["name"])] = (f"gpu-{index}", profile, start)
+    for c in claims:
+        meta = c.get("metadata") or {}
+        key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        allocation = (c.get("status") or {}).get("allocation") or {}
+        for r in (allocation.get("devices") or {}).get("results") or []:
+            if r.get("driver") != DRIVER:
+                continue
+            pool, device = str(r.get("pool", "")), str(r.get("device", ""))
+            if (pool, device) in mig_parent:
+                parent, profile, start = mig_parent[(pool, device)]
+                row = gpus.get((pool, parent))
+                if row is not None:
+                    row["mig"].append({"profile": profile, "start": start, "claim": key})
+                    row["claims"].append(key)
+                    row["mechanism"] = "mig"
+                continue
+            row = gpus.get((pool, device))
+            if row is None:
+                continue
+            consumed = r.get("consumedCapacity") or {}
+            memory = _mib(consumed["memory"]) if "memory" in consumed else row["memory_mib_total"]
+            compute = _num(consumed["compute"]) if "compute" in consumed else 100.0
+            row["memory_mib_used"] += memory
+            row["compute_pct_used"] += compute
+            row["claims"].append(key)
+            whole = memory >= row["memory_mib_total"] and compute >= 100
+            row["mechanism"] = "exclusive" if whole and len(row["claims"]) == 1 else "shared"
+    nodes: dict[str, list[dict[str, Any]]] = {}
+    for (pool, _), row in sorted(gpus.items(), key=lambda kv: (kv[0][0], kv[1]["index"])):
+        row["mig"].sort(key=lambda m: m["start"])
+        nodes.setdefault(pool, []).append(row)
+    return [{"name": name, "path": "dra", "gpus": rows} for name, rows in nodes.items()]
+
+
+async def load_dra_status(kubeconfig: Path | None) -> list[dict[str, Any]]:
+    """Read the driver's ResourceSlices and every ResourceClaim; a cluster without DRA shows nothing."""
+    from lightkube import AsyncClient, KubeConfig
+    from lightkube.core.exceptions import ApiError
+    from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
+
+    config = KubeConfig.from_file(kubeconfig) if kubeconfig is not None else KubeConfig.from_env()
+    client = AsyncClient(config=config)
+    try:
+        slices = [s.to_dict() async for s in client.list(ResourceSlice, fields={"spec.driver": DRIVER})]
+        claims = [c.to_dict() async for c in client.list(ResourceClaim, namespace="*")]
+    except ApiError as e:
+        if e.status.code == 404:  # resource.k8s.io/v1 not served: no DRA nodes
+            return []
+        raise
+    finally:
+        await client.close()
+    return dra_status(slices, claims)

@@ -1,0 +1,106 @@
+"""CDI specs: what the container runtime adds to a container that uses a prepared claim.
+
+One spec file per claim (``<cdi dir>/sharegpu.io-gpu_<claim UID>.json``), one CDI device per allocated device of
+the claim, named after the claim UID, its request and its device, so that two claims sharing one GPU never clash.
+The kubelet passes the fully qualified IDs (``sharegpu.io/gpu=<name>``) to the runtime, which applies the edits:
+the environment (the visible unit and, for MPS, the daemon's pipe and the share's limits), the device nodes and
+the MPS pipe directory's mount. Files are written atomically, so a runtime never reads half a spec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CDI_VERSION = "0.6.0"
+CDI_KIND = "sharegpu.io/gpu"
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+_FILE_PREFIX = "sharegpu.io-gpu_"
+
+
+class CdiError(Exception):
+    """A CDI spec cannot be written or removed; the message names the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class CdiMount:
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CdiDevice:
+    name: str
+    env: tuple[tuple[str, str], ...] = ()
+    device_nodes: tuple[str, ...] = ()
+    mounts: tuple[CdiMount, ...] = field(default_factory=tuple)
+
+    @property
+    def qualified(self) -> str:
+        return f"{CDI_KIND}={self.name}"
+
+
+def cdi_name(claim_uid: str, request: str, device: str) -> str:
+    # CDI device names allow letters, digits and "_.:-"; request names of subrequests carry a "/".
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", f"{claim_uid}-{request}-{device}")
+
+
+class CdiWriter:
+    def __init__(self, directory: Path = DEFAULT_CDI_DIR) -> None:
+        self.directory = directory
+
+    def path(self, claim_uid: str) -> Path:
+        if not re.fullmatch(r"[A-Za-z0-9-]+", claim_uid):
+            raise CdiError(f"{claim_uid!r} is not a claim UID")
+        return self.directory / f"{_FILE_PREFIX}{claim_uid}.json"
+
+    def write(self, claim_uid: str, devices: tuple[CdiDevice, ...]) -> Path:
+        spec: dict[str, Any] = {
+            "cdiVersion": CDI_VERSION,
+            "kind": CDI_KIND,
+            "devices": [
+                {
+                    "name": d.name,
+                    "containerEdits": {
+                        "env": [f"{k}={v}" for k, v in d.env],
+                        "deviceNodes": [{"path": p} for p in d.device_nodes],
+                        "mounts": [
+                            {
+                                "hostPath": m.host_path,
+                                "containerPath": m.container_path,
+                                "options": ["ro" if m.read_only else "rw", "nosuid", "nodev", "bind"],
+                            }
+                            for m in d.mounts
+                        ],
+                    },
+                }
+                for d in devices
+            ],
+        }
+        path = self.path(claim_uid)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(spec, indent=2))
+            os.replace(tmp, path)
+        except OSError as e:
+            raise CdiError(f"cannot write the CDI spec {path}: {e.strerror or e}; check --cdi-dir") from None
+        return path
+
+    def remove(self, claim_uid: str) -> None:
+        path = self.path(claim_uid)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise CdiError(f"cannot remove the CDI spec {path}: {e.strerror or e}") from None
+
+    def claim_uids(self) -> set[str]:
+        """The claims that have a spec here (to remove the orphans of claims no checkpoint knows)."""
+        if not self.directory.is_dir():
+            return set()
+        return {p.name[len(_FILE_PREFIX) : -len(".json")] for p in self.directory.glob(f"{_FILE_PREFIX}*.json")}

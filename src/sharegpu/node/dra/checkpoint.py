@@ -1,0 +1,88 @@
+"""The driver's checkpoint: every claim prepared on this node and what was made for it, in one JSON file.
+
+Prepare writes a claim here once its devices are ready and its CDI spec is written, and answers a claim found
+here from the file (Prepare is idempotent, and a restarted driver answers the kubelet's retries the same way);
+Unprepare drops it after undoing it. MIG instances, MPS daemons and their limits that the remaining claims need are
+derived from this file, so a restart keeps them and an Unprepare releases exactly what nobody needs any more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sharegpu.node.dra.claims import ClaimPlan, DevicePlan, Mechanism
+from sharegpu.node.dra.config import TimeSlice
+
+VERSION = 1
+
+
+class CheckpointError(Exception):
+    """The checkpoint cannot be read or written; the message says which file and what to do."""
+
+
+class Checkpoint:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.claims: dict[str, ClaimPlan] = {}
+        self.units: dict[str, tuple[str, ...]] = {}  # claim UID → the unit UUID of each device, in order
+        if path.exists():
+            self._load()
+
+    def add(self, plan: ClaimPlan, units: tuple[str, ...]) -> None:
+        self.claims[plan.uid] = plan
+        self.units[plan.uid] = units
+        self._save()
+
+    def drop(self, uid: str) -> None:
+        if self.claims.pop(uid, None) is not None:
+            self.units.pop(uid, None)
+            self._save()
+
+    def devices(self) -> list[tuple[DevicePlan, str]]:
+        """Every prepared device with its unit UUID."""
+        return [(d, u) for uid, plan in self.claims.items() for d, u in zip(plan.devices, self.units[uid], strict=True)]
+
+    def _save(self) -> None:
+        data = {
+            "version": VERSION,
+            "claims": {
+                uid: {
+                    "namespace": p.namespace,
+                    "name": p.name,
+                    "devices": [asdict(d) for d in p.devices],
+                    "units": list(self.units[uid]),
+                }
+                for uid, p in self.claims.items()
+            },
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+            tmp.write_text(json.dumps(data, sort_keys=True))
+            os.replace(tmp, self.path)  # a crash leaves the old file or the new one
+        except OSError as e:
+            raise CheckpointError(f"cannot write the DRA checkpoint {self.path}: {e.strerror or e}") from None
+
+    def _load(self) -> None:
+        try:
+            data: Any = json.loads(self.path.read_text())
+            if data.get("version") != VERSION:
+                raise ValueError(f"version {data.get('version')!r}, expected {VERSION}")
+            for uid, c in data["claims"].items():
+                devices = tuple(
+                    DevicePlan(
+                        **{**d, "mechanism": Mechanism(d["mechanism"]), "time_slice": TimeSlice(d["time_slice"])}
+                    )
+                    for d in c["devices"]
+                )
+                self.claims[uid] = ClaimPlan(uid, c["namespace"], c["name"], devices)
+                self.units[uid] = tuple(str(u) for u in c["units"])
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CheckpointError(
+                f"the DRA checkpoint {self.path} is unreadable ({e}); prepared claims cannot be recovered from it. "
+                "Drain the node's DRA pods, then move the file away"
+            ) from None

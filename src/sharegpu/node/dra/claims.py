@@ -1,0 +1,173 @@
+"""A ResourceClaim as the API server returns it → what this node must prepare for it, or why it cannot.
+
+Everything is checked before anything is touched: the claim's UID is the one the kubelet named (a claim deleted and
+re-created under the same name is another claim), it is allocated, every result of our driver lies in this node's
+pool and names a device this node publishes, and its config is valid for what was allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.node.backends.base import DeviceInfo
+from sharegpu.node.dra.config import ConfigError, EffectiveConfig, Isolation, Sharing, TimeSlice, configs_for_request
+from sharegpu.node.dra.slices import COMPUTE_FULL, DRIVER, PublishedDevice, node_devices
+
+
+class ClaimError(Exception):
+    """This claim cannot be prepared; the message goes back to the kubelet (and the pod's events) for this claim only."""
+
+
+class Mechanism(StrEnum):
+    EXCLUSIVE = "exclusive"
+    MPS = "mps"
+    TIME_SLICING = "time-slicing"
+    MIG = "mig"
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePlan:
+    """One allocated device (or share of one) and how it is to be enforced."""
+
+    request: str
+    device: str
+    pool: str
+    share_id: str | None
+    gpu_index: int
+    gpu_uuid: str
+    mechanism: Mechanism
+    compute_percent: int  # of the GPU (100 for exclusive and MIG: the whole unit)
+    memory_mib: int  # enforced for MPS; the unit's memory otherwise
+    mig_profile: str | None = None
+    mig_start: int | None = None
+    time_slice: TimeSlice = TimeSlice.DEFAULT
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPlan:
+    uid: str
+    namespace: str
+    name: str
+    devices: tuple[DevicePlan, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def quantity_mib(q: Any) -> int:
+    from lightkube.utils.quantity import parse_quantity
+
+    value = parse_quantity(str(q))
+    if value is None:
+        raise ValueError(f"{q!r} is not a quantity")
+    return int(value / (1024 * 1024))
+
+
+def quantity_int(q: Any) -> int:
+    from lightkube.utils.quantity import parse_quantity
+
+    value = parse_quantity(str(q))
+    if value is None:
+        raise ValueError(f"{q!r} is not a quantity")
+    return int(value)
+
+
+def plan_claim(
+    claim: Mapping[str, Any],
+    uid: str,
+    node: str,
+    gpus: tuple[DeviceInfo, ...],
+    catalog: Catalog = DEFAULT_CATALOG,
+) -> ClaimPlan:
+    meta = claim.get("metadata") or {}
+    key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    if meta.get("uid") != uid:
+        raise ClaimError(
+            f"claim {key} has UID {meta.get('uid')}, not {uid} as the kubelet asked: it was deleted and re-created; "
+            "the pod must be re-created too"
+        )
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
+        raise ClaimError(f"claim {key} is not allocated; the scheduler allocates it before the pod reaches a node")
+    alloc_devices = allocation.get("devices") or {}
+    results = [r for r in alloc_devices.get("results") or [] if r.get("driver") == DRIVER]
+    if not results:
+        raise ClaimError(f"claim {key} has no device of driver {DRIVER}; it is not this driver's to prepare")
+    published = node_devices(gpus, catalog)
+    devices = {d.index: d for d in gpus}
+    plans: list[DevicePlan] = []
+    for r in results:
+        device, pool, request = str(r.get("device", "")), str(r.get("pool", "")), str(r.get("request", ""))
+        if pool != node:
+            raise ClaimError(f"claim {key}: device {device} was allocated from pool {pool}, not from this node {node}")
+        pub = published.get(device)
+        if pub is None:
+            raise ClaimError(
+                f"claim {key}: device {device} is not a healthy device of node {node}; "
+                f"its devices are {', '.join(sorted(published)) or 'none'}"
+            )
+        try:
+            config = configs_for_request(alloc_devices.get("config") or [], request, key)
+        except ConfigError as e:
+            raise ClaimError(str(e)) from None
+        plans.append(_plan_device(key, r, request, pub, devices[pub.gpu_index], config, catalog))
+    return ClaimPlan(uid, str(meta.get("namespace", "")), str(meta.get("name", "")), tuple(plans))
+
+
+def _plan_device(
+    key: str,
+    result: Mapping[str, Any],
+    request: str,
+    pub: PublishedDevice,
+    gpu: DeviceInfo,
+    config: EffectiveConfig,
+    catalog: Catalog,
+) -> DevicePlan:
+    share_id = result.get("shareID")
+    # The whole unit, exclusive: what a MIG device or an unshared GPU gets; shares narrow it below.
+    whole = DevicePlan(
+        request=request,
+        device=pub.name,
+        pool=str(result.get("pool")),
+        share_id=str(share_id) if share_id else None,
+        gpu_index=pub.gpu_index,
+        gpu_uuid=pub.gpu_uuid,
+        mechanism=Mechanism.EXCLUSIVE,
+        compute_percent=COMPUTE_FULL,
+        memory_mib=pub.memory_mib,
+        time_slice=config.timeSliceInterval,
+    )
+    where = f"claim {key}, request {request} ({pub.name})"
+    if pub.mig_profile is not None:
+        return replace(whole, mechanism=Mechanism.MIG, mig_profile=pub.mig_profile, mig_start=pub.mig_start)
+    consumed = result.get("consumedCapacity") or {}
+    try:
+        memory = quantity_mib(consumed["memory"]) if "memory" in consumed else pub.memory_mib
+        compute = quantity_int(consumed["compute"]) if "compute" in consumed else COMPUTE_FULL
+    except ValueError as e:
+        raise ClaimError(f"{where}: consumedCapacity is malformed: {e}") from None
+    if config.isolation is Isolation.HARDWARE:
+        raise ClaimError(
+            f"{where}: isolation: hardware needs a MIG partition, and {pub.name} is a whole GPU; "
+            "ask for a device of class mig.sharegpu.io, or lower the isolation"
+        )
+    if memory >= pub.memory_mib and compute >= COMPUTE_FULL:
+        return whole
+    if config.sharing is Sharing.TIME_SLICING:
+        if config.isolation is Isolation.MEMORY:
+            raise ClaimError(
+                f"{where}: isolation: memory needs an enforced memory limit, which TimeSlicing does not give; "
+                "use sharing: MPS, or isolation: none"
+            )
+        return replace(whole, mechanism=Mechanism.TIME_SLICING, compute_percent=compute, memory_mib=memory)
+    if not catalog.get(gpu.model).mps_capable:
+        raise ClaimError(
+            f"{where}: {gpu.model} has no MPS with per-client limits; use sharing: TimeSlicing (which enforces "
+            "nothing) or ask for the whole GPU"
+        )
+    return replace(whole, mechanism=Mechanism.MPS, compute_percent=compute, memory_mib=memory)

@@ -1,0 +1,125 @@
+"""The driver's opaque configuration (``gpu.sharegpu.io/v1alpha1``, kind ``GpuConfig``) and how configs merge.
+
+A DeviceClass and a ResourceClaim may both carry a config for our driver; the allocation copies them into the
+claim's status with their source. They apply in order — the class's first, then the claim's — and a field set
+later wins, so the claim overrides its class field by field. A config is checked at Prepare, where an invalid one
+fails that claim with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sharegpu.node.dra.slices import DRIVER
+
+API_VERSION = f"{DRIVER}/v1alpha1"
+KIND = "GpuConfig"
+
+
+class ConfigError(ValueError):
+    """An opaque config that cannot be used; the message names the field and the values it accepts."""
+
+
+class Sharing(StrEnum):
+    MPS = "MPS"
+    TIME_SLICING = "TimeSlicing"
+
+
+class TimeSlice(StrEnum):
+    """``nvidia-smi compute-policy --set-timeslice`` values 0..3."""
+
+    DEFAULT = "Default"
+    SHORT = "Short"
+    MEDIUM = "Medium"
+    LONG = "Long"
+
+    @property
+    def level(self) -> int:
+        return list(TimeSlice).index(self)
+
+
+class Isolation(StrEnum):
+    NONE = "none"
+    MEMORY = "memory"
+    HARDWARE = "hardware"
+
+
+class GpuConfig(BaseModel):
+    """One config object as written in a class or claim; unset fields leave the earlier config's value."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    apiVersion: Literal["gpu.sharegpu.io/v1alpha1"]
+    kind: Literal["GpuConfig"]
+    sharing: Sharing | None = None
+    timeSliceInterval: TimeSlice | None = None
+    isolation: Isolation | None = None
+
+
+class EffectiveConfig(BaseModel):
+    """The merged config a device is prepared with."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sharing: Sharing = Sharing.MPS
+    timeSliceInterval: TimeSlice = TimeSlice.DEFAULT
+    isolation: Isolation = Isolation.NONE  # no requirement beyond what the mechanism gives
+
+
+def parse_config(parameters: Mapping[str, Any], where: str) -> GpuConfig:
+    try:
+        return GpuConfig.model_validate(parameters)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {_hint(err)}" for err in e.errors(include_url=False)
+        )
+        raise ConfigError(f"{where}: invalid {API_VERSION} config: {problems}") from None
+
+
+def _hint(err: Any) -> str:
+    field = str(err["loc"][-1]) if err["loc"] else ""
+    accepted = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "sharing": " or ".join(s.value for s in Sharing),
+        "timeSliceInterval": ", ".join(t.value for t in TimeSlice),
+        "isolation": ", ".join(i.value for i in Isolation),
+    }
+    if err["type"] == "extra_forbidden":
+        return f"unknown field; the fields are {', '.join(accepted)}"
+    if field in accepted:
+        return f"{err.get('input')!r} is not accepted; use {accepted[field]}"
+    return str(err["msg"])
+
+
+def merge(configs: Iterable[GpuConfig]) -> EffectiveConfig:
+    """Apply configs in order (class first, then claim); a field set later wins."""
+    merged: dict[str, Any] = {}
+    for c in configs:
+        merged.update({k: v for k, v in c.model_dump(exclude={"apiVersion", "kind"}).items() if v is not None})
+    return EffectiveConfig(**merged)
+
+
+def configs_for_request(allocation_config: Iterable[Mapping[str, Any]], request: str, claim: str) -> EffectiveConfig:
+    """The effective config of one request from ``status.allocation.devices.config`` (class entries first).
+
+    Entries for other drivers are not ours to judge and are skipped; an entry whose ``requests`` is empty applies
+    to every request.
+    """
+    from_class: list[GpuConfig] = []
+    from_claim: list[GpuConfig] = []
+    for n, entry in enumerate(allocation_config):
+        opaque = entry.get("opaque") or {}
+        if opaque.get("driver") != DRIVER:
+            continue
+        requests = entry.get("requests") or []
+        if requests and request not in requests and not any(request.startswith(f"{r}/") for r in requests):
+            continue
+        source = entry.get("source", "FromClaim")
+        config = parse_config(opaque.get("parameters") or {}, f"claim {claim}: config #{n} ({source})")
+        (from_class if source == "FromClass" else from_claim).append(config)
+    return merge([*from_class, *from_claim])

@@ -1,0 +1,287 @@
+"""Prepare and unprepare claims: make each allocated device ready, write its CDI spec, remember it; undo it.
+
+The node agent's GPU backend, MIG manager and MPS manager do the work, so a claim is enforced exactly as a
+device-plugin assignment is: a MIG instance created at the allocated placement, an MPS daemon told the largest
+share on its unit (the client's environment can only lower it), the time-slice setting of the GPU. Calls are
+serialised by one lock; each claim succeeds or fails on its own. What was made for claims that are gone (a failed
+Prepare half-way, an Unprepare) is released by deriving what the remaining claims need from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sharegpu.model.assignment import MigSlot
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER
+from sharegpu.node.backends.base import BackendError, GpuBackend
+from sharegpu.node.dra.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, cdi_name
+from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
+from sharegpu.node.dra.claims import ClaimError, ClaimPlan, Mechanism, plan_claim
+from sharegpu.node.dra.config import TimeSlice
+from sharegpu.node.mig import MigError, MigManager, MigNeed
+from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
+
+log = logging.getLogger(__name__)
+
+NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+class ClaimSource(Protocol):
+    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
+        """The ResourceClaim as the API server returns it (JSON); raises on any failure with a readable message."""
+        ...
+
+
+class TimeSlicer(Protocol):
+    async def set(self, gpu_uuid: str, interval: TimeSlice) -> None: ...
+
+
+class NvidiaSmiTimeSlicer:
+    """``nvidia-smi compute-policy --set-timeslice``: the GPU's time-slice length, for all its time-shared clients."""
+
+    def __init__(self, smi: str = "nvidia-smi") -> None:
+        self._smi = smi
+
+    async def set(self, gpu_uuid: str, interval: TimeSlice) -> None:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self._smi,
+                "compute-policy",
+                "-i",
+                gpu_uuid,
+                f"--set-timeslice={interval.level}",
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            out, _ = await asyncio.wait_for(proc.communicate(), 10.0)
+        except (OSError, TimeoutError) as e:
+            raise BackendError(f"cannot run {self._smi} compute-policy: {e}") from None
+        if proc.returncode != 0:
+            raise BackendError(f"{self._smi} compute-policy --set-timeslice failed: {out.decode(errors='replace')}")
+
+
+class SimTimeSlicer:
+    """The simulated node's time-slice settings (GPU UUID → interval)."""
+
+    def __init__(self) -> None:
+        self.intervals: dict[str, TimeSlice] = {}
+
+    async def set(self, gpu_uuid: str, interval: TimeSlice) -> None:
+        self.intervals[gpu_uuid] = interval
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRef:
+    namespace: str
+    uid: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    request: str
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...]
+    share_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class DraDriver:
+    def __init__(
+        self,
+        node_name: str,
+        backend: GpuBackend,
+        claims: ClaimSource,
+        mig: MigManager,
+        mps: MpsManager,
+        checkpoint: Checkpoint,
+        cdi: CdiWriter,
+        time_slicer: TimeSlicer,
+        catalog: Catalog = DEFAULT_CATALOG,
+    ) -> None:
+        self.node_name = node_name
+        self.backend = backend
+        self._claims = claims
+        self._mig = mig
+        self._mps = mps
+        self.checkpoint = checkpoint
+        self._cdi = cdi
+        self._time_slicer = time_slicer
+        self._catalog = catalog
+        self._sliced: set[str] = set()  # GPUs whose time slice this process changed
+        self.lock = asyncio.Lock()
+
+    # ----- the kubelet's calls ---------------------------------------------------------------------------------
+    async def prepare(self, claims: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
+        out: dict[str, PrepareResult] = {}
+        async with self.lock:
+            for ref in claims:
+                try:
+                    out[ref.uid] = PrepareResult(await self._prepare_one(ref))
+                except (ClaimError, MigError, MpsError, BackendError, CdiError, CheckpointError) as e:
+                    out[ref.uid] = PrepareResult(error=str(e))
+                except Exception as e:  # a bug must fail one claim, never the others
+                    log.exception("preparing claim %s/%s failed unexpectedly", ref.namespace, ref.name)
+                    out[ref.uid] = PrepareResult(error=f"sharegpu DRA driver failed: {type(e).__name__}: {e}")
+                if out[ref.uid].error:
+                    log.warning(
+                        "claim %s/%s (%s) not prepared: %s", ref.namespace, ref.name, ref.uid, out[ref.uid].error
+                    )
+                    await self._release()  # what a half-done Prepare made and no prepared claim needs
+        return out
+
+    async def unprepare(self, claims: Iterable[ClaimRef]) -> dict[str, str]:
+        """Claim UID → error ("" on success). A claim never prepared here (or already unprepared) succeeds."""
+        out: dict[str, str] = {}
+        async with self.lock:
+            for ref in claims:
+                try:
+                    if ref.uid in self.checkpoint.claims:
+                        self._cdi.remove(ref.uid)
+                        self.checkpoint.drop(ref.uid)
+                        log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)
+                    out[ref.uid] = ""
+                except (CdiError, CheckpointError) as e:
+                    out[ref.uid] = str(e)
+            await self._release()
+        return out
+
+    # ----- life cycle ------------------------------------------------------------------------------------------
+    async def recover(self) -> None:
+        """After a restart: adopt MPS daemons, drop CDI specs no checkpointed claim owns, release the rest."""
+        await self._mps.recover()
+        async with self.lock:
+            for uid in self._cdi.claim_uids() - set(self.checkpoint.claims):
+                self._cdi.remove(uid)
+            await self._release()
+
+    async def reconcile(self) -> None:
+        async with self.lock:
+            await self._release()
+
+    # ----- internals -------------------------------------------------------------------------------------------
+    async def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        plan = self.checkpoint.claims.get(ref.uid)
+        if plan is not None:  # prepared already (a retry, or the kubelet after our restart)
+            return self._answer(plan, self.checkpoint.units[ref.uid])
+        try:
+            claim = await self._claims.get_claim(ref.namespace, ref.name)
+        except Exception as e:
+            raise ClaimError(f"cannot read claim {ref.namespace}/{ref.name}: {e}") from None
+        plan = plan_claim(claim, ref.uid, self.node_name, self.backend.devices(), self._catalog)
+        units = await self._make_ready(plan)
+        self._cdi.write(plan.uid, self._cdi_devices(plan, units))
+        self.checkpoint.add(plan, units)
+        log.info(
+            "prepared claim %s (%s): %s",
+            plan.key,
+            plan.uid,
+            ", ".join(f"{d.device}={d.mechanism.value}" for d in plan.devices),
+        )
+        return self._answer(plan, units)
+
+    async def _make_ready(self, plan: ClaimPlan) -> tuple[str, ...]:
+        if any(d.mechanism is Mechanism.MPS for d in plan.devices) and len(plan.devices) > 1:
+            raise ClaimError(
+                f"claim {plan.key}: an MPS client talks to one MPS daemon, which serves one GPU or MIG instance; "
+                "put each MPS share in its own claim"
+            )
+        gpus = {g.index: g for g in self.backend.devices()}
+        # The scheduler never allocates a partition beside a whole or shared GPU (they share counters); an
+        # allocation that does anyway (a stale pool generation) is refused rather than allowed to break the other.
+        in_use = {(d.gpu_index, d.mechanism is Mechanism.MIG) for d, _ in self.checkpoint.devices()}
+        for d in plan.devices:
+            is_mig = d.mechanism is Mechanism.MIG
+            if (d.gpu_index, not is_mig) in in_use:
+                other = (
+                    "used without MIG by another claim" if is_mig else "partitioned into MIG instances of other claims"
+                )
+                raise ClaimError(f"claim {plan.key}: {d.device} cannot be prepared: GPU {d.gpu_uuid} is {other}")
+        units: list[str] = []
+        for d in plan.devices:
+            if d.mechanism is Mechanism.MIG:
+                assert d.mig_profile is not None and d.mig_start is not None
+                unit = self._mig.ensure(d.gpu_index, d.gpu_uuid, MigSlot(d.mig_profile, d.mig_start)).uuid
+            else:
+                if gpus[d.gpu_index].mig_enabled:
+                    why = self._mig.release_for_whole_gpu(d.gpu_index, d.gpu_uuid)
+                    if why is not None:
+                        raise ClaimError(
+                            f"claim {plan.key}: GPU {d.gpu_uuid} is in MIG mode and {d.device} is not a MIG device; "
+                            f"refusing to hand out the whole GPU: {why}"
+                        )
+                unit = d.gpu_uuid
+            if d.mechanism is Mechanism.MPS:
+                # The daemon holds the client to (at least) its share before the container can start.
+                await self._mps.ensure(unit, MpsLimits.of_share(d.compute_percent * 10, d.memory_mib))
+            if d.mechanism is Mechanism.TIME_SLICING:
+                await self._time_slicer.set(d.gpu_uuid, d.time_slice)
+                self._sliced.add(d.gpu_uuid)
+            units.append(unit)
+        return tuple(units)
+
+    def _cdi_devices(self, plan: ClaimPlan, units: tuple[str, ...]) -> tuple[CdiDevice, ...]:
+        # Every device of the claim names all its units, so that merging their edits never hides one of them.
+        visible = ("NVIDIA_VISIBLE_DEVICES", ",".join(dict.fromkeys(units)))
+        out: list[CdiDevice] = []
+        for d, unit in zip(plan.devices, units, strict=True):
+            env = [visible, ("SHAREGPU_MECHANISM", d.mechanism.value)]
+            mounts: list[CdiMount] = []
+            if d.mechanism is Mechanism.MPS:
+                spec = self._mps.spec(unit)
+                env.append(("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_IN_CONTAINER))
+                env.append(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(d.compute_percent)))
+                env.append(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", f"0={d.memory_mib}M"))
+                mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
+            nodes = (*NVIDIA_CONTROL_NODES, f"/dev/nvidia{d.gpu_index}")
+            out.append(CdiDevice(cdi_name(plan.uid, d.request, d.device), tuple(env), nodes, tuple(mounts)))
+        return tuple(out)
+
+    def _answer(self, plan: ClaimPlan, units: tuple[str, ...]) -> tuple[PreparedDevice, ...]:
+        return tuple(
+            PreparedDevice(
+                d.request,
+                d.pool,
+                d.device,
+                (f"sharegpu.io/gpu={cdi_name(plan.uid, d.request, d.device)}",),
+                d.share_id,
+            )
+            for d in plan.devices
+        )
+
+    async def _release(self) -> None:
+        """Bring MIG instances, MPS daemons and time slices to what the checkpointed claims need."""
+        prepared = self.checkpoint.devices()
+        needs = {
+            MigNeed(d.gpu_index, d.mig_start, d.mig_profile)
+            for d, _ in prepared
+            if d.mig_profile is not None and d.mig_start is not None
+        }
+        non_mig = {d.gpu_index for d, _ in prepared if d.mechanism is not Mechanism.MIG}
+        try:
+            self._mig.reconcile(needs, non_mig)
+        except BackendError as e:
+            log.warning("MIG reconcile failed: %s", e)
+        limits: dict[str, MpsLimits] = {}
+        for d, unit in prepared:
+            if d.mechanism is Mechanism.MPS:
+                limits[unit] = MpsLimits.of_share(d.compute_percent * 10, d.memory_mib).union(limits.get(unit))
+        await self._mps.reconcile(set(limits), limits)
+        in_use = {d.gpu_uuid for d, _ in prepared if d.mechanism is Mechanism.TIME_SLICING}
+        for gpu in sorted(self._sliced - in_use):
+            try:
+                await self._time_slicer.set(gpu, TimeSlice.DEFAULT)
+                self._sliced.discard(gpu)
+            except BackendError as e:
+                log.warning("cannot reset the time slice of %s: %s", gpu, e)

@@ -1,0 +1,205 @@
+"""The node's GPUs as DRA ResourceSlices (``resource.k8s.io/v1``), built from the GPU backend and the catalog.
+
+One pool per node (named after the node). Every GPU is one device, ``gpu-<index>``, that several claims may share
+(``allowMultipleAllocations``), each consuming part of its ``memory`` and ``compute`` (percent) capacity; a claim
+that asks for no capacity consumes all of it, so a plain claim gets the whole GPU. On a MIG-capable GPU every
+valid MIG placement is one more device, ``gpu-<index>-mig-<profile>-<start>``, and the GPU's geometry is a counter
+set: one counter per memory slot (``memory-slice-<n>``, each 1, so two instances can never sit on one slot —
+a bare slot count would let 3g@0 and 2g@2 overlap) and one ``compute-slices`` counter. The GPU device consumes every
+counter, a MIG device its own slots and its slices: the stock kube-scheduler can then never allocate overlapping
+instances, nor a partition together with the whole or a shared GPU. Since Kubernetes 1.35 counters and the
+devices consuming them sit in different slices of the pool: each GPU gets a counter slice and a device slice.
+
+The builder is pure (no I/O); :mod:`sharegpu.node.dra.publisher` writes the slices to the API server.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel, MigProfile
+from sharegpu.node.backends.base import DeviceInfo
+
+DRIVER = "gpu.sharegpu.io"
+RESOURCE_API = "resource.k8s.io/v1"
+COMPUTE_FULL = 100  # compute capacity is percent of the GPU
+MEMORY_STEP_MIB = 1  # MPS limits memory in MiB
+COMPUTE_SLICES = "compute-slices"
+# What the catalog does not hold, for the attributes that device selectors use: (architecture, compute capability).
+_ARCH: Mapping[str, tuple[str, str]] = {
+    "A100-40GB": ("Ampere", "8.0.0"),
+    "A100-80GB": ("Ampere", "8.0.0"),
+    "A30-24GB": ("Ampere", "8.0.0"),
+    "A10": ("Ampere", "8.6.0"),
+    "H100-80GB": ("Hopper", "9.0.0"),
+    "H200-141GB": ("Hopper", "9.0.0"),
+    "L4": ("Ada Lovelace", "8.9.0"),
+    "L40S": ("Ada Lovelace", "8.9.0"),
+    "RTX-4090": ("Ada Lovelace", "8.9.0"),
+    "T4": ("Turing", "7.5.0"),
+    "V100-16GB": ("Volta", "7.0.0"),
+    "V100-32GB": ("Volta", "7.0.0"),
+    "P100": ("Pascal", "6.0.0"),
+}
+
+
+def memory_counter(slot: int) -> str:
+    return f"memory-slice-{slot}"
+
+
+def gpu_device_name(index: int) -> str:
+    return f"gpu-{index}"
+
+
+def mig_device_name(index: int, profile: str, start: int) -> str:
+    # Device names are DNS labels: "3g.40gb" becomes "3g40gb".
+    return f"gpu-{index}-mig-{re.sub(r'[^a-z0-9]', '', profile.lower())}-{start}"
+
+
+def counter_set_name(index: int) -> str:
+    return f"gpu-{index}-counters"
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedDevice:
+    """What the driver needs to know again about a device it published, given its name (at Prepare)."""
+
+    name: str
+    gpu_index: int
+    gpu_uuid: str
+    memory_mib: int  # the device's whole memory (the GPU's, or the MIG profile's)
+    mig_profile: str | None = None
+    mig_start: int | None = None
+
+
+def node_devices(devices: Sequence[DeviceInfo], catalog: Catalog = DEFAULT_CATALOG) -> dict[str, PublishedDevice]:
+    """Every device the node publishes, by name (healthy GPUs only: an unhealthy GPU is withdrawn)."""
+    out: dict[str, PublishedDevice] = {}
+    for d in devices:
+        if not d.healthy:
+            continue
+        out[gpu_device_name(d.index)] = PublishedDevice(gpu_device_name(d.index), d.index, d.uuid, d.memory_mib)
+        model = catalog.get(d.model)
+        for p in model.mig_profiles:
+            for start in p.starts:
+                name = mig_device_name(d.index, p.name, start)
+                out[name] = PublishedDevice(name, d.index, d.uuid, p.memory_mib, p.name, start)
+    return out
+
+
+def _attrs(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
+    arch, cc = _ARCH.get(model.name, ("unknown", "0.0.0"))
+    return {
+        "type": {"string": "gpu"},
+        "index": {"int": d.index},
+        "uuid": {"string": d.uuid},
+        "model": {"string": model.name},
+        "productName": {"string": d.product},
+        "architecture": {"string": arch},
+        "cudaComputeCapability": {"version": cc},
+        "migCapable": {"bool": model.mig_capable},
+        "mpsCapable": {"bool": model.mps_capable},
+    }
+
+
+def _gpu_device(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
+    memory = f"{d.memory_mib}Mi"
+    device: dict[str, Any] = {
+        "name": gpu_device_name(d.index),
+        "attributes": _attrs(d, model),
+        "allowMultipleAllocations": True,
+        "capacity": {
+            # The defaults are the whole capacity: a claim that asks for none gets the GPU to itself.
+            "memory": {
+                "value": memory,
+                "requestPolicy": {
+                    "default": memory,
+                    "validRange": {"min": f"{MEMORY_STEP_MIB}Mi", "step": f"{MEMORY_STEP_MIB}Mi"},
+                },
+            },
+            "compute": {
+                "value": str(COMPUTE_FULL),
+                "requestPolicy": {"default": str(COMPUTE_FULL), "validRange": {"min": "1", "step": "1"}},
+            },
+        },
+    }
+    if model.mig_capable:
+        counters = {memory_counter(s): {"value": "1"} for s in range(model.memory_slots)}
+        counters[COMPUTE_SLICES] = {"value": str(model.compute_slices)}
+        device["consumesCounters"] = [{"counterSet": counter_set_name(d.index), "counters": counters}]
+    return device
+
+
+def _mig_device(d: DeviceInfo, model: GpuModel, p: MigProfile, start: int) -> dict[str, Any]:
+    attrs = _attrs(d, model)
+    attrs["type"] = {"string": "mig"}
+    attrs["parentUUID"] = attrs.pop("uuid")
+    attrs["profile"] = {"string": p.name}
+    attrs["placementStart"] = {"int": start}
+    attrs["placementSize"] = {"int": p.memory_slots}
+    counters = {memory_counter(s): {"value": "1"} for s in range(start, start + p.memory_slots)}
+    counters[COMPUTE_SLICES] = {"value": str(p.compute_slices)}
+    return {
+        "name": mig_device_name(d.index, p.name, start),
+        "attributes": attrs,
+        "capacity": {
+            "memory": {"value": f"{p.memory_mib}Mi"},
+            "multiprocessors": {"value": str(model.profile_sms(p))},
+        },
+        "consumesCounters": [{"counterSet": counter_set_name(d.index), "counters": counters}],
+    }
+
+
+def _counter_set(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
+    counters = {memory_counter(s): {"value": "1"} for s in range(model.memory_slots)}
+    counters[COMPUTE_SLICES] = {"value": str(model.compute_slices)}
+    return {"name": counter_set_name(d.index), "counters": counters}
+
+
+@dataclass(frozen=True, slots=True)
+class SliceSpec:
+    """One ResourceSlice's name and spec, without the pool generation and slice count (the publisher sets those)."""
+
+    name: str
+    spec: Mapping[str, Any]
+
+
+def slice_name(node: str, kind: str, index: int) -> str:
+    return f"{node}-{DRIVER}-gpu-{index}-{kind}"
+
+
+def build_slices(node: str, devices: Sequence[DeviceInfo], catalog: Catalog = DEFAULT_CATALOG) -> tuple[SliceSpec, ...]:
+    """The node's pool: per GPU a counter slice (MIG-capable GPUs only) and a device slice."""
+    out: list[SliceSpec] = []
+    for d in sorted(devices, key=lambda d: d.index):
+        if not d.healthy:
+            continue  # withdrawn: nothing new lands on it; claims already prepared keep it
+        model = catalog.get(d.model)
+        base = {"driver": DRIVER, "nodeName": node}
+        if model.mig_capable:
+            out.append(
+                SliceSpec(slice_name(node, "counters", d.index), {**base, "sharedCounters": [_counter_set(d, model)]})
+            )
+        devs = [_gpu_device(d, model)]
+        for p in sorted(model.mig_profiles, key=lambda p: (-p.memory_slots, p.name)):
+            devs.extend(_mig_device(d, model, p, s) for s in p.starts)
+        out.append(SliceSpec(slice_name(node, "devices", d.index), {**base, "devices": devs}))
+    return tuple(out)
+
+
+def resource_slice(s: SliceSpec, pool: str, generation: int, count: int, owner: Mapping[str, str]) -> dict[str, Any]:
+    """The full object for the API server, owned by the Node so that deleting the Node deletes its slices."""
+    return {
+        "apiVersion": RESOURCE_API,
+        "kind": "ResourceSlice",
+        "metadata": {
+            "name": s.name,
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": owner["name"], "uid": owner["uid"], "controller": True}
+            ],
+        },
+        "spec": {**s.spec, "pool": {"name": pool, "generation": generation, "resourceSliceCount": count}},
+    }

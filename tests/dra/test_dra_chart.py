@@ -1,0 +1,59 @@
+"""The chart's DRA mode, rendered by the real Helm engine: the driver DaemonSet, RBAC, DeviceClasses and the
+node agent kept off DRA nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sharegpu.node.dra.classes import device_classes
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate checks the objects")
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "sharegpu"
+
+
+def render(values: dict[str, Any] | None) -> list[dict[str, Any]]:
+    out = helm.Chart.load(str(CHART)).render(values, name="sg", namespace="gpu-system", is_install=True)
+    return [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+def test_dra_mode_renders_valid_objects_and_the_classes_of_the_code() -> None:
+    docs = render({"dra": {"enabled": True, "backend": "sim"}})
+    for d in docs:
+        if d["kind"] != "DeviceClass":  # resource.k8s.io/v1 schemas are checked by the API server (tests/dra rig)
+            kubernetes_validate.validate(d, "1.37.0", strict=True)
+    classes = [d for d in docs if d["kind"] == "DeviceClass"]
+    assert classes == device_classes()
+    ds = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-dra-driver")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"sharegpu.io/device-path": "dra"}
+    assert pod["containers"][0]["command"] == ["sharegpu", "dra-driver"]
+    mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"} <= mounts
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "sg-dra-driver")
+    verbs = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
+    assert {
+        ("resourceclaims", "get"),
+        ("nodes", "get"),
+        ("resourceslices", "create"),
+        ("resourceslices", "delete"),
+    } <= verbs
+    agent = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-node-agent")
+    term = agent["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"] == [
+        {"key": "sharegpu.io/device-path", "operator": "NotIn", "values": ["dra"]}
+    ]
+
+
+def test_dra_is_off_by_default() -> None:
+    docs = render(None)
+    assert not [d for d in docs if d["kind"] == "DeviceClass" or d["metadata"]["name"] == "sg-dra-driver"]
+    agent = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-node-agent")
+    assert "affinity" not in agent["spec"]["template"]["spec"]

@@ -1,0 +1,68 @@
+"""DRA nodes in the control plane: out of the extender's ledger, in `sharegpu status` from slices and claims."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from sharegpu.k8s.dra_view import dra_status
+from sharegpu.k8s.schema import Node
+from sharegpu.k8s.status import print_status, status_report
+from sharegpu.k8s.view import ClusterView
+from sharegpu.model.inventory import INVENTORY_ANNOTATION, NodeSpec, sim_gpus
+from sharegpu.node.backends.base import DeviceInfo
+from sharegpu.node.dra.slices import build_slices, resource_slice
+
+A100 = DeviceInfo(0, "GPU-a100", "NVIDIA A100-SXM4-80GB", "A100-80GB", 81920, 108, False)
+
+
+def node(name: str, labels: dict[str, str]) -> Node:
+    spec = NodeSpec(name, 64000, 262144, sim_gpus(name, "H100-80GB", 2))
+    return Node.model_validate(
+        {"metadata": {"name": name, "labels": labels, "annotations": {INVENTORY_ANNOTATION: spec.to_json()}}}
+    )
+
+
+def test_dra_nodes_are_left_out_of_the_ledger() -> None:
+    view = ClusterView(policy="bestfit")
+    view.reset([node("plugin-node", {}), node("dra-node", {"sharegpu.io/device-path": "dra"})], [])
+    assert [n.name for n in view.ledger.nodes] == ["plugin-node"]
+
+
+def claim(name: str, device: str, consumed: dict[str, str] | None = None) -> dict[str, Any]:
+    result: dict[str, Any] = {"driver": "gpu.sharegpu.io", "pool": "n1", "device": device, "request": "gpu"}
+    if consumed:
+        result["consumedCapacity"] = consumed
+    return {
+        "metadata": {"namespace": "ml", "name": name},
+        "status": {"allocation": {"devices": {"results": [result]}}},
+    }
+
+
+def test_status_shows_dra_gpus_from_slices_and_claims() -> None:
+    slices = [resource_slice(s, "n1", 3, 2, {"name": "n1", "uid": "u"}) for s in build_slices("n1", (A100,))]
+    rows = dra_status(
+        slices,
+        [
+            claim("a", "gpu-0", {"memory": "10Gi", "compute": "30"}),
+            claim("b", "gpu-0", {"memory": "20Gi", "compute": "50"}),
+            claim("other-driver", "gpu-0") | {"status": {"allocation": {"devices": {"results": [{"driver": "x"}]}}}},
+        ],
+    )
+    assert rows[0]["name"] == "n1"
+    g = rows[0]["gpus"][0]
+    assert (g["model"], g["mechanism"], g["memory_mib_used"], g["compute_pct_used"]) == (
+        "A100-80GB",
+        "shared",
+        30720,
+        80,
+    )
+    assert g["claims"] == ["ml/a", "ml/b"]
+    mig = dra_status(slices, [claim("m", "gpu-0-mig-3g40gb-4")])[0]["gpus"][0]
+    assert (mig["mechanism"], mig["mig"]) == ("mig", [{"profile": "3g.40gb", "start": 4, "claim": "ml/m"}])
+    report = status_report(ClusterView(policy="bestfit"), rows)
+    console = Console(record=True, width=200)
+    print_status(console, report)
+    text = console.export_text()
+    assert "node n1 (DRA)" in text and "ml/a" in text
