@@ -77,11 +77,7 @@ class Proc:
         self.name, self.argv, self.log = name, argv, log
         self._log = log.open("ab")
         self.p = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            preexec_fn=_die_with_parent,
+            _die_with_parent(argv), stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
 
     @property
@@ -108,12 +104,12 @@ class Proc:
         return self.log.read_text(errors="replace")
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the test process dies, however it dies (a crash leaves no orphan scheduler that
-    would keep binding the next test's pods)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` under util-linux's setpriv, which has the child killed when the test process dies, however it dies:
+    a crash leaves no orphan scheduler that would keep binding the next test's pods. (A preexec_fn would do the same
+    but forks a process that runs gRPC's threads, which breaks the child.)"""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else argv
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
@@ -244,12 +240,12 @@ class Rig:
                 shutil.rmtree(work, ignore_errors=True)
 
     # ----- objects ------------------------------------------------------------------------------------------------
-    def namespace(self, name: str = "") -> str:
+    def namespace(self, name: str = "", labels: dict[str, str] | None = None) -> str:
         from lightkube.models.meta_v1 import ObjectMeta
         from lightkube.resources.core_v1 import Namespace
 
         ns = name or f"{self.prefix}-{len(self.namespaces)}"
-        self.client.create(Namespace(metadata=ObjectMeta(name=ns)))
+        self.client.create(Namespace(metadata=ObjectMeta(name=ns, labels=labels)))
         self.namespaces.append(ns)
         return ns
 
@@ -377,11 +373,7 @@ class Rig:
 
     def scheduler_config(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> dict[str, Any]:
         """The chart's own KubeSchedulerConfiguration, pointed at ``extender_url`` and at the rig's credentials."""
-        import helm_python as helm
-
-        rendered = helm.Chart.load(str(CHART)).render({}, name="sg", namespace="gpu-system", is_install=True)
-        docs = [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
-        cm = next(d for d in docs if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
+        cm = next(d for d in chart_docs() if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
         config: dict[str, Any] = yaml.safe_load(cm["data"]["config.yaml"])
         config["clientConnection"] = {"kubeconfig": str(self.k8s_real / "scheduler.kubeconfig")}
         config["leaderElection"] = {"leaderElect": False}
@@ -479,6 +471,25 @@ class Rig:
             with contextlib.suppress(Exception):
                 self.client.delete(Node, name)
         self.client.close()
+
+
+def chart_docs(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The Helm chart rendered by the real Helm engine (release sg in gpu-system), as the tests of the chart do."""
+    import helm_python as helm
+
+    rendered = helm.Chart.load(str(CHART)).render(values or {}, name="sg", namespace="gpu-system", is_install=True)
+    return [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+def self_signed(work: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A certificate for ``host`` (its own CA) and its key, made with openssl as the chart's genSelfSignedCert does."""
+    cert, key = work / "tls.crt", work / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={host}",
+         "-addext", f"subjectAltName=IP:{host}", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
 
 
 def _https_ok(url: str) -> bool:

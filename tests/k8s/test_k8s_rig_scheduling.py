@@ -6,12 +6,24 @@ Skipped unless SHAREGPU_TEST_KUBECONFIG names the rig's kubeconfig (.ci/run star
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from k8s_helpers import pod_obj
-from rig import KUBECONFIG, SKIP_REASON, Rig, audit, status_json
+from rig import (
+    KUBECONFIG,
+    SKIP_REASON,
+    Rig,
+    audit,
+    chart_docs,
+    free_port,
+    self_signed,
+    sharegpu_argv,
+    status_json,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
 
@@ -58,3 +70,129 @@ def test_pods_are_bound_through_the_real_scheduler_with_their_assignments(rig: R
     # No bind was reported failed.
     failed = [e["message"] for e in rig.events(ns) if e.get("reason") == "FailedScheduling"]
     assert failed == []
+
+
+def test_a_pod_that_does_not_fit_gets_a_readable_failed_scheduling_event(rig: Rig) -> None:
+    rig.add_node("h100", [{"model": "H100-80GB", "count": 1}])
+    rig.wait_nodes_published()
+    _, url = rig.start_extender()
+    rig.start_scheduler(url)
+    ns = rig.namespace()
+    mps = {"sharegpu.io/isolation": "memory", "sharegpu.io/sharing": "mps"}
+    rig.create_pods(ns, [rig_pod("first", memory="10Gi", compute=60, annotations=mps)])
+    rig.wait_settled(ns)
+    rig.create_pods(ns, [rig_pod("second", memory="10Gi", compute=60, annotations=mps)])
+
+    def event() -> str:
+        for e in rig.events(ns):
+            if e.get("reason") == "FailedScheduling" and e["involvedObject"]["name"] == "second":
+                return str(e["message"])
+        return ""
+
+    wait_for(lambda: bool(event()), "the FailedScheduling event", 60)
+    message = event()
+    # The kube-scheduler formats extender reasons as a Go format string: a bare % would come out as %!<(MISSING).
+    assert "MISSING" not in message and "%!" not in message, message
+    assert "most free compute 40 percent < 60 percent asked" in message, message
+
+
+def test_preemption_through_the_real_scheduler_and_the_extenders_preempt_verb(rig: Rig) -> None:
+    """The kube-scheduler chooses victims by its own accounting (here CPU: the node has 2 cores) and asks the extender
+    which of those nodes really have room for the pod's GPU share once the victims are gone (the preempt verb).
+
+    Known limit: a GPU shortfall alone does not trigger preemption, because the scheduler counts sharegpu.io/gpu in
+    tokens (64 per GPU) and sees room where the extender sees none, so it finds no victims to propose."""
+    from lightkube.resources.core_v1 import Pod
+    from lightkube.resources.scheduling_v1 import PriorityClass
+
+    rig.add_node("a30", [{"model": "A30-24GB", "count": 1}], cpu="2")
+    rig.wait_nodes_published()
+    _, url = rig.start_extender()
+    rig.start_scheduler(url)
+    ns = rig.namespace()
+    high = f"{rig.prefix}-high"
+    rig.client.create(PriorityClass.from_dict({"metadata": {"name": high}, "value": 1000000}))
+    try:
+        rig.create_pods(ns, [rig_pod("low", gpu=1, cpu="1500m")])
+        rig.wait_settled(ns)
+        urgent = rig_pod("urgent", gpu=1, cpu="1500m")
+        urgent["spec"]["priorityClassName"] = high
+        rig.create_pods(ns, [urgent])
+
+        def victim_marked() -> bool:
+            low = rig.client.get(Pod, "low", namespace=ns)
+            if low.metadata.deletionTimestamp is not None:
+                # As the kubelet would once the container stopped: the pod goes, its GPU is free.
+                rig.client.delete(Pod, "low", namespace=ns, grace_period=0)
+                return True
+            return False
+
+        wait_for(victim_marked, "the low-priority pod to be preempted", 90)
+        wait_for(
+            lambda: bool(rig.client.get(Pod, "urgent", namespace=ns).spec.nodeName), "the urgent pod to be bound", 90
+        )
+        result = audit([rig.node(n) for n in rig.nodes], rig.pods(ns))
+        assert result.findings == [] and result.bound == 1
+        assert "preempt" in next(p for p in rig.procs if p.name == "kube-scheduler").text().lower()
+    finally:
+        rig.client.delete(PriorityClass, high)
+
+
+def test_the_webhook_admits_and_refuses_through_a_real_admission_review(rig: Rig) -> None:
+    import base64
+
+    from lightkube.core.exceptions import ApiError
+    from lightkube.generic_resource import create_global_resource
+    from lightkube.resources.core_v1 import Pod
+
+    cert, key = self_signed(rig.work)
+    port = free_port()
+    hook = rig.spawn(
+        "webhook",
+        sharegpu_argv("webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert), "--tls-key", str(key)),
+    )
+    wait_for(lambda: _tls_listening(port) or not hook.alive, "the webhook to listen", 30)
+    ns = rig.namespace(labels={"sharegpu-test/webhook": rig.prefix})
+    ca = base64.b64encode(cert.read_bytes()).decode()
+    made = []
+    for doc in chart_docs():
+        if doc["kind"] not in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            continue
+        doc["metadata"] = {"name": f"{rig.prefix}-{doc['kind'].lower()}"}
+        for w in doc["webhooks"]:
+            path = w["clientConfig"]["service"]["path"]
+            w["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
+            # The chart's own rules, matchConditions (CEL, evaluated by the API server) and policy; only this test's
+            # namespace, so that nothing else on the shared rig goes through this webhook.
+            w["namespaceSelector"] = {"matchLabels": {"sharegpu-test/webhook": rig.prefix}}
+        res = create_global_resource("admissionregistration.k8s.io", "v1", doc["kind"], doc["kind"].lower() + "s")
+        rig.client.create(res.from_dict(doc))
+        made.append((res, doc["metadata"]["name"]))
+    try:
+        time.sleep(2.0)  # the API server's webhook configuration informer
+
+        def create(obj: dict[str, Any]) -> dict[str, Any]:
+            return dict(rig.client.create(Pod.from_dict(obj), namespace=ns).to_dict())
+
+        share = rig_pod("share", memory="10Gi", compute=30, scheduler_name=None)
+        created = create(share)
+        assert created["spec"]["schedulerName"] == "sharegpu-scheduler"  # mutated: the sharegpu scheduler places it
+        plain = create(rig_pod("plain", gpu=None, scheduler_name=None))
+        assert plain["spec"]["schedulerName"] == "default-scheduler"  # not sent to the webhook at all
+        with pytest.raises(ApiError) as bad:
+            create(rig_pod("too-much", memory="10Gi", compute=150))
+        assert "denied the request" in str(bad.value) and "150" in str(bad.value) and "1–100" in str(bad.value)
+        with pytest.raises(ApiError) as env:
+            create(rig_pod("sneaky", memory="10Gi", compute=30, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}))
+        assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in str(env.value)
+    finally:
+        for res, name in made:
+            rig.client.delete(res, name)
+
+
+def _tls_listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
