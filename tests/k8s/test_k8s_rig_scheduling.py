@@ -196,3 +196,24 @@ def _tls_listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_resource_quota_on_sharegpu_resources_refuses_a_pod_over_quota_at_creation(rig: Rig) -> None:
+    from lightkube.core.exceptions import ApiError
+    from lightkube.resources.core_v1 import Pod, ResourceQuota
+
+    ns = rig.namespace()
+    quota = {"requests.sharegpu.io/gpu": "4", "requests.sharegpu.io/gpu-memory": "20Gi",
+             "requests.sharegpu.io/gpu-compute": "60"}  # fmt: skip
+    rig.client.create(
+        ResourceQuota.from_dict({"metadata": {"name": "team-gpus"}, "spec": {"hard": quota}}), namespace=ns
+    )
+    wait_for(lambda: bool(rig.client.get(ResourceQuota, "team-gpus", namespace=ns).status.hard), "the quota", 30)
+    for name in ("a", "b"):
+        rig.client.create(Pod.from_dict(rig_pod(name, memory="10Gi", compute=30)), namespace=ns)
+    with pytest.raises(ApiError) as over:
+        rig.client.create(Pod.from_dict(rig_pod("c", memory="10Gi", compute=30)), namespace=ns)
+    message = str(over.value)
+    assert "exceeded quota: team-gpus" in message and "sharegpu.io/gpu-memory" in message, message
+    used = rig.client.get(ResourceQuota, "team-gpus", namespace=ns).status.used
+    assert used["requests.sharegpu.io/gpu-memory"] == "20Gi" and used["requests.sharegpu.io/gpu-compute"] == "60"
