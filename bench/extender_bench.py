@@ -24,6 +24,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,13 +135,25 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--no-node-cache", action="store_true", help="send whole Node objects (nodeCacheCapable: false)")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument(
+        "--scale", type=int, default=0, help="replicate the node list (names suffixed) up to this many nodes"
+    )
     args = ap.parse_args()
     if not args.nodes.is_file() or not args.pods.is_file():
         print(f"openb trace not found at {args.nodes} / {args.pods}; pass --nodes and --pods", file=sys.stderr)
         return 2
 
     specs = load_nodes(args.nodes)
+    base = specs
+    if args.scale > len(specs):
+        specs = [
+            replace(s, name=f"{s.name}-r{i // len(base)}") for i, s in enumerate(base * (args.scale // len(base) + 1))
+        ]
+        specs = specs[: args.scale]
     tasks = [t.request for t in load_pods(args.pods)]
+    if args.scale > len(base):
+        # The workload grows with the cluster, so that it can fill it to --fill as well (names kept unique).
+        tasks = [replace(t, name=f"{t.name}-r{k}") for k in range(args.scale // len(base) + 1) for t in tasks]
     rnd = random.Random(args.seed)
     rnd.shuffle(tasks)
     workload = Workload.from_requests(tasks)
