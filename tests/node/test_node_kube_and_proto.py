@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -61,17 +62,24 @@ def test_lightkube_api_against_a_real_server() -> None:
             from lightkube import AsyncClient, KubeConfig
             from lightkube.resources.core_v1 import Node
 
+            from lightkube.types import PatchType
+
             raw = AsyncClient(config=KubeConfig.from_file(os.environ["SHAREGPU_TEST_KUBECONFIG"]))
-            names = [n.metadata.name async for n in raw.list(Node)]
-            name = names[0]
-            await raw.close()
-            node = await api.get_node(name)
-            assert node.name == name and node.cpu_milli > 0
-            await api.patch_node_metadata(name, {"sharegpu.io/test": "1"}, {})
-            assert (await api.get_node(name)).labels["sharegpu.io/test"] == "1"
-            await api.patch_node_metadata(name, {"sharegpu.io/test": None}, {})
-            assert "sharegpu.io/test" not in (await api.get_node(name)).labels
-            assert all(p.node_name == name for p in await api.pods_on_node(name))
+            name = f"sharegpu-node-it-{uuid.uuid4().hex[:6]}"  # a Node of its own, as a kubelet registers it
+            await raw.create(Node.from_dict({"metadata": {"name": name}}))
+            status = {"capacity": {"cpu": "16", "memory": "64Gi"}, "allocatable": {"cpu": "16", "memory": "64Gi"}}
+            await raw.patch(Node.Status, name, {"status": status}, patch_type=PatchType.MERGE)
+            try:
+                node = await api.get_node(name)
+                assert node.name == name and node.cpu_milli == 16000
+                await api.patch_node_metadata(name, {"sharegpu.io/test": "1"}, {})
+                assert (await api.get_node(name)).labels["sharegpu.io/test"] == "1"
+                await api.patch_node_metadata(name, {"sharegpu.io/test": None}, {})
+                assert "sharegpu.io/test" not in (await api.get_node(name)).labels
+                assert all(p.node_name == name for p in await api.pods_on_node(name))
+            finally:
+                await raw.delete(Node, name)
+                await raw.close()
         finally:
             await api.close()
 
