@@ -26,6 +26,7 @@ from sharegpu.k8s.tls import ServerTls
 log = logging.getLogger(__name__)
 
 PROBE_PATHS = ("/healthz", "/readyz")
+GRACE_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,9 @@ async def serve(sites: Sequence[Site]) -> None:
                 log_level="warning",
                 access_log=False,
                 lifespan="off",
+                # An idle keep-alive TLS connection (the kube-scheduler keeps one) would hold a stop for the 30 s of
+                # asyncio's TLS shutdown; requests in flight get this long to finish.
+                timeout_graceful_shutdown=GRACE_S,
                 **(tls.uvicorn_options() if tls else {}),
             )
             servers.append(_Server(config))
