@@ -39,6 +39,8 @@ def _fail(message: str) -> typer.Exit:
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # lightkube's HTTP client logs every request at INFO: a line per watch, patch and binding.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
 def scheduler_extender(
