@@ -16,14 +16,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 MIB = 1024 * 1024
 
 # The extender's cap: the largest body the kube-scheduler sends it for a 10,000-node cluster with
-# nodeCacheCapable: true (the chart's setting). A Pod is at most 3 MiB (the API server's request limit; etcd keeps
-# objects under 1.5 MiB). filter/prioritize: the Pod + 10,000 node names of at most 253 characters (+3 for JSON)
-# = 3 + 2.4 MiB. preempt: the Pod + the candidate nodes (DefaultPreemption tries max(10 % of nodes, 100) = 1,000)
-# each with its victims as UIDs (46 bytes each, at most maxPods = 250 per node) = 3 + 1,000 × (256 + 250 × 47)
-# bytes = 14.5 MiB. 16 MiB covers both. With nodeCacheCapable: false whole Node objects are sent instead of names:
-# about 12.6 KB each for a kubelet's Node with its 50 images and an 8-GPU inventory, so 126 MB at 10,000 nodes,
-# and parsing holds 3.3 × the body (measured; docs/kubernetes.md): raise --max-request-mib and the memory limit
-# together for that mode.
+# nodeCacheCapable: true (the chart's setting), measured by bench/extender_body_size.py, plus a Pod of at most 3 MiB
+# (the API server's request limit; etcd keeps objects under 1.5 MiB). filter/prioritize: the Pod and 10,000 node
+# names of 253 characters (the longest) = 2.5 + 3 MiB. preempt: the Pod and the candidate nodes (DefaultPreemption
+# tries max(10 % of nodes, 100) = 1,000), each with its victims' UIDs (maxPods 250 each) = 12.0 + 3 MiB. 16 MiB
+# covers both. With nodeCacheCapable: false whole Node objects come instead of names: 120 MiB at 10,000 nodes (a
+# kubelet's Node with 50 images and an 8-GPU inventory is 12.6 KB) and 395 MiB once parsed, beyond the chart's
+# 1Gi limit with a response to build: raise --max-request-mib and the memory limit together for that mode.
 EXTENDER_MAX_BODY = 16 * MIB
 # The webhook's cap: an AdmissionReview carries the object and, on UPDATE, the old object (3 MiB each at most).
 WEBHOOK_MAX_BODY = 8 * MIB
