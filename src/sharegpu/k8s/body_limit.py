@@ -9,11 +9,14 @@ Without it a single large POST takes the server's memory with it (the extender r
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MIB = 1024 * 1024
+LINGER_S = 1.0  # at most this long spent dropping the rest of a refused body
 
 # The extender's cap: the largest body the kube-scheduler sends it for a 10,000-node cluster with
 # nodeCacheCapable: true (the chart's setting), measured by bench/extender_body_size.py, plus a Pod of at most 3 MiB
@@ -47,7 +50,7 @@ class BodyLimit:
         for name, value in scope["headers"]:
             # The server (h11/httptools) has already refused a Content-Length that is not a number.
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._refuse(send, f"declares {int(value)} bytes")
+                await self._refuse(send, receive, f"declares {int(value)} bytes")
                 return
         received = 0
         started = False
@@ -71,9 +74,9 @@ class BodyLimit:
         except _TooLarge:
             if started:  # the app answered before it read the whole body: nothing more can be said
                 return
-            await self._refuse(send, f"sent more than {self.max_bytes} bytes")
+            await self._refuse(send, receive, f"sent more than {self.max_bytes} bytes")
 
-    async def _refuse(self, send: Send, why: str) -> None:
+    async def _refuse(self, send: Send, receive: Receive, why: str) -> None:
         cap = f"{self.max_bytes // MIB} MiB" if self.max_bytes % MIB == 0 else f"{self.max_bytes} bytes"
         body = json.dumps({"error": f"request body too large: this {self.what} {why}; the cap is {cap}"}).encode()
         await send(
@@ -88,4 +91,19 @@ class BodyLimit:
                 ],
             }
         )
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await _linger(receive)
+        await send({"type": "http.response.body", "body": b""})  # the server closes the connection now
+
+
+async def _linger(receive: Receive) -> None:
+    """Read and drop what the client still sends, for a moment, before the connection is closed: closing a socket
+    with unread data makes the kernel reset it, and the client may lose the 413 it was sent (a lingering close, as
+    web servers do). Nothing is kept; a client that stops sending, ends its body or hangs up ends it sooner. (The
+    answer has started, so the server sends no "100 Continue" to a client that waits for one.)"""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINGER_S):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
