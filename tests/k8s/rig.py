@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,9 @@ from typing import Any
 import grpc
 import grpc.aio
 import yaml
+from tls_helpers import Pki, make_pki
 
+from proc_helpers import free_port
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment, InvalidAssignment
 from sharegpu.model.catalog import DEFAULT_CATALOG
@@ -59,19 +60,14 @@ def rig_dir() -> Path:
     return Path(os.environ.get("SHAREGPU_TEST_K8S_REAL") or Path(KUBECONFIG).parent)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def sharegpu_argv(*args: str) -> list[str]:
     """The installed console script of this environment (what the image's entry point runs)."""
     return [str(Path(sys.executable).parent / "sharegpu"), *args]
 
 
 class Proc:
-    """A background process with its output in a log file."""
+    """A background process with its output in a log file (tests/proc_helpers.Proc reads a short-lived command's
+    lines instead)."""
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.argv, self.log = name, argv, log
@@ -102,6 +98,12 @@ class Proc:
     def text(self) -> str:
         self._log.flush()
         return self.log.read_text(errors="replace")
+
+
+class ExtenderProc(Proc):
+    def __init__(self, name: str, argv: list[str], log: Path, health: str) -> None:
+        super().__init__(name, argv, log)
+        self.health = health  # plain-HTTP base URL of /healthz and /readyz
 
 
 def _die_with_parent(argv: list[str]) -> list[str]:
@@ -221,6 +223,7 @@ class Rig:
     nodes: dict[str, RigNode] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
     _kubelets: KubeletLoop | None = None
+    _pki: Pki | None = None
 
     def __post_init__(self) -> None:
         from lightkube import Client, KubeConfig
@@ -357,17 +360,30 @@ class Rig:
         self.procs.append(p)
         return p
 
+    @property
+    def pki(self) -> Pki:
+        """The chart's PKI, made here: a CA, the extender's server pair (127.0.0.1), the scheduler's client pair."""
+        if self._pki is None:
+            self._pki = make_pki(self.work / "pki")
+        return self._pki
+
     def start_extender(
         self, port: int = 0, *extra: str, name: str = "extender", ready: bool = True
-    ) -> tuple[Proc, str]:
+    ) -> tuple[ExtenderProc, str]:
+        """``sharegpu scheduler-extender`` as the chart runs it: mutual TLS on ``port`` (only the scheduler's client
+        certificate is served), the probes alone on a plain-HTTP port. Returns it and its HTTPS URL."""
         port = port or free_port()
+        health = free_port()
         argv = sharegpu_argv(
-            "scheduler-extender", "--kubeconfig", str(self.kubeconfig), "--listen", f"127.0.0.1:{port}", *extra
-        )
-        p = self.spawn(name, argv)
-        url = f"http://127.0.0.1:{port}"
+            "scheduler-extender", "--kubeconfig", str(self.kubeconfig), "--listen", f"127.0.0.1:{port}",
+            "--health-listen", f"127.0.0.1:{health}", "--tls-cert", str(self.pki.server_crt),
+            "--tls-key", str(self.pki.server_key), "--client-ca", str(self.pki.ca), *extra,
+        )  # fmt: skip
+        p = ExtenderProc(name, argv, self.work / f"{name}.log", health=f"http://127.0.0.1:{health}")
+        self.procs.append(p)
+        url = f"https://127.0.0.1:{port}"
         if ready:
-            wait_for(lambda: http_ok(url + "/readyz") or not p.alive, f"{name} to be ready", 60)
+            wait_for(lambda: http_ok(p.health + "/readyz") or not p.alive, f"{name} to be ready", 60)
             assert p.alive, f"{name} exited:\n{p.text()[-3000:]}"
         return p, url
 
@@ -378,7 +394,11 @@ class Rig:
         config["clientConnection"] = {"kubeconfig": str(self.k8s_real / "scheduler.kubeconfig")}
         config["leaderElection"] = {"leaderElect": False}
         config["profiles"][0]["schedulerName"] = scheduler_name
-        config["extenders"][0]["urlPrefix"] = extender_url
+        (ext,) = config["extenders"]
+        ext["urlPrefix"] = extender_url
+        # The chart mounts these from its Secrets; here they are the harness's own pair.
+        ext["tlsConfig"] = {"caFile": str(self.pki.ca), "certFile": str(self.pki.client_crt),
+                            "keyFile": str(self.pki.client_key)}  # fmt: skip
         return config
 
     def start_scheduler(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> Proc:
@@ -481,17 +501,6 @@ def chart_docs(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
-def self_signed(work: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
-    """A certificate for ``host`` (its own CA) and its key, made with openssl as the chart's genSelfSignedCert does."""
-    cert, key = work / "tls.crt", work / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={host}",
-         "-addext", f"subjectAltName=IP:{host}", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
 def _https_ok(url: str) -> bool:
     import ssl
 
@@ -510,10 +519,10 @@ class ReadyProxy:
     """What a Service with a readiness probe gives the kube-scheduler: one address whose connections go to a replica
     whose ``/readyz`` answers 200 (checked every 0.25 s, as the endpoints controller would, only faster)."""
 
-    def __init__(self, backends: list[str]) -> None:
-        self.backends = backends  # "http://127.0.0.1:PORT"
+    def __init__(self, backends: list[tuple[str, str]]) -> None:
+        self.backends = backends  # (plain-HTTP probe URL, "https://127.0.0.1:PORT" it sends connections to)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"https://127.0.0.1:{self.port}"  # TLS passes through: the scheduler talks to the replica itself
         self.ready: str | None = None
         self.loop = asyncio.new_event_loop()
         self._stop = threading.Event()
@@ -533,7 +542,7 @@ class ReadyProxy:
 
     def _probe(self) -> None:
         while not self._stop.is_set():
-            self.ready = next((b for b in self.backends if http_ok(b + "/readyz", 0.5)), None)
+            self.ready = next((url for probe, url in self.backends if http_ok(probe + "/readyz", 0.5)), None)
             time.sleep(0.25)
 
     def _main(self) -> None:
@@ -547,7 +556,7 @@ class ReadyProxy:
         if backend is None:  # no ready endpoint: the connection is refused, as a Service without endpoints does
             writer.close()
             return
-        host, port = backend.removeprefix("http://").split(":")
+        host, port = backend.removeprefix("https://").split(":")
         try:
             up_r, up_w = await asyncio.open_connection(host, int(port))
         except OSError:
@@ -690,17 +699,23 @@ def mixed_pods(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return pods
 
 
-def bind_failures(events: list[dict[str, Any]], pods: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """FailedScheduling messages that report a failed bind, for the pods that ended bound: a bind that succeeded
-    but was reported failed shows up here."""
-    bound = {p["metadata"]["name"] for p in pods if p["spec"].get("nodeName")}
-    out: dict[str, list[str]] = {}
-    for e in events:
-        name = e.get("involvedObject", {}).get("name", "")
-        msg = e.get("message") or ""
-        if e.get("reason") == "FailedScheduling" and name in bound and ("bind" in msg.lower() or "assume" in msg):
-            out.setdefault(name, []).append(msg)
-    return out
+def unreported_binds(rig: Rig, pods: list[dict[str, Any]]) -> list[str]:
+    """Pods the API server shows bound for which no extender process reported that bind as a success (its log line
+    ``bound NS/NAME to NODE``): a bind that succeeded but was reported failed shows up here (a retry of such a pod
+    finds it bound and reports that as an error, never as a success)."""
+    import re
+
+    reported: dict[str, str] = {}
+    for p in rig.procs:
+        if p.name.startswith("extender"):
+            for m in re.finditer(r" bound (\S+) to (\S+):", p.text()):
+                reported[m.group(1)] = m.group(2)
+    return [
+        f"{key} on {node}"
+        for pod in pods
+        if (node := pod["spec"].get("nodeName"))
+        and reported.get(key := f"{pod['metadata']['namespace']}/{pod['metadata']['name']}") != node
+    ]
 
 
 def status_agrees(report: dict[str, Any], result: Audit, node_names: Iterable[str]) -> list[str]:

@@ -85,7 +85,7 @@ def test_scheduler_profile_calls_the_extender_with_the_managed_resources(default
     assert [p["schedulerName"] for p in config["profiles"]] == ["sharegpu-scheduler"]
     (ext,) = config["extenders"]
     service = by_kind(default_docs, "Service")["sg-extender"]
-    assert ext["urlPrefix"] == f"http://sg-extender.gpu-system.svc:{service['spec']['ports'][0]['port']}"
+    assert ext["urlPrefix"] == f"https://sg-extender.gpu-system.svc:{service['spec']['ports'][0]['port']}"
     assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"], ext["preemptVerb"]) == (
         "filter",
         "prioritize",
@@ -228,7 +228,7 @@ def test_only_the_sharegpu_scheduler_may_reach_the_extender(default_docs: list[d
             }
         }
     ]
-    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert rule["ports"] == [{"port": "https", "protocol": "TCP"}]
     scheduler = by_kind(default_docs, "Deployment")["sg-scheduler"]["spec"]["template"]["metadata"]["labels"]
     assert all(scheduler[k] == v for k, v in rule["from"][0]["podSelector"]["matchLabels"].items())
     args = by_kind(default_docs, "Deployment")["sg-extender"]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -241,3 +241,112 @@ def test_only_the_sharegpu_scheduler_may_reach_the_extender(default_docs: list[d
             kubernetes_validate.validate(d, version, strict=True)
     off = render({"extender": {"networkPolicy": {"enabled": False}}})
     assert "NetworkPolicy" not in {d["kind"] for d in off}
+
+
+def _container(docs: list[dict[str, Any]], deployment: str) -> dict[str, Any]:
+    return by_kind(docs, "Deployment")[deployment]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _mounted_secret(docs: list[dict[str, Any]], deployment: str, path: str) -> tuple[str, str]:
+    """(Secret name, file) of the file at ``path`` in the Deployment's container."""
+    pod = by_kind(docs, "Deployment")[deployment]["spec"]["template"]["spec"]
+    for m in _container(docs, deployment)["volumeMounts"]:
+        if path.startswith(m["mountPath"] + "/"):
+            (volume,) = [v for v in pod["volumes"] if v["name"] == m["name"]]
+            return volume["secret"]["secretName"], path[len(m["mountPath"]) + 1 :]
+    raise AssertionError(f"{path} is not mounted in {deployment}")
+
+
+def test_the_scheduler_calls_the_extender_over_mutual_tls(default_docs: list[dict[str, Any]]) -> None:
+    (ext,) = yaml.safe_load(by_kind(default_docs, "ConfigMap")["sg-scheduler-config"]["data"]["config.yaml"])[
+        "extenders"
+    ]
+    assert ext["enableHTTPS"] is True
+    secrets = by_kind(default_docs, "Secret")
+    client = {
+        k: _mounted_secret(default_docs, "sg-scheduler", ext["tlsConfig"][k]) for k in ("caFile", "certFile", "keyFile")
+    }
+    assert client == {
+        "caFile": ("sg-scheduler-extender-client", "ca.crt"),
+        "certFile": ("sg-scheduler-extender-client", "tls.crt"),
+        "keyFile": ("sg-scheduler-extender-client", "tls.key"),
+    }
+    args = _container(default_docs, "sg-extender")["args"]
+    flags = dict(a.removeprefix("--").split("=", 1) for a in args if "=" in a)
+    server = {f: _mounted_secret(default_docs, "sg-extender", flags[f]) for f in ("tls-cert", "tls-key", "client-ca")}
+    assert server == {
+        "tls-cert": ("sg-extender-tls", "tls.crt"),
+        "tls-key": ("sg-extender-tls", "tls.key"),
+        "client-ca": ("sg-extender-tls", "ca.crt"),
+    }
+    assert "plain-http" not in flags
+    # One CA signs both sides; the scheduler alone holds the client key.
+    assert secrets["sg-extender-tls"]["data"]["ca.crt"] == secrets["sg-scheduler-extender-client"]["data"]["ca.crt"]
+    for d in default_docs:
+        if d["kind"] == "Deployment" and d["metadata"]["name"] != "sg-scheduler":
+            for v in d["spec"]["template"]["spec"].get("volumes", []):
+                assert v.get("secret", {}).get("secretName") != "sg-scheduler-extender-client"
+    # The kubelet probes a plain-HTTP port that serves nothing but the probes; the Service exposes only HTTPS.
+    container = _container(default_docs, "sg-extender")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert flags["health-listen"] == f"0.0.0.0:{ports['health']}" and flags["listen"] == f"0.0.0.0:{ports['https']}"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert [p["targetPort"] for p in by_kind(default_docs, "Service")["sg-extender"]["spec"]["ports"]] == ["https"]
+
+
+def test_extender_certificates_are_reused_on_upgrade_and_new_ones_roll_both_sides(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'lookup "v1" "Secret" $ns (printf "%s-tls" $ext)' in helpers
+    assert 'lookup "v1" "Secret" $ns (include "sharegpu.extenderClientSecret" .)' in helpers
+    again = render()  # template mode looks nothing up: a fresh set, which must roll both Deployments
+    for name in ("sg-extender", "sg-scheduler"):
+        a, b = (
+            by_kind(d, "Deployment")[name]["spec"]["template"]["metadata"]["annotations"] for d in (default_docs, again)
+        )
+        assert len(a["checksum/tls"]) == 64 and a["checksum/tls"] != b["checksum/tls"]
+
+
+def test_the_charts_certificates_make_a_working_mutual_tls_pair(
+    default_docs: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The chart's own PEMs in a real extender process: the scheduler's pair is served (the server checked under
+    the Service name, as the kube-scheduler checks it), a client without a certificate is refused."""
+    import socket
+    import ssl
+
+    from proc_helpers import Proc, free_port, kubeconfig
+
+    secrets = by_kind(default_docs, "Secret")
+    for secret in ("sg-extender-tls", "sg-scheduler-extender-client"):
+        (tmp_path / secret).mkdir()
+        for key, value in secrets[secret]["data"].items():
+            (tmp_path / secret / key).write_bytes(base64.b64decode(value))
+    server, client = tmp_path / "sg-extender-tls", tmp_path / "sg-scheduler-extender-client"
+    port = free_port()
+
+    def get(with_cert: bool) -> bytes:
+        ctx = ssl.create_default_context(cafile=str(client / "ca.crt"))
+        if with_cert:
+            ctx.load_cert_chain(str(client / "tls.crt"), str(client / "tls.key"))
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+        with ctx.wrap_socket(raw, server_hostname="sg-extender.gpu-system.svc") as tls:
+            tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: sg-extender\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := tls.recv(4096):
+                data += chunk
+            return data
+
+    with Proc(
+        "scheduler-extender", "--kubeconfig", str(kubeconfig(tmp_path / "kc", f"https://127.0.0.1:{free_port()}")),
+        "--listen", f"127.0.0.1:{port}", "--tls-cert", str(server / "tls.crt"), "--tls-key", str(server / "tls.key"),
+        "--client-ca", str(server / "ca.crt"),
+    ) as proc:  # fmt: skip
+        proc.wait_for(lambda line: "listening on https://" in line)
+        assert get(with_cert=True).startswith(b"HTTP/1.1 200")
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            if not get(with_cert=False):
+                raise ConnectionError("closed without an answer")
+        assert proc.stop() == 0

@@ -18,10 +18,10 @@ from rig import (
     ReadyProxy,
     Rig,
     audit,
-    bind_failures,
     mixed_pods,
     status_agrees,
     status_json,
+    unreported_binds,
     wait_for,
 )
 
@@ -44,12 +44,18 @@ def saturated_cluster(rig: Rig) -> None:
     rig.wait_nodes_published()
 
 
-def check(rig: Rig, ns: str) -> None:
+def check(rig: Rig, ns: str, extender_killed: bool = False) -> None:
     pods = rig.wait_settled(ns)
     result = audit([rig.node(n) for n in rig.nodes], pods)
     assert result.findings == []
     assert result.bound >= 20 and result.pending > 0, (result.bound, result.pending)  # saturated, and not idle
-    assert bind_failures(rig.events(ns), pods) == {}
+    unreported = unreported_binds(rig, pods)
+    if extender_killed:
+        # Binds in flight when a process is SIGKILLed may have been applied with nobody left to report them; the
+        # kube-scheduler binds at most 16 pods at once.
+        assert len(unreported) <= 16, unreported
+    else:
+        assert unreported == []
     assert status_agrees(status_json(rig), result, rig.nodes) == []
 
 
@@ -73,7 +79,7 @@ def test_extender_killed_mid_load_and_restarted_never_over_allocates(rig: Rig) -
     ext.kill()  # SIGKILL in the middle of the load: binds in flight are cut off
     time.sleep(1.0)
     rig.start_extender(int(port), name="extender-restarted")
-    check(rig, ns)
+    check(rig, ns, extender_killed=True)
 
 
 def test_two_replicas_the_leader_killed_mid_load_never_over_allocate(rig: Rig) -> None:
@@ -84,7 +90,7 @@ def test_two_replicas_the_leader_killed_mid_load_never_over_allocate(rig: Rig) -
     flags = ("--leader-elect", "--lease-namespace", lease_ns, "--lease-name", "sharegpu-extender")
     a, url_a = rig.start_extender(0, *flags, "--identity", "replica-a", name="extender-a", ready=False)
     b, url_b = rig.start_extender(0, *flags, "--identity", "replica-b", name="extender-b", ready=False)
-    with ReadyProxy([url_a, url_b]) as proxy:
+    with ReadyProxy([(a.health, url_a), (b.health, url_b)]) as proxy:
         wait_for(lambda: proxy.ready is not None, "a leader", 60)
         rig.start_scheduler(proxy.url)
         ns = rig.namespace()
@@ -97,5 +103,5 @@ def test_two_replicas_the_leader_killed_mid_load_never_over_allocate(rig: Rig) -
         wait_for(lambda: proxy.ready == follower_url, "the other replica to take over", 30)
         takeover_s = time.monotonic() - killed
         assert takeover_s <= 15, takeover_s
-        check(rig, ns)
+        check(rig, ns, extender_killed=True)
     assert "is now the leader" in (b if leader is a else a).text()

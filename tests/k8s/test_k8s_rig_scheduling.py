@@ -19,7 +19,6 @@ from rig import (
     audit,
     chart_docs,
     free_port,
-    self_signed,
     sharegpu_argv,
     status_json,
     wait_for,
@@ -145,15 +144,23 @@ def test_the_webhook_admits_and_refuses_through_a_real_admission_review(rig: Rig
     from lightkube.generic_resource import create_global_resource
     from lightkube.resources.core_v1 import Pod
 
-    cert, key = self_signed(rig.work)
+    pki = rig.pki  # the webhook's serving pair for 127.0.0.1, and the CA the API server is given
     port = free_port()
     hook = rig.spawn(
         "webhook",
-        sharegpu_argv("webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert), "--tls-key", str(key)),
+        sharegpu_argv(
+            "webhook",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--tls-cert",
+            str(pki.server_crt),
+            "--tls-key",
+            str(pki.server_key),
+        ),
     )
     wait_for(lambda: _tls_listening(port) or not hook.alive, "the webhook to listen", 30)
     ns = rig.namespace(labels={"sharegpu-test/webhook": rig.prefix})
-    ca = base64.b64encode(cert.read_bytes()).decode()
+    ca = base64.b64encode(pki.ca.read_bytes()).decode()
     made = []
     for doc in chart_docs():
         if doc["kind"] not in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):

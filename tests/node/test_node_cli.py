@@ -31,6 +31,11 @@ def _app() -> typer.Typer:
         (["--backend", "sim", "--sim-config", "{good}", "--metrics-listen", "nope"], "HOST:PORT"),
         (["--backend", "sim", "--sim-config", "{good}", "--device-plugin-dir", "/" + "x" * 120], "shorter"),
         (["--backend", "sim", "--sim-config", "{good}", "--kubeconfig", "{missing}"], "Kubernetes credentials"),
+        (["--backend", "sim", "--sim-config", "{garbage}"], "is not a text file (byte 0 is not UTF-8)"),
+        (
+            ["--backend", "sim", "--sim-config", "{good}", "--kubeconfig", "{list}"],
+            "holds a YAML list, not a kubeconfig",
+        ),
     ],
 )
 def test_bad_input_exits_with_a_message_not_a_traceback(
@@ -38,8 +43,11 @@ def test_bad_input_exits_with_a_message_not_a_traceback(
 ) -> None:
     (tmp_path / "bad.yaml").write_text("gpus: [{model: Z1}]")
     (tmp_path / "good.yaml").write_text(SIM_YAML)
+    (tmp_path / "garbage.bin").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
     monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
     files = {"missing": tmp_path / "missing.yaml", "bad": tmp_path / "bad.yaml", "good": tmp_path / "good.yaml"}
+    files |= {"garbage": tmp_path / "garbage.bin", "list": tmp_path / "list.yaml"}
     argv = ["node-agent", "--node-name", "node-a", *(a.format(**files) for a in args)]
     result = CliRunner().invoke(_app(), argv)
     assert result.exit_code == 2, result.output

@@ -61,7 +61,6 @@ def test_lightkube_api_against_a_real_server() -> None:
         try:
             from lightkube import AsyncClient, KubeConfig
             from lightkube.resources.core_v1 import Node
-
             from lightkube.types import PatchType
 
             raw = AsyncClient(config=KubeConfig.from_file(os.environ["SHAREGPU_TEST_KUBECONFIG"]))

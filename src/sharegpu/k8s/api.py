@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from sharegpu.k8s.kubeconfig import load_credentials, request_server
 from sharegpu.k8s.schema import Node, Pod
 
 if TYPE_CHECKING:
@@ -88,15 +89,10 @@ class LightkubeClusterApi:
     """:class:`ClusterApi` over ``lightkube.AsyncClient`` (in-cluster config, or a kubeconfig file)."""
 
     def __init__(self, kubeconfig: Path | None = None, field_manager: str = "sharegpu-scheduler-extender") -> None:
-        from lightkube import AsyncClient, KubeConfig
-        from lightkube.core.exceptions import ConfigError
-
-        try:
-            config = KubeConfig.from_file(kubeconfig) if kubeconfig is not None else KubeConfig.from_env()
-        except (ConfigError, OSError) as e:
-            where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster service account or $KUBECONFIG"
-            raise Unavailable(f"cannot load Kubernetes credentials from {where}: {e}") from None
-        self._client = AsyncClient(config=config, field_manager=field_manager)
+        """Raises :class:`~sharegpu.k8s.kubeconfig.KubeconfigError` for credentials that cannot be loaded."""
+        creds = load_credentials(kubeconfig)
+        self.server, self.credentials_source = creds.server, creds.source
+        self._client = creds.client(field_manager)
 
     async def list_nodes(self) -> tuple[list[Node], str]:
         from lightkube.resources.core_v1 import Node as KNode
@@ -305,5 +301,9 @@ def _translate(e: Exception, what: str) -> ApiError:
         if code is not None and (code >= 500 or code == 429):
             return Unavailable(f"cannot {what}: HTTP {code}: {message}")
         return ApiError(f"cannot {what}: HTTP {code}: {message}")
-    # Anything else is the connection (httpx errors, timeouts, a closed stream).
-    return Unavailable(f"cannot {what}: {type(e).__name__}: {e}" if str(e) else f"cannot {what}: {type(e).__name__}")
+    # Anything else is the connection (httpx errors, timeouts, a closed stream): name the server that did not answer.
+    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    server = request_server(e)
+    return Unavailable(
+        f"cannot {what}: the API server at {server} did not answer: {why}" if server else f"cannot {what}: {why}"
+    )

@@ -14,19 +14,24 @@ import typer
 from rich.console import Console
 
 from sharegpu.k8s.api import ApiError, LightkubeClusterApi
+from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
+from sharegpu.k8s.kubeconfig import KubeconfigError
 from sharegpu.k8s.pod_request import DEFAULT_SCHEDULER_NAME
+from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
+
+log = logging.getLogger(__name__)
 
 
 class SetupError(Exception):
     """A flag that stops a command from starting; the message says what to change."""
 
 
-def parse_listen(text: str) -> tuple[str, int]:
+def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SetupError(f"--listen {text!r} must be HOST:PORT, e.g. 0.0.0.0:8888")
+        raise SetupError(f"{flag} {text!r} must be HOST:PORT, e.g. 0.0.0.0:8888")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
@@ -70,6 +75,33 @@ def scheduler_extender(
         "", "--lease-namespace", help="Namespace of the Lease (default: $POD_NAMESPACE, else the service account's)."
     ),
     identity: str = typer.Option("", "--identity", help="This replica's name in the Lease (default: $POD_NAME)."),
+    tls_cert: Path | None = typer.Option(
+        None, "--tls-cert", help="PEM certificate to serve HTTPS with (the scheduler checks it with tlsConfig.caFile)."
+    ),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert."),
+    client_ca: Path | None = typer.Option(
+        None,
+        "--client-ca",
+        help="PEM CA of the client certificates allowed to call the extender (the scheduler's tlsConfig.certFile); "
+        "a client without one is refused.",
+    ),
+    plain_http: bool = typer.Option(
+        False,
+        "--plain-http",
+        help="Serve plain HTTP with no client certificates instead: anything that reaches the port can bind pods. "
+        "For local use only.",
+    ),
+    health_listen: str = typer.Option(
+        "",
+        "--health-listen",
+        help="HOST:PORT of a plain-HTTP port with only /healthz and /readyz, for the kubelet's probes (which present "
+        "no client certificate).",
+    ),
+    max_request_mib: int = typer.Option(
+        EXTENDER_MAX_BODY // MIB,
+        "--max-request-mib",
+        help="Largest request body accepted (413 beyond); the default fits 10,000 nodes with nodeCacheCapable: true.",
+    ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.extender import run_extender
@@ -79,19 +111,62 @@ def scheduler_extender(
     _logging()
     try:
         host, port = parse_listen(listen)
+        health = parse_listen(health_listen, "--health-listen") if health_listen else None
+        tls = _extender_tls(tls_cert, tls_key, client_ca, plain_http)
+        if max_request_mib < 1:
+            raise SetupError(f"--max-request-mib {max_request_mib} must be 1 or more")
         view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name)
+        log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
-    except (SetupError, UnknownPolicy, ApiError) as e:
+    except (SetupError, UnknownPolicy, TlsError) as e:
         raise _fail(str(e)) from None
+    except KubeconfigError as e:
+        raise _fail(f"cannot load Kubernetes credentials: {e}") from None
+    log.info("API server %s (credentials: %s); following its nodes and pods", api.server, api.credentials_source)
     elector = None
     if leader_elect:
         ns = lease_namespace or os.environ.get("POD_NAMESPACE") or _service_account_namespace() or "default"
         me = identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         elector = LeaderElector(api, ns, lease_name, me)
+        log.info("leader election on lease %s/%s as %s", ns, lease_name, me)
     try:
-        asyncio.run(run_extender(view, api, host, port, scheduler_name=scheduler_name, elector=elector))
+        asyncio.run(
+            run_extender(
+                view,
+                api,
+                host,
+                port,
+                scheduler_name=scheduler_name,
+                tls=tls,
+                health=health,
+                max_request_bytes=max_request_mib * MIB,
+                elector=elector,
+            )
+        )
     except OSError as e:
-        raise _fail(f"cannot serve on {listen}: {e}") from None
+        raise _fail(f"cannot serve the extender: {e.strerror or e}") from None
+
+
+def _extender_tls(cert: Path | None, key: Path | None, client_ca: Path | None, plain_http: bool) -> ServerTls | None:
+    given = [flag for flag, v in (("--tls-cert", cert), ("--tls-key", key), ("--client-ca", client_ca)) if v]
+    if plain_http:
+        if given:
+            raise SetupError(f"--plain-http serves without TLS; drop {', '.join(given)} or --plain-http")
+        log.warning(
+            "serving plain HTTP without client certificates (--plain-http): anything that reaches the port "
+            "can bind pods; use it only where nothing else can reach the port"
+        )
+        return None
+    if cert is None or key is None or client_ca is None:
+        missing = [f for f in ("--tls-cert", "--tls-key", "--client-ca") if f not in given]
+        raise SetupError(
+            f"missing {', '.join(missing)}: the extender serves HTTPS and serves only clients with a certificate "
+            "from --client-ca (the kube-scheduler's tlsConfig); the Helm chart makes them. For local use without "
+            "TLS pass --plain-http instead"
+        )
+    tls = ServerTls(cert, key, client_ca)
+    tls.context()  # every file checked now, by name
+    return tls
 
 
 def webhook(
@@ -107,14 +182,13 @@ def webhook(
     _logging()
     try:
         host, port = parse_listen(listen)
-        for f in (tls_cert, tls_key):
-            if not f.is_file():
-                raise SetupError(f"{f} does not exist; give the webhook's TLS certificate and key files")
     except SetupError as e:
         raise _fail(str(e)) from None
     cfg = WebhookConfig(scheduler_name=scheduler_name, trusted_users=trusted(trusted_user))
     try:
         serve_webhook(host, port, str(tls_cert), str(tls_key), cfg)
+    except TlsError as e:  # junk, swapped or mismatched files, by name
+        raise _fail(str(e)) from None
     except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
         raise _fail(f"cannot serve the webhook on {listen}: {e}") from None
 
@@ -128,8 +202,13 @@ def status(
     from sharegpu.k8s.status import print_status, status_report
     from sharegpu.k8s.view import ClusterView
 
-    async def load() -> dict[str, object]:
+    logging.basicConfig(level=logging.ERROR)  # problems are part of the report, not log noise
+    try:
         api = LightkubeClusterApi(kubeconfig)
+    except KubeconfigError as e:
+        raise _fail(f"cannot load Kubernetes credentials: {e}") from None
+
+    async def load() -> dict[str, object]:
         try:
             nodes, _ = await api.list_nodes()
             pods, _ = await api.list_pods()
@@ -139,11 +218,11 @@ def status(
         view.reset(nodes, pods)
         return status_report(view, await load_dra_status(kubeconfig))
 
-    logging.basicConfig(level=logging.ERROR)  # problems are part of the report, not log noise
     try:
         report = asyncio.run(load())
     except ApiError as e:
-        raise _fail(str(e)) from None
+        where = "" if api.server in str(e) else f"API server {api.server}, "
+        raise _fail(f"{e} ({where}credentials: {api.credentials_source})") from None
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:

@@ -32,11 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.api import ApiError, ClusterApi, Conflict, NotFound, Unavailable
+from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.leader import LeaderElector
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
 from sharegpu.k8s.schema import (
@@ -50,6 +52,7 @@ from sharegpu.k8s.schema import (
     MetaVictims,
     Pod,
 )
+from sharegpu.k8s.tls import ServerTls
 from sharegpu.k8s.view import ClusterView, Outcome, Phase
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
@@ -500,7 +503,7 @@ def _bad_request(e: ValidationError | ValueError, verb: str) -> Response:
     return JSONResponse({"error": f"malformed {verb} request: {errors}"}, status_code=400)
 
 
-def make_app(extender: Extender) -> Starlette:
+def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> Starlette:
     def verb(
         name: str, model: type[BaseModel], handle: Callable[[BaseModel], Awaitable[BaseModel | list[tuple[str, int]]]]
     ) -> Route:
@@ -553,7 +556,8 @@ def make_app(extender: Extender) -> Starlette:
             verb("preempt", ExtenderPreemptionArgs, do_preempt),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
-        ]
+        ],
+        middleware=[Middleware(BodyLimit, max_bytes=max_request_bytes, what="extender request")],
     )
 
 
@@ -565,16 +569,21 @@ async def run_extender(
     stop: asyncio.Event | None = None,
     scheduler_name: str = DEFAULT_SCHEDULER_NAME,
     elector: LeaderElector | None = None,
+    tls: ServerTls | None = None,
+    health: tuple[str, int] | None = None,
+    max_request_bytes: int = EXTENDER_MAX_BODY,
 ) -> None:
-    """Serve the extender and follow the API server until ``stop`` (or SIGTERM/SIGINT, handled by uvicorn); with an
+    """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
+    follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
     ``elector``, only while it holds the Lease does this replica hold, bind and report ready."""
-    import uvicorn
+    from sharegpu.k8s.serving import Listener, Site, probes_only, serve
 
     stop = stop or asyncio.Event()
     extender = Extender(view, api, scheduler_name, is_leader=elector.is_leader if elector else lambda: True)
-    app = make_app(extender)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
+    app = make_app(extender, max_request_bytes)
+    sites = [Site(app, Listener(host, port, tls), "scheduler extender")]
+    if health is not None:
+        sites.append(Site(probes_only(app), Listener(*health), "health probes"))
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
     if elector is not None:
 
@@ -587,7 +596,7 @@ async def run_extender(
         elector.on_change = changed
         tasks.append(asyncio.ensure_future(elector.run(stop)))
     try:
-        await server.serve()
+        await serve(sites)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -17,19 +17,23 @@ Pods that ask for nothing of sharegpu's pass untouched.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from sharegpu.k8s.body_limit import WEBHOOK_MAX_BODY, BodyLimit
 from sharegpu.k8s.pod_request import (
     ASSIGNMENT_ANNOTATION,
     DEFAULT_SCHEDULER_NAME,
@@ -220,7 +224,10 @@ def make_app(cfg: WebhookConfig) -> Starlette:
     async def healthz(request: Request) -> Response:
         return Response("ok\n", media_type="text/plain")
 
-    return Starlette(routes=[route("/mutate", True), route("/validate", False), Route("/healthz", healthz)])
+    return Starlette(
+        routes=[route("/mutate", True), route("/validate", False), Route("/healthz", healthz)],
+        middleware=[Middleware(BodyLimit, max_bytes=WEBHOOK_MAX_BODY, what="AdmissionReview")],
+    )
 
 
 def _short(e: Exception) -> str:
@@ -230,18 +237,14 @@ def _short(e: Exception) -> str:
 
 
 def serve_webhook(host: str, port: int, cert: str, key: str, cfg: WebhookConfig) -> None:
-    import uvicorn
+    """Serve until SIGTERM/SIGINT; raises :class:`~sharegpu.k8s.tls.TlsError` for unusable certificate files and
+    OSError when the port cannot be bound."""
+    from sharegpu.k8s.serving import Listener, Site, serve
+    from sharegpu.k8s.tls import ServerTls
 
-    uvicorn.run(
-        make_app(cfg),
-        host=host,
-        port=port,
-        ssl_certfile=cert,
-        ssl_keyfile=key,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-    )
+    tls = ServerTls(Path(cert), Path(key))
+    tls.context()
+    asyncio.run(serve([Site(make_app(cfg), Listener(host, port, tls), "admission webhook")]))
 
 
 def trusted(users: Sequence[str]) -> tuple[str, ...]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import stat
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ UNHEALTHY = "Unhealthy"
 # runs; the scheduler, not the kubelet, decides what fits, so tokens only need never to run out first).
 TOKENS_PER_GPU = 64
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+NO_KUBELET_WARN_EVERY_S = 60.0  # while kubelet.sock is missing, say so at start and then this often
 
 
 class DevicePluginError(Exception):
@@ -113,6 +116,9 @@ class DevicePluginServer:
         self._socket_id: tuple[int, int] | None = None
         self._registered_with: tuple[int, int] | None = None
         self.registrations = 0  # how often the kubelet accepted us (observability and tests)
+        self._created_dir = False  # the plugin directory did not exist: we made it (a wrong path, most likely)
+        self._no_kubelet_since: float | None = None
+        self._next_no_kubelet_warning = 0.0
 
     # ----- devices ---------------------------------------------------------------------------------------------
     async def set_devices(self, tokens: tuple[DeviceToken, ...]) -> None:
@@ -141,6 +147,8 @@ class DevicePluginServer:
             await self._serve()
             self._registered_with = None  # a new socket must be announced again
         kubelet = _identity(self.kubelet_socket)
+        if not self._kubelet_present(kubelet):
+            return
         if kubelet is not None and kubelet != self._registered_with:
             try:
                 await self._register()
@@ -150,6 +158,37 @@ class DevicePluginServer:
             self._registered_with = kubelet
             self.registrations += 1
             log.info("registered %s with the kubelet at %s", self.resource_name, self.kubelet_socket)
+
+    def _kubelet_present(self, kubelet: tuple[int, int] | None) -> bool:
+        """Whether kubelet.sock is there to register with; while it is not, warn (at once, then every
+        :data:`NO_KUBELET_WARN_EVERY_S`) and keep waiting, as the kubelet may start later (as the NVIDIA plugin does)."""
+        now = time.monotonic()
+        try:
+            is_socket = stat.S_ISSOCK(self.kubelet_socket.stat().st_mode)
+        except FileNotFoundError:
+            is_socket, kubelet = False, None  # gone since it was looked at
+        if kubelet is not None and is_socket:
+            if self._no_kubelet_since is not None:
+                log.info("%s appeared after %.0fs; registering", self.kubelet_socket, now - self._no_kubelet_since)
+                self._no_kubelet_since = None
+            return True
+        if self._no_kubelet_since is None:
+            self._no_kubelet_since = self._next_no_kubelet_warning = now
+        if now >= self._next_no_kubelet_warning:
+            what = "is not a unix socket" if kubelet is not None else "does not exist"
+            created = " (the directory did not exist; sharegpu created it)" if self._created_dir else ""
+            log.warning(
+                "%s %s%s, waited %.0fs: is the kubelet running, and is --device-plugin-dir its device plugin "
+                "directory (%s by default)? Pods cannot be given %s until the plugin registers; still waiting",
+                self.kubelet_socket,
+                what,
+                created,
+                now - self._no_kubelet_since,
+                DEFAULT_PLUGIN_DIR,
+                self.resource_name,
+            )
+            self._next_no_kubelet_warning = now + NO_KUBELET_WARN_EVERY_S
+        return False
 
     async def close(self) -> None:
         if self._server is not None:
@@ -161,6 +200,7 @@ class DevicePluginServer:
 
     async def _serve(self) -> None:
         await self.close()
+        self._created_dir = self._created_dir or not self.plugin_dir.exists()
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)  # a stale socket from an earlier run would make bind fail
         server = grpc.aio.server()

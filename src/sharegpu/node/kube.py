@@ -157,15 +157,14 @@ class LightkubeApi:
     """:class:`KubeApi` over ``lightkube.AsyncClient`` (in-cluster config, or a kubeconfig file)."""
 
     def __init__(self, kubeconfig: Path | None = None) -> None:
-        from lightkube import AsyncClient, KubeConfig
-        from lightkube.core.exceptions import ConfigError
+        from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials
 
         try:
-            config = KubeConfig.from_file(kubeconfig) if kubeconfig is not None else KubeConfig.from_env()
-        except (ConfigError, OSError) as e:
-            where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster service account or $KUBECONFIG"
-            raise KubeError(f"cannot load Kubernetes credentials from {where}: {e}") from None
-        self._client = AsyncClient(config=config, field_manager="sharegpu-node-agent")
+            creds = load_credentials(kubeconfig)
+            self._client = creds.client("sharegpu-node-agent")
+        except KubeconfigError as e:
+            raise KubeError(f"cannot load Kubernetes credentials: {e}") from None
+        self.server = creds.server
 
     async def get_node(self, name: str) -> NodeInfo:
         from lightkube.resources.core_v1 import Node
@@ -205,4 +204,8 @@ class LightkubeApi:
 
 def _why(e: Exception) -> str:
     # lightkube raises ApiError (with the server's Status message) or httpx errors; both read well as text.
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    from sharegpu.k8s.kubeconfig import request_server
+
+    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    server = request_server(e)
+    return f"the API server at {server} did not answer: {why}" if server else why

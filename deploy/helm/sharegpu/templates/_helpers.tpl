@@ -31,3 +31,37 @@ would count as a webhook failure.
 || (has(object.spec.containers) && object.spec.containers.exists(c, {{ $res }}))
 || (has(object.spec.initContainers) && object.spec.initContainers.exists(c, {{ $res }}))
 {{- end -}}
+
+{{- /*
+The extender's TLS material, shared by extender.yaml (its server pair) and scheduler.yaml (the scheduler's client
+pair): a CA, the extender's server certificate and the scheduler's client certificate, both signed by it. Helm
+renders every template on its own and genCA makes a new CA each call, so the first caller stores the result in
+.Values for the others. On an upgrade both Secrets are read back with `lookup` and reused (when both are there and
+share their CA); delete them to get new ones at the next upgrade (both Deployments roll: their pods carry a checksum).
+`helm template` and --dry-run look nothing up and make a fresh set. JSON: {ca, serverCrt, serverKey, clientCrt,
+clientKey}, each base64 PEM.
+*/ -}}
+{{- define "sharegpu.extenderTls" -}}
+{{- if not (hasKey .Values "_sharegpuExtenderTls") -}}
+{{- $ns := .Release.Namespace -}}
+{{- $ext := include "sharegpu.extenderName" . -}}
+{{- $server := lookup "v1" "Secret" $ns (printf "%s-tls" $ext) | default dict -}}
+{{- $client := lookup "v1" "Secret" $ns (include "sharegpu.extenderClientSecret" .) | default dict -}}
+{{- $ca := dig "data" "ca.crt" "" $server -}}
+{{- $tls := dict -}}
+{{- if and $ca (eq $ca (dig "data" "ca.crt" "" $client)) (dig "data" "tls.crt" "" $server) (dig "data" "tls.key" "" $server) (dig "data" "tls.crt" "" $client) (dig "data" "tls.key" "" $client) -}}
+{{- $tls = dict "ca" $ca "serverCrt" (dig "data" "tls.crt" "" $server) "serverKey" (dig "data" "tls.key" "" $server) "clientCrt" (dig "data" "tls.crt" "" $client) "clientKey" (dig "data" "tls.key" "" $client) -}}
+{{- else -}}
+{{- $days := int .Values.extender.tls.certValidityDays -}}
+{{- $svc := printf "%s.%s.svc" $ext $ns -}}
+{{- $newCa := genCA (printf "%s-ca" $ext) $days -}}
+{{- $srv := genSignedCert $svc nil (list $ext (printf "%s.%s" $ext $ns) $svc) $days $newCa -}}
+{{- $cli := genSignedCert .Values.scheduler.name nil nil $days $newCa -}}
+{{- $tls = dict "ca" ($newCa.Cert | b64enc) "serverCrt" ($srv.Cert | b64enc) "serverKey" ($srv.Key | b64enc) "clientCrt" ($cli.Cert | b64enc) "clientKey" ($cli.Key | b64enc) -}}
+{{- end -}}
+{{- $_ := set .Values "_sharegpuExtenderTls" $tls -}}
+{{- end -}}
+{{- toJson (get .Values "_sharegpuExtenderTls") -}}
+{{- end -}}
+
+{{- define "sharegpu.extenderClientSecret" -}}{{ include "sharegpu.schedulerName" . }}-extender-client{{- end -}}

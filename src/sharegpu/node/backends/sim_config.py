@@ -55,9 +55,14 @@ class SimConfig:
 
 def load_sim_config(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> SimConfig:
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise SimConfigError(f"cannot read simulated-node config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SimConfigError(
+            f"simulated-node config {path} is not a text file (byte {e.start} is not UTF-8); give the YAML of the "
+            "simulated GPUs, e.g. gpus: [{model: H100-80GB, count: 2}]"
+        ) from None
     return parse_sim_config(text, str(path), catalog)
 
 

@@ -1,0 +1,212 @@
+"""Kubernetes credentials — a kubeconfig file, ``$KUBECONFIG``, ``~/.kube/config`` or the in-cluster service account —
+loaded for lightkube, with errors that name the file and say what is wrong in it.
+
+lightkube reads a kubeconfig with ``yaml.safe_load`` and indexes the result: a file that is not YAML, ``[]``, ``{}``
+or one whose context names a missing cluster ends in a traceback, and a directory is reported as "not found".
+Everything is checked here first; the one exception type, :class:`KubeconfigError`, carries a message a user can act
+on. The node agent and the control plane both load their credentials through :func:`load_credentials`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from lightkube import AsyncClient
+    from lightkube.config.kubeconfig import SingleConfig
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+DEFAULT_KUBECONFIG = Path("~/.kube/config")
+SHAPE = "a kubeconfig is a mapping with clusters, contexts, users and current-context (as kubectl writes it)"
+
+
+class KubeconfigError(Exception):
+    """Credentials that cannot be loaded; the message names the file (or source) and what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    config: SingleConfig
+    source: str  # where they came from, for messages: "kubeconfig /x", "the in-cluster service account"
+
+    @property
+    def server(self) -> str:
+        """The API server's URL."""
+        return str(self.config.cluster.server)
+
+    def client(self, field_manager: str) -> AsyncClient:
+        """A lightkube client; certificate and key files the credentials name are read (and checked) here."""
+        from lightkube import AsyncClient
+        from lightkube.core.exceptions import ConfigError
+
+        try:
+            return AsyncClient(config=self.config, field_manager=field_manager)
+        except (ConfigError, OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            raise KubeconfigError(f"cannot use the credentials of {self.source}: {_reason(e)}") from None
+
+
+def load_credentials(path: Path | None) -> Credentials:
+    """``path``, or else the in-cluster service account, ``$KUBECONFIG``, ``~/.kube/config`` (kubectl's order)."""
+    if path is not None:
+        return _from_file(path, f"kubeconfig {path}")
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and (SERVICE_ACCOUNT / "token").exists():
+        return _in_cluster()
+    env = os.environ.get("KUBECONFIG", "")
+    # kubectl merges a list of files; the first one is the one that holds the current context in practice.
+    first = next((p for p in env.split(os.pathsep) if p), "")
+    if first:
+        return _from_file(Path(first), f"kubeconfig {first} (from $KUBECONFIG)")
+    default = DEFAULT_KUBECONFIG.expanduser()
+    if not default.exists():
+        raise KubeconfigError(
+            "no Kubernetes credentials: not running in a pod (no service account), $KUBECONFIG is unset and "
+            f"{default} does not exist; pass --kubeconfig FILE"
+        )
+    return _from_file(default, f"kubeconfig {default}")
+
+
+def _in_cluster() -> Credentials:
+    from lightkube import KubeConfig
+    from lightkube.core.exceptions import ConfigError
+
+    try:
+        config = KubeConfig.from_service_account(str(SERVICE_ACCOUNT)).get()
+    except (ConfigError, OSError, KeyError) as e:
+        raise KubeconfigError(
+            f"cannot load the in-cluster service account from {SERVICE_ACCOUNT}: {_reason(e)}"
+        ) from None
+    assert config is not None
+    return Credentials(config, "the in-cluster service account")
+
+
+def _from_file(path: Path, source: str) -> Credentials:
+    path = path.expanduser()
+    if path.is_dir():
+        raise KubeconfigError(f"{source} is a directory, not a file (kubectl's file is usually {path / 'config'})")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise KubeconfigError(f"{source} does not exist; pass the path of a kubeconfig file") from None
+    except OSError as e:
+        raise KubeconfigError(f"cannot read {source}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KubeconfigError(f"{source} is not a text file (byte {e.start} is not UTF-8); {SHAPE}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KubeconfigError(f"{source} is not valid YAML: {_yaml_reason(e)}") from None
+    return Credentials(_select(_validated(data, source), path, source), source)
+
+
+def _validated(data: Any, source: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise KubeconfigError(f"{source} holds {_describe(data)}, not a kubeconfig; {SHAPE}")
+    for section, key, required in (
+        ("clusters", "cluster", True),
+        ("contexts", "context", True),
+        ("users", "user", False),
+    ):
+        entries = data.get(section)
+        if entries is None:
+            if required:
+                raise KubeconfigError(f"{source} has no {section}; {SHAPE}")
+            continue
+        if not isinstance(entries, list):
+            raise KubeconfigError(f"{source}: {section} is {_describe(entries)}, not a list of {{name, {key}}}")
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
+                raise KubeconfigError(f"{source}: {section}[{i}] has no name")
+            if not isinstance(entry.get(key), dict):
+                raise KubeconfigError(f"{source}: {section}[{i}] ({entry['name']}) has no {key} mapping")
+    current = data.get("current-context")
+    if current is not None and not isinstance(current, str):
+        raise KubeconfigError(f"{source}: current-context is {_describe(current)}, not a context name")
+    return data
+
+
+def _select(data: dict[str, Any], path: Path, source: str) -> SingleConfig:
+    import msgspec
+    from lightkube import KubeConfig
+    from lightkube.config.models import User
+
+    try:
+        kc = KubeConfig.from_dict(data, fname=path)
+    except msgspec.ValidationError as e:
+        raise KubeconfigError(f"{source}: {e}") from None
+    name = kc.current_context
+    if not name:
+        raise KubeconfigError(f"{source} sets no current-context; choose one: kubectl config use-context NAME")
+    ctx = kc.contexts.get(name)
+    if ctx is None:
+        raise KubeconfigError(f"{source}: current-context {name!r} is not among its contexts ({_names(kc.contexts)})")
+    cluster = kc.clusters.get(ctx.cluster)
+    if cluster is None:
+        raise KubeconfigError(
+            f"{source}: context {name!r} names cluster {ctx.cluster!r}, which is not among its clusters "
+            f"({_names(kc.clusters)})"
+        )
+    if ctx.user and ctx.user not in kc.users:
+        raise KubeconfigError(
+            f"{source}: context {name!r} names user {ctx.user!r}, which is not among its users ({_names(kc.users)})"
+        )
+    if not cluster.server.startswith(("https://", "http://")):
+        raise KubeconfigError(f"{source}: cluster {ctx.cluster!r} has server {cluster.server!r}, not an https:// URL")
+    config = kc.get()
+    assert config is not None
+    # A context without a user means no authentication (kubectl's reading); lightkube needs a User object.
+    config = config if config.user is not None else config._replace(user=User())
+    assert config.user is not None
+    files = [(f"cluster {ctx.cluster!r}", "certificate-authority", cluster.certificate_auth)]
+    who = f"user {ctx.user!r}"
+    files += [(who, "client-certificate", config.user.client_cert), (who, "client-key", config.user.client_key)]
+    files += [(who, "tokenFile", config.user.token_file)]
+    for owner, key, name in files:
+        if name and not Path(config.abs_file(name)).is_file():
+            raise KubeconfigError(f"{source}: the {key} of {owner}, {config.abs_file(name)}, is not a file")
+    return config
+
+
+def _names(mapping: dict[str, Any]) -> str:
+    return ", ".join(sorted(mapping)) or "none"
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing (it is empty)"
+    if isinstance(value, list):
+        return "an empty YAML list" if not value else "a YAML list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__} ({str(value)[:40]!r})"
+
+
+def _yaml_reason(e: yaml.YAMLError) -> str:
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem or e.context or 'syntax error'}"
+    return str(e).splitlines()[0]
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return str(e) or type(e).__name__
+
+
+def request_server(e: Exception) -> str:
+    """scheme://host:port of the API server a connection error (httpx's RequestError, which lightkube raises) was
+    trying to reach; "" for anything else, such as an answer with an error status (it carries a response)."""
+    if getattr(e, "response", None) is not None:
+        return ""
+    try:
+        url = e.request.url  # type: ignore[attr-defined]  # httpx's RequestError; raises when no request is set
+    except (AttributeError, RuntimeError):
+        return ""
+    return f"{url.scheme}://{url.netloc.decode()}"
