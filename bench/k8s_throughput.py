@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "k8s"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from rig import KUBECONFIG, LOAD_NODES, SCHEDULER_NAME, Rig
 
