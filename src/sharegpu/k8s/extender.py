@@ -74,6 +74,8 @@ FENCE_ANNOTATION = "sharegpu.io/bind-fence"
 
 def _event_safe(reason: str) -> str:
     """The kube-scheduler uses an extender's reasons as a format string (Go's fmt): a bare % would garble them."""
+    if "%" not in reason:
+        return reason
     return reason.replace("%", " percent").replace("  percent", " percent")
 
 
@@ -102,6 +104,7 @@ class Extender:
         # Filter's feasibility, reused by the prioritize call of the same cycle while the ledger is unchanged.
         self._feasible: OrderedDict[tuple[str, str, int], _Feasible] = OrderedDict()
         self._names: tuple[Ledger, list[str], IntArray] | None = None
+        self._passed: tuple[Ledger, list[str], IntArray] | None = None  # what the last filter passed
 
     # ----- filter ----------------------------------------------------------------------------------------------
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
@@ -124,6 +127,7 @@ class Extender:
         fits = np.zeros(len(names), dtype=bool)
         fits[known] = f.ok[idx[known]]
         passed = [names[i] for i in np.flatnonzero(fits).tolist()]
+        self._passed = (self.view.ledger, passed, idx[fits])
         failed: dict[str, str] = {}
         unresolvable = {names[i]: self.view.node_problem(names[i]) for i in np.flatnonzero(~known).tolist()}
         rejected = np.flatnonzero(known & ~fits)
@@ -214,11 +218,13 @@ class Extender:
             log.debug("pod %s: nothing held: %s", pod.key, e)
 
     def _indices(self, names: list[str]) -> IntArray:
-        """Ledger indices of ``names`` (-1: not a sharegpu node); the scheduler sends the same list every cycle."""
+        """Ledger indices of ``names`` (-1: not a sharegpu node). The scheduler sends the same list to every filter,
+        and to prioritize the names that filter passed: both are remembered (comparing lists costs far less than
+        looking every name up again)."""
         led = self.view.ledger
-        cached = self._names
-        if cached is not None and cached[0] is led and cached[1] == names:
-            return cached[2]
+        for cached in (self._names, self._passed):
+            if cached is not None and cached[0] is led and cached[1] == names:
+                return cached[2]
         idx = np.array([led.index.get(n, -1) for n in names], dtype=np.int64)
         self._names = (led, names, idx)
         return idx
