@@ -42,10 +42,18 @@ class Listener:
 
     def bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # proto=IPPROTO_TCP: only then does asyncio set TCP_NODELAY on the accepted connections. Without it Nagle's
+        # algorithm and the client's delayed ACK hold every response (uvicorn writes headers and body apart) for
+        # 40 ms: two extender calls per pod made the scheduler 7 times slower.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
-            return socket.create_server((self.host, self.port), family=family, backlog=2048)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(2048)
         except OSError as e:
+            sock.close()
             raise OSError(e.errno, f"cannot listen on {self.host}:{self.port}: {e.strerror or e}") from None
+        return sock
 
 
 @dataclass(frozen=True, slots=True)
