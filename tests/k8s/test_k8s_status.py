@@ -54,6 +54,7 @@ def test_report_has_the_json_contract_and_the_sharing_pods() -> None:
         {
             "profile": "3g.40gb",
             "start": 4,
+            "slots": 4,
             "inner": "exclusive",
             "memory_mib_total": 40960,
             "memory_mib_used": 40960,

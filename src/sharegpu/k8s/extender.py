@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.api import ApiError, ClusterApi, Conflict
+from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
 from sharegpu.k8s.schema import (
     MAX_EXTENDER_PRIORITY,
@@ -64,8 +66,15 @@ class _Feasible:
 
 
 class Extender:
-    def __init__(self, view: ClusterView, api: ClusterApi | None, scheduler_name: str = DEFAULT_SCHEDULER_NAME) -> None:
+    def __init__(
+        self,
+        view: ClusterView,
+        api: ClusterApi | None,
+        scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+        metrics: ClusterMetrics | None = None,  # issue 10
+    ) -> None:
         self.view = view
+        self.metrics = metrics or ClusterMetrics(view)  # issue 10: recorded by the HTTP layer (make_app)
         self.api = api
         self.scheduler_name = scheduler_name  # /bind binds only pods of this scheduler that ask for sharegpu
         # Filter's feasibility, reused by the prioritize call of the same cycle while the ledger is unchanged.
@@ -337,14 +346,19 @@ def make_app(extender: Extender) -> Starlette:
     ) -> Route:
         async def endpoint(request: Request) -> Response:
             body = await request.body()
+            t0 = time.perf_counter()  # issue 10
             try:
                 args = model.model_validate_json(body)
             except (ValidationError, ValueError) as e:
+                extender.metrics.error(name, 400)  # issue 10
                 return _bad_request(e, name)
             try:
-                return _json(await handle(args))
+                result = await handle(args)
+                extender.metrics.record(name, args, result, time.perf_counter() - t0, NOT_SYNCED)  # issue 10
+                return _json(result)
             except Exception as e:  # a bug must not take the scheduler's extender down: report, keep serving
                 log.exception("%s failed", name)
+                extender.metrics.error(name, 500)  # issue 10
                 return JSONResponse({"error": f"{name} failed: {type(e).__name__}: {e}"}, status_code=500)
 
         return Route(f"/{name}", endpoint, methods=["POST"])
@@ -392,18 +406,28 @@ async def run_extender(
     port: int,
     stop: asyncio.Event | None = None,
     scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+    metrics_listen: tuple[str, int] | None = None,  # issue 10
 ) -> None:
     """Serve the extender and follow the API server until ``stop`` (or SIGTERM/SIGINT, handled by uvicorn)."""
     import uvicorn
 
     stop = stop or asyncio.Event()
-    app = make_app(Extender(view, api, scheduler_name))
+    extender = Extender(view, api, scheduler_name)
+    app = make_app(extender)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
+    # issue 10: /metrics on its own port, bound first (a busy port fails the start with an OSError)
+    metrics = metrics_listen and asyncio.ensure_future(
+        extender.metrics.serve(extender.metrics.listen(*metrics_listen), stop)
+    )
     follow = asyncio.ensure_future(view.follow(api, stop))
+    # issue 10: ``stop`` ends the server too, as the docstring says (tests stop run_extender this way)
+    asyncio.ensure_future(stop.wait()).add_done_callback(lambda _: setattr(server, "should_exit", True))
     try:
         await server.serve()
     finally:
         stop.set()
         await follow
+        if metrics:
+            await metrics
         await api.close()
