@@ -67,21 +67,25 @@ def _mig_layout(gpu: dict[str, Any]) -> str:
     if not gpu["mig"] or slots <= 0:
         return '<span class="muted">not partitioned</span>' if slots else '<span class="muted">no MIG</span>'
     parts = [
-        f'<svg class="mig" viewBox="0 0 {slots * 40} 44" role="img" '
+        f'<svg class="mig" viewBox="0 0 {slots * 40} 58" role="img" '
         f'aria-label="MIG layout of {_e(gpu["uuid"])} on {slots} memory slots">'
     ]
     for i in range(slots):
         parts.append(f'<rect class="slot" x="{i * 40 + 1}" y="1" width="38" height="42"/>')
+        parts.append(f'<text class="axis" x="{i * 40 + 20}" y="55">{i}</text>')
     for m in gpu["mig"]:
         x, w = int(m["start"]) * 40, int(m["slots"]) * 40
         pods = ", ".join(m["pods"]) or "no pod"
         cls = "inst used" if m["pods"] else "inst idle"
+        # A one-slot box has room for the compute part of the profile name only ("1g" of "1g.10gb").
+        label = m["profile"] if int(m["slots"]) > 1 else str(m["profile"]).split(".")[0]
+        inner = f"{m['inner']}{' static' if m['static'] else ''}" if int(m["slots"]) > 1 else str(m["inner"])[:4]
         parts.append(
             f'<g class="{cls}" data-profile="{_e(m["profile"])}" data-start="{int(m["start"])}">'
             f"<title>{_e(m['profile'])} at slot {int(m['start'])}: {_e(m['inner'])}; {_e(pods)}</title>"
             f'<rect x="{x + 3}" y="4" width="{w - 6}" height="36" rx="4"/>'
-            f'<text x="{x + w / 2:g}" y="20">{_e(m["profile"])}</text>'
-            f'<text class="small" x="{x + w / 2:g}" y="34">{_e(m["inner"])}{" static" if m["static"] else ""}</text>'
+            f'<text x="{x + w / 2:g}" y="20">{_e(label)}</text>'
+            f'<text class="small" x="{x + w / 2:g}" y="34">{_e(inner)}</text>'
             "</g>"
         )
     parts.append("</svg>")
@@ -219,10 +223,11 @@ th { background: #eef1f5; font-weight: 600; }
 .mech { padding: .05em .45em; border-radius: 3px; background: #e6e9ef; }
 .mech-mps { background: #d9e8fb; } .mech-mig { background: #e8dcfb; } .mech-exclusive { background: #fbe1d9; }
 .mech-time-slicing { background: #fbf3d0; }
-svg.mig { width: 22em; height: 2.4em; display: block; }
+svg.mig { width: 26em; height: 3.6em; display: block; }
 svg.mig .slot { fill: #f3f5f8; stroke: #c9cfda; }
 svg.mig .inst rect { stroke: #6b4fb3; } svg.mig .inst.used rect { fill: #d9cdf7; } svg.mig .inst.idle rect { fill: #f1edfb; }
 svg.mig text { font-size: 11px; text-anchor: middle; fill: #2c2547; } svg.mig text.small { font-size: 9px; }
+svg.mig text.axis { font-size: 9px; fill: #8a93a3; }
 ul.pods { margin: 0; padding-left: 1.1em; }
 .muted { color: #8a93a3; } .warn { color: #a35200; font-weight: 600; } .bad { color: #b3261e; font-weight: 600; }
 .line { font-family: ui-monospace, monospace; font-size: .85em; }
