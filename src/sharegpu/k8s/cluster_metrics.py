@@ -285,6 +285,8 @@ class ClusterMetrics:
             self.binds.labels(b.value)
         for v in VERBS:
             self.latency.labels(v)
+            for code in ("400", "500"):
+                self.errors.labels(v, code)
         r.register(ClusterCollector(view))
         self.port = 0  # set by serve()
 
