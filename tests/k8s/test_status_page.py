@@ -270,3 +270,50 @@ def test_chromium_screenshot(tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a real rendering, not a blank page
     if os.environ.get("SHAREGPU_WRITE_SCREENSHOT") == "1":
         shutil.copyfile(shot, DOCS / "status-page.png")
+
+
+def test_serve_page_follows_the_api_server_and_stops() -> None:
+    import asyncio
+    import socket
+
+    from sharegpu.k8s.memory import MemoryClusterApi
+    from sharegpu.k8s.page import serve_page
+    from sharegpu.k8s.status import FollowedStatus
+
+    api = MemoryClusterApi()
+    api.put_node("gpu-h100", node_spec("gpu-h100", gpus=2))
+    api.put_pod(pod_obj("waiting", "ml", memory="5Gi"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def get(path: str) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read().decode()
+        finally:
+            conn.close()
+
+    async def main() -> tuple[dict, str]:
+        stop = asyncio.Event()
+        followed = FollowedStatus(min_age_s=0)
+        task = asyncio.ensure_future(serve_page(followed, api, "127.0.0.1", port, 1, stop))
+        loop = asyncio.get_running_loop()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if followed.view.synced:
+                break
+        _, text = await loop.run_in_executor(None, get, "/status.json")
+        _, page = await loop.run_in_executor(None, get, "/")
+        # The same port again: refused with an OSError the command turns into exit code 2.
+        with pytest.raises(OSError):
+            await serve_page(FollowedStatus(), api, "127.0.0.1", port, 1, asyncio.Event())
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        return json.loads(text), page
+
+    data, page = asyncio.run(main())
+    assert data["synced"] is True and data["summary"]["gpus_total"] == 2
+    assert [p["pod"] for p in data["pending"]] == ["ml/waiting"] and "ml/waiting" in page

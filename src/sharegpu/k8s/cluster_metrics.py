@@ -326,14 +326,7 @@ class ClusterMetrics:
 
     def listen(self, host: str, port: int) -> socket.socket:
         """The listening socket of ``/metrics``; raises OSError at once when the address cannot be bound."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
+        sock = bound_socket(host, port)
         self.port = sock.getsockname()[1]  # the real one when 0 asked for any
         return sock
 
@@ -357,3 +350,17 @@ class ClusterMetrics:
             server.should_exit = True
             await task
             sock.close()
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for uvicorn to serve on; raises OSError (address in use, no such
+    address) here, where the caller can say so, instead of inside uvicorn, which exits the process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock

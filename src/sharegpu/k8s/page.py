@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sharegpu.k8s.api import ClusterApi
+from sharegpu.k8s.cluster_metrics import bound_socket
 from sharegpu.k8s.status import REASON_CLASSES, FollowedStatus, StatusSnapshot, summary_line
 from sharegpu.placement.framework import fmt_mib
 
@@ -284,12 +285,14 @@ async def serve_page(
     import uvicorn
 
     stop = stop or asyncio.Event()
+    sock = bound_socket(host, port)  # a busy port fails here, with an OSError the command reports
     app = make_page_app(followed.snapshot, refresh_s)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    asyncio.ensure_future(stop.wait()).add_done_callback(lambda _: setattr(server, "should_exit", True))
     follow = asyncio.ensure_future(followed.run(api, stop))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         stop.set()
         await follow
+        sock.close()
