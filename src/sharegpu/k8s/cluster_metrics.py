@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from enum import StrEnum
 from importlib.metadata import PackageNotFoundError, version
 
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel
@@ -154,40 +155,47 @@ class ClusterCollector:
         gauge(
             "sharegpu_cluster_nodes", "Nodes with a valid sharegpu inventory in the extender's ledger.", len(led.nodes)
         )
-        gpus: dict[tuple[str, str], int] = {}
-        unhealthy: dict[str, int] = {}
-        mem_total: dict[str, int] = {}
-        for n, g in zip(*led.present.nonzero(), strict=True):
-            model = led.model_names[int(led.model_id[n, g])]
-            mode = MODE_NAMES[GpuMode(int(led.mode[n, g]))]
-            gpus[(model, mode)] = gpus.get((model, mode), 0) + 1
-            mem_total[model] = mem_total.get(model, 0) + int(led.gpu_mem_total[n, g])
-            if not led.healthy[n, g]:
-                unhealthy[model] = unhealthy.get(model, 0) + 1
+        # Per GPU, vectorised over the ledger's (node × GPU slot) arrays: 6,212 GPUs are one numpy pass.
+        present = led.present
+        model_id = led.model_id[present].astype(np.int64)
+        mode = led.mode[present].astype(np.int64)
+        n_models = len(led.model_names)
+        width = max(int(m) for m in GpuMode) + 1
+        by_model_mode = np.bincount(model_id * width + mode, minlength=n_models * width).reshape(n_models, width)
+        unhealthy = np.bincount(model_id[~led.healthy[present]], minlength=n_models)
+        mem_total = np.bincount(model_id, weights=led.gpu_mem_total[present], minlength=n_models)
         fam = gauge(
             "sharegpu_cluster_gpus",
             "GPUs by model and by how each is used now (mechanism free: nothing placed on it).",
             labels=("model", "mechanism"),
         )
-        for (model, mode), count in sorted(gpus.items()):
-            fam.add_metric([model, mode], count)
+        for m, model in enumerate(led.model_names):
+            for mode_value, count in enumerate(by_model_mode[m].tolist()):
+                if count:
+                    fam.add_metric([model, MODE_NAMES[GpuMode(mode_value)]], count)
         fam = gauge("sharegpu_cluster_gpus_unhealthy", "GPUs their node agent reports unhealthy.", labels=("model",))
-        for model in sorted(mem_total):
-            fam.add_metric([model], unhealthy.get(model, 0))
+        for m, model in enumerate(led.model_names):
+            fam.add_metric([model], int(unhealthy[m]))
         fam = gauge("sharegpu_cluster_gpu_memory_bytes", "GPU memory of all GPUs, by model.", labels=("model",))
-        for model, mib in sorted(mem_total.items()):
-            fam.add_metric([model], mib * MIB)
+        for m, model in enumerate(led.model_names):
+            fam.add_metric([model], int(mem_total[m]) * MIB)
 
         mem: dict[tuple[str, str], int] = {}
         compute: dict[tuple[str, str], int] = {}
         for a in led.assignments.values():
             n = led.index[a.node]
-            for s in a.shares:
-                key = (led.gpu_model(n, s.gpu_index).name, MODE_NAMES[GpuMode(int(led.mode[n, s.gpu_index]))])
+            keys = [
+                (led.gpu_model(n, s.gpu_index).name, MODE_NAMES[GpuMode(int(led.mode[n, s.gpu_index]))])
+                for s in a.shares
+            ]
+            for key, s in zip(keys, a.shares, strict=True):
                 mem[key] = mem.get(key, 0) + s.memory_mib
-                # The ledger's own measure of a share (a MIG share counts its instance's part of the GPU).
-                milli = led.gpu_milli_of(dataclasses.replace(a, shares=(s,)))
-                compute[key] = compute.get(key, 0) + milli
+            # The ledger's own measure of a share (a MIG share counts its instance's part of the GPU).
+            if len(set(keys)) == 1:
+                compute[keys[0]] = compute.get(keys[0], 0) + led.gpu_milli_of(a)
+            else:
+                for key, s in zip(keys, a.shares, strict=True):
+                    compute[key] = compute.get(key, 0) + led.gpu_milli_of(dataclasses.replace(a, shares=(s,)))
         fam = gauge(
             "sharegpu_cluster_gpu_memory_promised_bytes",
             "GPU memory promised to pods, by GPU model and the GPU's mechanism.",

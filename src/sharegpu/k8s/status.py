@@ -80,19 +80,23 @@ def pending_pods(view: ClusterView) -> list[PendingPod]:
     sched: Scheduler | None = None
     judged: dict[GpuRequest, tuple[str, str]] = {}
     out = []
-    for pod in sorted(view.pods(), key=lambda p: p.key):
+    for pod in view.pods():
+        if pod.spec.node_name or pod.finished or pod.metadata.deletion_timestamp:
+            continue
         key = pod.key
-        if pod.spec.node_name or pod.finished or pod.metadata.deletion_timestamp or key in led.assignments:
-            continue
-        if not asks_for_sharegpu(pod):
-            continue
-        try:
-            req = pod_request(pod, view.catalog)
-        except InvalidRequest as e:
-            out.append(PendingPod(key, "invalid-request", str(e)))
-            continue
+        if key in led.assignments:
+            continue  # reserved: a bind is in flight
+        req = view.request(key)  # parsed once, when the view took the pod in
         if req is None:
-            continue
+            if not asks_for_sharegpu(pod):
+                continue
+            try:
+                req = pod_request(pod, view.catalog)  # only an invalid request lands here: say why
+            except InvalidRequest as e:
+                out.append(PendingPod(key, "invalid-request", str(e)))
+                continue
+            if req is None:
+                continue
         shape = dataclasses.replace(req, name="")
         if shape not in judged:
             if sched is None:
@@ -102,6 +106,7 @@ def pending_pods(view: ClusterView) -> list[PendingPod]:
             judged[shape] = _judge(sched, shape)
         reason, detail = judged[shape]
         out.append(PendingPod(key, reason, detail))
+    out.sort(key=lambda p: p.pod)
     return out
 
 

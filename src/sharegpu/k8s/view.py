@@ -170,6 +170,10 @@ class ClusterView:
         """Every pod the view holds: those that ask for sharegpu or hold an assignment."""
         return list(self._pods.values())
 
+    def request(self, key: str) -> GpuRequest | None:
+        """The parsed sharegpu request of pod ``key`` (None: it asks for none, or it cannot be valid)."""
+        return self._requests.get(key)
+
     def workload(self) -> Workload | None:
         """The task shapes fragmentation is measured against (the policy's): the fixed one, else the pods seen."""
         if self._fixed_workload is not None or not self._requests:
