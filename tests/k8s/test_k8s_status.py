@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 from pathlib import Path
 
@@ -10,7 +12,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
-from sharegpu.k8s.status import print_status, status_report
+from sharegpu.k8s.memory import MemoryClusterApi
+from sharegpu.k8s.status import FollowedStatus, print_status, status_report, summary_line, watch_status
 from sharegpu.k8s.view import ClusterView
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.inventory import GpuDevice, NodeSpec
@@ -54,6 +57,7 @@ def test_report_has_the_json_contract_and_the_sharing_pods() -> None:
         {
             "profile": "3g.40gb",
             "start": 4,
+            "slots": 4,
             "inner": "exclusive",
             "memory_mib_total": 40960,
             "memory_mib_used": 40960,
@@ -92,3 +96,55 @@ def test_status_command_reports_a_missing_kubeconfig_without_a_traceback(tmp_pat
 def test_extender_command_rejects_a_bad_listen_address() -> None:
     result = CliRunner().invoke(app, ["scheduler-extender", "--listen", "nowhere"])
     assert result.exit_code == 2 and "HOST:PORT" in result.output
+
+
+def test_report_has_a_summary_line_with_allocation_fragmentation_and_pending() -> None:
+    report = status_report(build())
+    s = report["summary"]
+    assert (s["gpus_total"], s["gpus_in_use"], s["pods_placed"], s["pending"]) == (3, 2, 3, 0)
+    # 300 + 200 milli of MPS and a 3g instance (3 of 7 slices) of 3 GPUs.
+    assert s["allocation_pct"] == round(100 * (500 + 428) / 3000, 2)
+    assert s["fragmentation_pct"] is not None
+    line = summary_line(report)
+    assert line.startswith("2/3 GPUs in use on 2 node(s) · allocation 30.93% · fragmentation ")
+    assert line.endswith("· 3 pod(s) placed · 0 pending")
+
+
+def test_watch_redraws_as_the_cluster_changes() -> None:
+    api = MemoryClusterApi()
+    api.put_node("node-h", node_spec("node-h", gpus=1))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=160)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        followed = FollowedStatus(min_age_s=0)
+        task = asyncio.ensure_future(watch_status(followed, api, console, 0.05, stop))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if "node node-h" in out.getvalue():
+                break
+        api.put_pod(pod_obj("newcomer", "ml", memory="5Gi"))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if "ml/newcomer" in out.getvalue():
+                break
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    text = out.getvalue()
+    assert "connecting to the API server" in text or "node node-h" in text
+    first, newcomer = text.index("0/1 GPUs in use"), text.index("ml/newcomer")
+    assert first < newcomer and "1 pending (1 fits)" in text[newcomer - 2000 :]
+
+
+def test_status_flags_are_checked_before_connecting() -> None:
+    for args, fragment in (
+        (["--watch", "--serve", "127.0.0.1:8080"], "choose one of"),
+        (["--watch", "--interval", "0"], "--interval 0 must be"),
+        (["--serve", "nowhere"], "--serve 'nowhere' must be HOST:PORT"),
+    ):
+        result = CliRunner().invoke(app, ["status", *args])
+        assert result.exit_code == 2 and fragment in result.output, result.output
+        assert "Traceback" not in result.output

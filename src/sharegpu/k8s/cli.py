@@ -102,6 +102,9 @@ def scheduler_extender(
         "--max-request-mib",
         help="Largest request body accepted (413 beyond); the default fits 10,000 nodes with nodeCacheCapable: true.",
     ),
+    metrics_listen: str | None = typer.Option(
+        None, "--metrics-listen", help="HOST:PORT to serve Prometheus /metrics on (its own port), e.g. 0.0.0.0:9403."
+    ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.extender import run_extender
@@ -115,6 +118,7 @@ def scheduler_extender(
         tls = _extender_tls(tls_cert, tls_key, client_ca, plain_http)
         if max_request_mib < 1:
             raise SetupError(f"--max-request-mib {max_request_mib} must be 1 or more")
+        metrics = parse_listen(metrics_listen, "--metrics-listen") if metrics_listen is not None else None
         view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
@@ -141,6 +145,7 @@ def scheduler_extender(
                 health=health,
                 max_request_bytes=max_request_mib * MIB,
                 elector=elector,
+                metrics_listen=metrics,
             )
         )
     except OSError as e:
@@ -196,13 +201,28 @@ def webhook(
 def status(
     kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    watch: bool = typer.Option(False, "--watch", help="Follow the cluster and redraw every --interval seconds."),
+    interval: float = typer.Option(2.0, "--interval", help="Seconds between redraws (--watch) or page refreshes."),
+    serve: str | None = typer.Option(
+        None, "--serve", help="HOST:PORT to serve the live read-only status page on (e.g. 127.0.0.1:8080)."
+    ),
 ) -> None:
     """Show every sharegpu GPU: model, mechanism, used memory and compute, MIG layout and the pods sharing it."""
     from sharegpu.k8s.dra_view import load_dra_status
-    from sharegpu.k8s.status import print_status, status_report
+    from sharegpu.k8s.status import FollowedStatus, print_status, status_report, watch_status
     from sharegpu.k8s.view import ClusterView
 
     logging.basicConfig(level=logging.ERROR)  # problems are part of the report, not log noise
+    addr: tuple[str, int] | None = None
+    try:
+        if sum((as_json, watch, serve is not None)) > 1:
+            raise SetupError("choose one of --json, --watch and --serve")
+        if not 0.2 <= interval <= 3600:
+            raise SetupError(f"--interval {interval:g} must be between 0.2 and 3600 seconds")
+        if serve is not None:
+            addr = parse_listen(serve, "--serve")
+    except SetupError as e:
+        raise _fail(str(e)) from None
     try:
         api = LightkubeClusterApi(kubeconfig)
     except KubeconfigError as e:
@@ -218,6 +238,27 @@ def status(
         view.reset(nodes, pods)
         return status_report(view, await load_dra_status(kubeconfig))
 
+    async def follow() -> None:
+        from sharegpu.k8s.page import serve_page
+
+        try:
+            if addr is not None:
+                await serve_page(FollowedStatus(), api, addr[0], addr[1], interval)
+            else:
+                await watch_status(FollowedStatus(), api, Console(), interval, asyncio.Event())
+        finally:
+            await api.close()
+
+    if watch or addr is not None:
+        try:
+            asyncio.run(follow())
+        except ApiError as e:
+            raise _fail(str(e)) from None
+        except OSError as e:
+            raise _fail(f"cannot serve the status page on {serve}: {e}") from None
+        except KeyboardInterrupt:
+            pass
+        return
     try:
         report = asyncio.run(load())
     except ApiError as e:

@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from sharegpu.k8s.api import ApiError, ClusterApi, Conflict, NotFound, Unavailable
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
+from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
 from sharegpu.k8s.leader import LeaderElector
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
 from sharegpu.k8s.schema import (
@@ -94,8 +95,10 @@ class Extender:
         scheduler_name: str = DEFAULT_SCHEDULER_NAME,
         is_leader: Callable[[], bool] = lambda: True,
         hold_s: float = HOLD_S,
+        metrics: ClusterMetrics | None = None,  # issue 10
     ) -> None:
         self.view = view
+        self.metrics = metrics or ClusterMetrics(view)  # issue 10: recorded by the HTTP layer (make_app)
         self.api = api
         self.scheduler_name = scheduler_name  # /bind binds only pods of this scheduler that ask for sharegpu
         self.is_leader = is_leader  # only the leader holds and binds
@@ -245,8 +248,8 @@ class Extender:
             phase = self.view.phase(key)
             if phase is not None and phase is not Phase.HELD:
                 return ExtenderBindingResult(
-                    Error=f"cannot bind {key}: an earlier bind of it is {phase.value} and not settled yet; the "
-                    "scheduler retries"
+                    Error=f"cannot bind {key}: an earlier bind of it is {phase.value} and not settled yet (its outcome "
+                    "is unknown and not settled); the scheduler retries"
                 )
         # The watch's copy spares a round trip; a pod the view lacks, or one that may have been replaced, is read.
         pod = self.view.pod(key)
@@ -515,14 +518,19 @@ def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> 
     ) -> Route:
         async def endpoint(request: Request) -> Response:
             body = await request.body()
+            t0 = time.perf_counter()  # issue 10
             try:
                 args = model.model_validate_json(body)
             except (ValidationError, ValueError) as e:
+                extender.metrics.error(name, 400)  # issue 10
                 return _bad_request(e, name)
             try:
-                return _json(await handle(args))
+                result = await handle(args)
+                extender.metrics.record(name, args, result, time.perf_counter() - t0, NOT_SYNCED)  # issue 10
+                return _json(result)
             except Exception as e:  # a bug must not take the scheduler's extender down: report, keep serving
                 log.exception("%s failed", name)
+                extender.metrics.error(name, 500)  # issue 10
                 return JSONResponse({"error": f"{name} failed: {type(e).__name__}: {e}"}, status_code=500)
 
         return Route(f"/{name}", endpoint, methods=["POST"])
@@ -578,6 +586,7 @@ async def run_extender(
     tls: ServerTls | None = None,
     health: tuple[str, int] | None = None,
     max_request_bytes: int = EXTENDER_MAX_BODY,
+    metrics_listen: tuple[str, int] | None = None,  # issue 10
 ) -> None:
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
@@ -594,6 +603,7 @@ async def run_extender(
     if elector is not None:
 
         def changed(leader: bool) -> None:
+            extender.metrics.set_leader(leader)
             if leader:
                 view.resync()  # bind only on a ledger listed after the previous leader stopped
             else:
@@ -601,8 +611,11 @@ async def run_extender(
 
         elector.on_change = changed
         tasks.append(asyncio.ensure_future(elector.run(stop)))
+    # issue 10: /metrics on its own port, bound first (a busy port fails the start with an OSError)
+    if metrics_listen:
+        tasks.append(asyncio.ensure_future(extender.metrics.serve(extender.metrics.listen(*metrics_listen), stop)))
     try:
-        await serve(sites)
+        await serve(sites, stop)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)

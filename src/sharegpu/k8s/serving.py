@@ -70,9 +70,9 @@ def probes_only(app: Starlette) -> Starlette:
     return Starlette(routes=routes)
 
 
-async def serve(sites: Sequence[Site]) -> None:
-    """Serve every site until SIGTERM/SIGINT (in the main thread) or until one of them stops; raises OSError when a
-    port cannot be bound (before anything is served)."""
+async def serve(sites: Sequence[Site], stop: asyncio.Event | None = None) -> None:
+    """Serve every site until SIGTERM/SIGINT (in the main thread), ``stop``, or until one of them stops; raises
+    OSError when a port cannot be bound (before anything is served)."""
     socks: list[socket.socket] = []
     try:
         for site in sites:
@@ -103,11 +103,14 @@ async def serve(sites: Sequence[Site]) -> None:
             log.info("stopping: signal received")
             stop_all()
 
+        stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
         with _on_signals(on_signal):
             try:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([*tasks, *([stopped] if stopped else [])], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stop_all()
+                if stopped is not None:
+                    stopped.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         for t in tasks:
             t.result()  # a server that failed (not one that was stopped) is the caller's error

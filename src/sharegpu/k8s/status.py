@@ -1,17 +1,37 @@
 """``sharegpu status``: per node and GPU, the model, mechanism, used and free memory and compute, the MIG layout
-and the pods that share it — built from the API server exactly as the extender builds its ledger."""
+and the pods that share it — built from the API server exactly as the extender builds its ledger — and a cluster
+summary: GPUs in use, allocation and fragmentation as the simulator measures them, pending pods and why.
+
+The report is the one source of the terminal table, ``--json``, the live page (:mod:`sharegpu.k8s.page`) and the
+extender's cluster metrics (:mod:`sharegpu.k8s.cluster_metrics`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
+from sharegpu.k8s.api import ClusterApi
+from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.k8s.view import ClusterView
-from sharegpu.ledger import GpuMode
-from sharegpu.model.request import FULL_MILLI
-from sharegpu.placement.framework import fmt_mib
+from sharegpu.ledger import GpuMode, Ledger
+from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
+from sharegpu.placement.fragmentation import Workload
+from sharegpu.placement.framework import Scheduler, fmt_mib
+from sharegpu.placement.policies import PolicyContext, make_policy
+from sharegpu.placement.scorers import FragmentationModel
+from sharegpu.sim.runner import fragmentation_of
 
 MODE_NAMES = {
     GpuMode.FREE: "free",
@@ -20,6 +40,114 @@ MODE_NAMES = {
     GpuMode.MPS: "mps",
     GpuMode.MIG: "mig",
 }
+
+
+# Why a pending pod waits, most actionable first: the class of the nearest miss over all nodes. These are the
+# values of the ``reason`` label of sharegpu_cluster_pending_pods (docs/metrics.md).
+REASON_CLASSES = {
+    "gpu-busy": "GPUs of an allowed model exist but none has room for the share now",
+    "host-memory": "no node with a fitting GPU has enough free host memory",
+    "cpu": "no node with a fitting GPU has enough free CPU",
+    "gpu-model": "no node has a GPU of an allowed model",
+    "no-gpus": "no sharegpu node has GPUs",
+    "invalid-request": "the pod's sharegpu request can never be valid",
+    "fits": "sharegpu has room now; the pod waits on the kube-scheduler (queue, back-off, taints, affinity)",
+}
+# The framework's kinds of node reasons (placement.framework._node_reason) → classes, nearest miss first.
+_KIND_CLASSES = (
+    ("fewer than ", "gpu-busy"),
+    ("not enough host memory", "host-memory"),
+    ("not enough CPU", "cpu"),
+    ("no GPU of an allowed model", "gpu-model"),
+    ("no GPUs", "no-gpus"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPod:
+    pod: str  # namespace/name
+    reason: str  # a key of REASON_CLASSES
+    detail: str  # the words a user can act on (the framework's summary over all nodes)
+
+
+def pending_pods(view: ClusterView) -> list[PendingPod]:
+    """Pods that ask for sharegpu and are neither bound nor reserved, each with why it waits now.
+
+    Judged on the ledger as it is (the same filter the extender runs), so the reason is current even where the
+    pod's last FailedScheduling event is old. Pods of one request shape are judged once.
+    """
+    led = view.ledger
+    sched: Scheduler | None = None
+    judged: dict[GpuRequest, tuple[str, str]] = {}
+    out = []
+    for pod in view.pods():
+        if pod.spec.node_name or pod.finished or pod.metadata.deletion_timestamp:
+            continue
+        key = pod.key
+        if key in led.assignments:
+            continue  # reserved: a bind is in flight
+        req = view.request(key)  # parsed once, when the view took the pod in
+        if req is None:
+            if not asks_for_sharegpu(pod):
+                continue
+            try:
+                req = pod_request(pod, view.catalog)  # only an invalid request lands here: say why
+            except InvalidRequest as e:
+                out.append(PendingPod(key, "invalid-request", str(e)))
+                continue
+            if req is None:
+                continue
+        shape = dataclasses.replace(req, name="")
+        if shape not in judged:
+            if sched is None:
+                # Feasibility and reasons do not depend on the policy: a policy-free scheduler leaves the
+                # extender's own (and its caches) untouched.
+                sched = Scheduler(led, make_policy("bestfit", PolicyContext()))
+            judged[shape] = _judge(sched, shape)
+        reason, detail = judged[shape]
+        out.append(PendingPod(key, reason, detail))
+    out.sort(key=lambda p: p.pod)
+    return out
+
+
+def _judge(sched: Scheduler, req: GpuRequest) -> tuple[str, str]:
+    ok, usable = sched.feasible(req)
+    if ok.any():
+        return "fits", f"{int(ok.sum())} node(s) have room for it now"
+    why = sched.explain(req, usable)
+    for prefix, reason in _KIND_CLASSES:
+        if any(kind.startswith(prefix) for kind in why.reasons):
+            return reason, why.reason
+    return "no-gpus", why.reason  # no sharegpu node at all
+
+
+def fragmentation_milli(ledger: Ledger, workload: Workload | None) -> float | None:
+    """The simulator's fragmentation measure (``sharegpu sim``'s fragmentation_pct × capacity): free GPU milli
+    the workload's typical shapes cannot use. None without a workload (no sharegpu pod seen yet)."""
+    if workload is None:
+        return None
+    return fragmentation_of(FragmentationModel(workload))(ledger)
+
+
+def cluster_summary(view: ClusterView, pending: list[PendingPod]) -> dict[str, Any]:
+    led = view.ledger
+    total = led.total_gpu_milli
+    in_use = led.present & (led.mode != GpuMode.FREE)
+    frag = fragmentation_milli(led, view.workload())
+    reasons = Counter(p.reason for p in pending)
+    return {
+        "nodes": len(led.nodes),
+        "gpus_total": int(led.present.sum()),
+        "gpus_in_use": int(in_use.sum()),
+        "gpus_unhealthy": int((led.present & ~led.healthy).sum()),
+        "allocation_pct": round(100 * led.allocated_gpu_milli / total, 2) if total else 0.0,
+        "fragmentation_pct": None if frag is None or not total else round(100 * frag / total, 2),
+        "memory_mib_total": int(led.gpu_mem_total.sum()),
+        "memory_mib_promised": sum(s.memory_mib for a in led.assignments.values() for s in a.shares),
+        "pods_placed": len(led),
+        "pending": len(pending),
+        "pending_reasons": [{"reason": r, "pods": c} for r, c in reasons.most_common()],
+    }
 
 
 def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -44,6 +172,7 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
                 {
                     "profile": inst.profile.name,
                     "start": start,
+                    "slots": inst.profile.memory_slots,
                     "inner": str(inst.inner) if inst.inner is not None else "idle",
                     "memory_mib_total": inst.profile.memory_mib,
                     "memory_mib_used": inst.profile.memory_mib - inst.free_mem,
@@ -60,6 +189,7 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
                     "model": model.name,
                     "healthy": bool(led.healthy[n, g.index]),
                     "mechanism": MODE_NAMES[GpuMode(int(led.mode[n, g.index]))],
+                    "mig_slots": model.memory_slots,  # width of the MIG memory-slot axis; 0: no MIG
                     "memory_mib_total": total,
                     "memory_mib_used": total - free_mem,
                     "memory_mib_free": free_mem,
@@ -70,16 +200,43 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
                 }
             )
         nodes.append({"name": spec.name, "gpus": gpus})
+    pending = pending_pods(view)
     return {
+        "summary": cluster_summary(view, pending),
         "nodes": nodes,
+        "pending": [{"pod": p.pod, "reason": p.reason, "detail": p.detail} for p in pending],
         "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.dra_view.dra_status
         "problems": [{"kind": p.kind, "name": p.name, "reason": p.reason} for p in view.problems],
     }
 
 
+def summary_line(report: dict[str, Any]) -> str:
+    """One line: GPUs in use, allocation, fragmentation, pending pods and their top reasons."""
+    s = report["summary"]
+    frag = "n/a (no sharegpu pod seen yet)" if s["fragmentation_pct"] is None else f"{s['fragmentation_pct']:g}%"
+    line = (
+        f"{s['gpus_in_use']}/{s['gpus_total']} GPUs in use on {s['nodes']} node(s) · "
+        f"allocation {s['allocation_pct']:g}% · fragmentation {frag} · {s['pods_placed']} pod(s) placed · "
+        f"{s['pending']} pending"
+    )
+    if s["pending_reasons"]:
+        top = ", ".join(f"{r['pods']} {r['reason']}" for r in s["pending_reasons"][:3])
+        line += f" ({top})"
+    if s["gpus_unhealthy"]:
+        line += f" · {s['gpus_unhealthy']} GPU(s) unhealthy"
+    return line
+
+
 def print_status(console: Console, report: dict[str, Any]) -> None:
+    console.print(status_renderable(report))
+
+
+def status_renderable(report: dict[str, Any]) -> RenderableType:
+    """The summary line, one table per node, the pending pods and the problems (what ``print_status`` prints and
+    ``--watch`` redraws)."""
+    parts: list[RenderableType] = [Text(summary_line(report), style="bold")]
     if not report["nodes"] and not report.get("dra_nodes"):
-        console.print("no node has a sharegpu inventory (is the sharegpu node agent running?)")
+        parts.append(Text("no node has a sharegpu inventory (is the sharegpu node agent running?)"))
     for node in report["nodes"]:
         table = Table(title=f"node {node['name']}", title_justify="left", expand=False)
         for col in ("GPU", "model", "mechanism", "memory used / total", "compute used", "MIG layout", "pods"):
@@ -97,13 +254,22 @@ def print_status(console: Console, report: dict[str, Any]) -> None:
                 layout or "-",
                 "\n".join(g["pods"]) or "-",
             )
-        console.print(table)
-    print_dra_nodes(console, report.get("dra_nodes") or [])
+        parts.append(table)
+    parts.extend(dra_node_tables(report.get("dra_nodes") or []))
+    if report["pending"]:
+        table = Table(title="pending", title_justify="left", expand=False)
+        for col in ("pod", "reason", "why"):
+            table.add_column(col)
+        for p in report["pending"]:
+            table.add_row(Text(p["pod"]), p["reason"], Text(p["detail"]))
+        parts.append(table)
     for p in report["problems"]:
-        console.print(f"[yellow]warning:[/] {p['reason']}", highlight=False)
+        parts.append(Text.from_markup(f"[yellow]warning:[/] {escape(p['reason'])}"))
+    return Group(*parts)
 
 
-def print_dra_nodes(console: Console, nodes: list[dict[str, Any]]) -> None:
+def dra_node_tables(nodes: list[dict[str, Any]]) -> list[Table]:
+    tables = []
     for node in nodes:
         table = Table(title=f"node {node['name']} (DRA)", title_justify="left", expand=False)
         for col in ("GPU", "model", "mechanism", "memory claimed / total", "compute claimed", "MIG layout", "claims"):
@@ -118,4 +284,65 @@ def print_dra_nodes(console: Console, nodes: list[dict[str, Any]]) -> None:
                 "\n".join(f"{m['profile']}@{m['start']}" for m in g["mig"]) or "-",
                 "\n".join(g["claims"]) or "-",
             )
-        console.print(table)
+        tables.append(table)
+    return tables
+
+
+# ----- following the cluster: ``--watch`` and ``--serve`` ----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StatusSnapshot:
+    """One report, whether the view followed the API server when it was taken, and when (time.time())."""
+
+    report: dict[str, Any]
+    synced: bool
+    taken_at: float
+
+
+class FollowedStatus:
+    """A cluster view kept current by a watch of the API server (as the extender keeps its own), and its report.
+
+    A report is computed at most once per ``min_age_s`` however many readers ask (each page viewer refreshes).
+    """
+
+    def __init__(self, view: ClusterView | None = None, min_age_s: float = 1.0) -> None:
+        self.view = view or ClusterView(policy="bestfit")
+        self.min_age_s = min_age_s
+        self._last: StatusSnapshot | None = None
+
+    def snapshot(self) -> StatusSnapshot:
+        now = time.time()
+        last = self._last
+        if last is None or now - last.taken_at >= self.min_age_s or last.synced != self.view.synced:
+            last = self._last = StatusSnapshot(status_report(self.view), self.view.synced, now)
+        return last
+
+    async def run(self, api: ClusterApi, stop: asyncio.Event) -> None:
+        """Follow the API server until ``stop`` (relisting after any error, as the extender does)."""
+        await self.view.follow(api, stop)
+
+
+def snapshot_renderable(snap: StatusSnapshot) -> RenderableType:
+    taken = time.strftime("%H:%M:%S", time.localtime(snap.taken_at))
+    head = Text(f"as of {taken}" + ("" if snap.synced else " · NOT IN SYNC with the API server (reconnecting)"))
+    if not snap.synced:
+        head.stylize("bold yellow")
+    return Group(head, status_renderable(snap.report))
+
+
+async def watch_status(
+    followed: FollowedStatus, api: ClusterApi, console: Console, interval_s: float, stop: asyncio.Event
+) -> None:
+    """``sharegpu status --watch``: redraw the status every ``interval_s`` until ``stop`` (or Ctrl-C)."""
+    follow = asyncio.ensure_future(followed.run(api, stop))
+    try:
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while not stop.is_set() and not follow.done():
+                if followed.view.synced or followed.view.relists:
+                    live.update(snapshot_renderable(followed.snapshot()), refresh=True)
+                else:
+                    live.update(Text("connecting to the API server…"), refresh=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval_s)
+    finally:
+        stop.set()
+        await follow

@@ -132,6 +132,7 @@ class ClusterView:
         self.synced = False  # True while the view follows the API server (listed and watching)
         self._relist = asyncio.Event()  # set by resync(): end the watches and list afresh
         self.active_policy = ""
+        self.relists = 0  # issue 10: full lists taken from the API server (sharegpu_cluster_view_relists_total)
 
     # ----- reading ---------------------------------------------------------------------------------------------
     @property
@@ -194,6 +195,21 @@ class ClusterView:
 
     def pod(self, key: str) -> Pod | None:
         return self._pods.get(key)
+
+    # ----- issue 10: read-only accessors for status, metrics and the live page ---------------------------------
+    def pods(self) -> list[Pod]:
+        """Every pod the view holds: those that ask for sharegpu or hold an assignment."""
+        return list(self._pods.values())
+
+    def request(self, key: str) -> GpuRequest | None:
+        """The parsed sharegpu request of pod ``key`` (None: it asks for none, or it cannot be valid)."""
+        return self._requests.get(key)
+
+    def workload(self) -> Workload | None:
+        """The task shapes fragmentation is measured against (the policy's): the fixed one, else the pods seen."""
+        if self._fixed_workload is not None or not self._requests:
+            return self._fixed_workload
+        return Workload.from_requests(self._requests.values())
 
     # ----- changing --------------------------------------------------------------------------------------------
     def reset(self, nodes: Iterable[Node], pods: Iterable[Pod]) -> None:
@@ -543,6 +559,7 @@ class ClusterView:
                 nodes, node_rv = await api.list_nodes()
                 pods, pod_rv = await api.list_pods(self.scheduler_name)
                 self.reset(nodes, pods)
+                self.relists += 1  # issue 10
                 log.log(
                     logging.DEBUG if self.synced else logging.INFO,
                     "cluster view in sync: %d sharegpu node(s), %d pod(s) with assignments",
