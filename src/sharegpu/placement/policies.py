@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sharegpu.model.request import GpuRequest
+from sharegpu.placement.dra_allocator import dra_default_policy
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Policy
 from sharegpu.placement.scorers import (
@@ -83,6 +84,7 @@ POLICIES: dict[str, Callable[[PolicyContext], Policy]] = {
     "bestfit": _bestfit,
     "fgd": _fgd,
     "sharegpu": _sharegpu,
+    "dra-default": lambda ctx: dra_default_policy(),
 }
 
 
