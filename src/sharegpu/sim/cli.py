@@ -154,27 +154,29 @@ def _warn(message: object) -> None:
     _err().print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
-def _shares_table(title: str, columns: dict[str, Shares]) -> Table:
+def _shares_table(title: str, rows: dict[str, Shares]) -> Table:
     t = Table(
         title=title,
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        caption="CPU-only: % of pods; sharing, multi-GPU: % of GPU demand; "
-        "gpu_spec: % of GPU pods with a model constraint",
+        caption="CPU-only: % of pods; sharing, multi-GPU: % of GPU demand; gpu_spec: % of GPU pods with a model "
+        "constraint",
     )
-    t.add_column("")
-    for name in columns:
-        t.add_column(name, justify="right")
-    for label, key, fmt in (
+    t.add_column("pod list")
+    columns = (
         ("pods", "pods", "{:,.0f}"),
         ("GPU pods", "gpu_pods", "{:,.0f}"),
-        ("GPU demand (GPUs)", "gpu_demand_gpus", "{:,.1f}"),
+        ("GPU demand", "gpu_demand_gpus", "{:,.1f}"),
         ("CPU-only %", "cpu_only_pct", "{:.1f}"),
         ("sharing %", "sharing_pct", "{:.1f}"),
         ("multi-GPU %", "multi_gpu_pct", "{:.1f}"),
         ("gpu_spec %", "gpu_spec_pct", "{:.1f}"),
-    ):
-        t.add_row(label, *(fmt.format(s.as_dict()[key]) for s in columns.values()))
+    )
+    for label, _, _ in columns:
+        t.add_column(label, justify="right", no_wrap=True)
+    for name, shares in rows.items():
+        d = shares.as_dict()
+        t.add_row(name, *(fmt.format(d[key]) for _, key, fmt in columns))
     return t
 
 
@@ -218,7 +220,7 @@ def trace_vary(
         raise _error(str(e)) from None
     except OSError as e:
         raise _error(f"cannot write {out}: {e.strerror or e}") from None
-    _out().print(_shares_table(f"{out}", {"base": measure(table.tasks), "variant": measure(variant.tasks)}))
+    _out().print(_shares_table(f"wrote {out}", {str(base): measure(table.tasks), str(out): measure(variant.tasks)}))
 
 
 @trace_app.command("describe")
