@@ -3,33 +3,42 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sharegpu.placement.policies import UnknownPolicy, parse_policies
+from sharegpu.placement.policies import POLICIES, UnknownPolicy, parse_policies
 from sharegpu.sim.engine import RunResult
-from sharegpu.sim.openb import TraceError, TraceTask, load_nodes, load_pods, read_pod_table
+from sharegpu.sim.openb import (
+    TraceError,
+    TraceTask,
+    TraceWarning,
+    Warn,
+    load_nodes,
+    read_pod_table,
+    unplaceable_models,
+)
 from sharegpu.sim.protocol import parse_seeds
 from sharegpu.sim.report import print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, run_experiment
 from sharegpu.sim.scenario import DEFAULT_POLICIES, DEFAULT_SEEDS, scenario_nodes, scenario_tasks
 from sharegpu.sim.variants import Shares, VariantError, VariantSpec, measure, vary, write_variant
 
+DEFAULT_OUT = Path("sharegpu-report")
+TRACE_POLICIES = "fgd,sharegpu"
+TRACE_SEEDS = "42"
+
 
 class UsageError(Exception):
     """Bad command-line input; printed without a traceback, exit code 2."""
-
-
-def _fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(code=2)
 
 
 def sim(
@@ -37,28 +46,49 @@ def sim(
         None, "--nodes", help="Node list CSV (openb format). Default: the embedded scenario."
     ),
     pods: Path | None = typer.Option(None, "--pods", help="Pod list CSV (openb format)."),
-    policy: str | None = typer.Option(None, "--policy", help="Comma-separated policies, e.g. fgd,sharegpu."),
-    seeds: str | None = typer.Option(None, "--seeds", help="Seeds: 42, 42-51 or 42,44."),
-    tune: float = typer.Option(1.3, "--tune", help="Grow the workload until its GPU demand is this × capacity."),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the JSON report here."),
-    out: Path = typer.Option(Path("sharegpu-report"), "--out", help="Folder for the report (JSON and PNG)."),
-    replay: bool = typer.Option(False, "--replay", help="Honour creation/deletion times (pods leave) instead."),
+    policy: str | None = typer.Option(
+        None,
+        "--policy",
+        help=f"Comma-separated policies, each once, from: {', '.join(POLICIES)}. Default: {TRACE_POLICIES} for a "
+        f"trace; {','.join(DEFAULT_POLICIES)} for the embedded scenario.",
+    ),
+    seeds: str | None = typer.Option(
+        None,
+        "--seeds",
+        help=f"Seeds: 42, 42-51 or 42,44. Default: {TRACE_SEEDS} for a trace; "
+        f"{','.join(map(str, DEFAULT_SEEDS))} for the embedded scenario.",
+    ),
+    tune: float = typer.Option(
+        1.3, "--tune", help="Grow the workload until its GPU demand is this × capacity (above 0, at most 100)."
+    ),
+    json_out: Path | None = typer.Option(
+        None, "--json", help="Write the JSON report here; without --out the plot goes beside it (same name, .png)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help=f"Folder for the report: report.json and allocation.png. Default: {DEFAULT_OUT}."
+    ),
+    replay: bool = typer.Option(
+        False, "--replay", help="Honour creation/deletion times (pods leave, a pending queue retries) instead."
+    ),
     jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
 ) -> None:
     """Replay a workload through the placement policies and report GPU allocation (FGD paper protocol)."""
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = _out()
+    warnings: list[TraceWarning] = []
     try:
-        exp = _experiment(nodes, pods, policy, seeds, tune, replay)
+        if jobs < 0:
+            raise UsageError(f"--jobs {jobs} must be 0 (one per core) or more")
+        paths = report_paths(json_out, out)
+        exp = _experiment(nodes, pods, policy, seeds, tune, replay, warnings.append)
     except (TraceError, UnknownPolicy, UsageError, ValueError) as e:
-        raise _fail(console, str(e)) from None
-    if jobs < 0:
-        raise _fail(console, f"--jobs {jobs} must be 0 (one per core) or more")
+        raise _error(str(e)) from None
+    for w in warnings:
+        _warn(w)
     started = time.perf_counter()
-    runs = _run_with_progress(console, exp, jobs)
-    title = f"{exp.name}: {exp.total_gpus} GPUs on {len(exp.nodes)} nodes, {len(exp.tasks)} tasks, tune {exp.tune}"
+    runs = _run_with_progress(_err(), exp, jobs)
+    title = f"{exp.name}: {exp.total_gpus} GPUs on {len(exp.nodes)} nodes, {len(exp.tasks)} tasks"
+    title += ", replay" if exp.replay else f", tune {exp.tune}"
     print_table(console, runs, title, exp.total_gpus)
-    json_path = json_out or out / "report.json"
-    png_path = out / "allocation.png"
     meta: dict[str, object] = {
         "experiment": exp.name,
         "nodes": len(exp.nodes),
@@ -71,31 +101,89 @@ def sim(
         "total_wall_s": round(time.perf_counter() - started, 3),
     }
     try:
-        write_json(json_path, runs, meta)
-        write_plot(png_path, runs, title)
+        write_json(paths.json, runs, meta)
+        write_plot(paths.plot, runs, title)
     except OSError as e:
-        raise _fail(console, f"cannot write the report: {e}") from None
-    console.print(f"report: {json_path} (JSON), {png_path} (plot)")
+        raise _error(f"cannot write the report: {e}") from None
+    console.print(f"report: {paths.json} (JSON), {paths.plot} (plot)")
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    json: Path
+    plot: Path
+
+
+def report_paths(json_out: Path | None, out: Path | None) -> ReportPaths:
+    """Where the report goes, checked before any run so that a long run never ends in a path error."""
+    if out is None and json_out is not None:
+        paths = ReportPaths(json_out, json_out.with_suffix(".png"))
+    else:
+        folder = out or DEFAULT_OUT
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--out {folder} is a file; --out names a folder for report.json and allocation.png")
+        paths = ReportPaths(json_out or folder / "report.json", folder / "allocation.png")
+    if paths.json.absolute() == paths.plot.absolute():
+        raise UsageError(f"--json {paths.json} would be overwritten by the plot; give it a .json name")
+    for what, path in (("--json", paths.json), ("the plot", paths.plot)):
+        _check_writable(what, path)
+    return paths
+
+
+def _check_writable(what: str, path: Path) -> None:
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a folder; give a file name")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{what} {path} exists and is not writable")
+        return
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"cannot write {what} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {what} {path}: no permission to create files in {parent}")
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = parse_policies(text)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--policy {text!r} names {', '.join(twice)} more than once; list each policy once")
+    return tuple(names)
 
 
 def _experiment(
-    nodes: Path | None, pods: Path | None, policy: str | None, seeds: str | None, tune: float, replay: bool
+    nodes: Path | None,
+    pods: Path | None,
+    policy: str | None,
+    seeds: str | None,
+    tune: float,
+    replay: bool,
+    warn: Warn,
 ) -> Experiment:
     if (nodes is None) != (pods is None):
         raise UsageError("give both --nodes and --pods (a trace), or neither (the embedded scenario)")
     if not 0 < tune <= 100:
-        raise UsageError(f"--tune {tune} must be above 0 (1.3 grows the workload to 130 % of GPU capacity)")
+        raise UsageError(
+            f"--tune {tune:g} must be above 0 and at most 100 (1.3 grows the workload to 130 % of GPU capacity)"
+        )
     if nodes is not None and pods is not None:
-        node_list = load_nodes(nodes)
-        tasks = load_pods(pods)
+        policies = _policies(policy or TRACE_POLICIES)
+        seed_list = tuple(parse_seeds(seeds or TRACE_SEEDS))
+        node_list = load_nodes(nodes, warn=warn)
+        table = read_pod_table(pods, warn=warn)
         if not any(n.gpus for n in node_list):
             raise UsageError(f"{nodes}: no node has a GPU")
+        for w in unplaceable_models(node_list, table):
+            warn(w)
         return Experiment(
             name=pods.stem,
             nodes=tuple(node_list),
-            tasks=tuple(tasks),
-            policies=tuple(parse_policies(policy or "fgd,sharegpu")),
-            seeds=tuple(parse_seeds(seeds or "42")),
+            tasks=table.tasks,
+            policies=policies,
+            seeds=seed_list,
             tune=tune,
             replay=replay,
         )
@@ -103,7 +191,7 @@ def _experiment(
         name="embedded scenario",
         nodes=tuple(scenario_nodes()),
         tasks=tuple(TraceTask(r) for r in scenario_tasks()),
-        policies=tuple(parse_policies(policy or ",".join(DEFAULT_POLICIES))),
+        policies=_policies(policy or ",".join(DEFAULT_POLICIES)),
         seeds=tuple(parse_seeds(seeds) if seeds else DEFAULT_SEEDS),
         tune=tune,
         replay=replay,
@@ -111,6 +199,7 @@ def _experiment(
 
 
 def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[RunResult]:
+    """One bar for the runs, and one per run in flight counting its pods (long runs take minutes)."""
     total = len(exp.policies) * len(exp.seeds)
     with Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -122,11 +211,21 @@ def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[Run
         disable=not console.is_terminal,
     ) as progress:
         bar = progress.add_task(f"simulating {total} run(s)", total=total)
+        in_flight: dict[tuple[str, int], TaskID] = {}
+
+        def moving(policy: str, seed: int, pods: int, of: int) -> None:
+            key = (policy, seed)
+            if key not in in_flight:
+                in_flight[key] = progress.add_task(f"  {policy} seed {seed}: pods", total=of)
+            progress.update(in_flight[key], completed=pods)
 
         def done(r: RunResult) -> None:
+            task = in_flight.pop((r.policy, r.seed), None)
+            if task is not None:
+                progress.remove_task(task)
             progress.update(bar, advance=1, description=f"{r.policy} seed {r.seed}: {r.wall_s:.1f}s")
 
-        return run_experiment(exp, jobs, done)
+        return run_experiment(exp, jobs, done, moving)
 
 
 trace_app = typer.Typer(
