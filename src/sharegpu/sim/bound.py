@@ -248,7 +248,7 @@ def _price(t: NodeType, shape_list: Sequence[Shape], reduced: FloatArray, time_l
 def _greedy_columns(types: Sequence[NodeType], shape_list: Sequence[Shape]) -> list[tuple[int, dict[int, int]]]:
     """Configurations of a first-fit-decreasing placement (largest GPU demand first, best fit on the GPU): a
     feasible start for the master, so column generation begins near the optimum instead of at zero."""
-    node_type = np.repeat(np.arange(len(types)), [t.count for t in types])
+    node_type = [i for i, t in enumerate(types) for _ in range(t.count)]
     n = len(node_type)
     width = max(t.gpus for t in types)
     cpu = np.asarray([types[i].cpu_milli for i in node_type], dtype=np.int64)
