@@ -121,7 +121,7 @@ def random_instance(rng: np.random.Generator, n_nodes: int) -> tuple[list[NodeSp
     nodes = [
         node(
             f"n{i}",
-            int(rng.choice([1, 2, 4])),
+            int(rng.choice([1, 2, 4, 8])),
             cpu=int(rng.choice([4, 8, 16])) * 1000,
             mem=int(rng.choice([8, 32])) * 1024,
             model=str(rng.choice(MODELS)),

@@ -156,12 +156,107 @@ class _Pricing:
 def _price(t: NodeType, shape_list: Sequence[Shape], reduced: FloatArray, time_limit_s: float) -> _Pricing:
     """Max Σ reduced[s]·y[s] over the multisets y one node of type t can hold (the fit rules in the module doc).
 
-    Sharing shapes are laid on GPUs through per-GPU counts of each distinct milli value; whole and multi-GPU shapes
-    take whole GPUs, marked ``o[g]``. Whole GPUs come first and GPU loads do not increase (symmetry breaking: any
-    layout can be permuted into that order)."""
+    Whole and multi-GPU shapes take whole GPUs. Sharing shapes are laid on the other GPUs through an arc-flow
+    network (Valério de Carvalho's bin-packing formulation): nodes are the loads a GPU can reach (sums of share
+    sizes up to 1000), an arc from load p to p + m places a share of m milli, an arc from p to the end closes a
+    GPU at load p, and F units of flow from 0 to the end are F GPUs. Every integral flow splits into F paths, one
+    GPU's shares each, and every layout gives such a flow, so the model is exact; it has no GPU numbering (no
+    symmetry) and a strong relaxation, which keeps the MIP fast."""
     cand = [i for i, s in enumerate(shape_list) if reduced[i] > 1e-9 and s.fits(t)]
     if not cand:
         return _Pricing({}, 0.0, 0.0)
+    if t.gpus <= 2:
+        return _price_per_gpu(t, shape_list, reduced, cand, time_limit_s)
+    g = t.gpus
+    sizes = sorted({shape_list[i].milli for i in cand if shape_list[i].sharing})
+    loads = [0]
+    if sizes:
+        reach = {0}
+        for p in range(FULL_MILLI + 1):
+            if p in reach:
+                reach.update(p + m for m in sizes if p + m <= FULL_MILLI)
+        loads = sorted(reach)
+    at = {p: k for k, p in enumerate(loads)}
+    end = len(loads)  # the sink
+    arcs = [(p, p + m, m) for p in loads for m in sizes if p + m <= FULL_MILLI] + [(p, -1, 0) for p in loads]
+    ny = len(cand)
+    f_var = ny  # F: GPUs holding shares
+    first_arc = ny + 1
+    nvar = first_arc + (len(arcs) if sizes else 0)
+
+    upper = np.zeros(nvar)
+    for j, i in enumerate(cand):
+        s = shape_list[i]
+        per_node = g // s.gpu_count if not s.sharing else g * (FULL_MILLI // s.milli)
+        if s.cpu_milli:
+            per_node = min(per_node, t.cpu_milli // s.cpu_milli)
+        if s.memory_mib:
+            per_node = min(per_node, t.memory_mib // s.memory_mib)
+        upper[j] = min(per_node, s.count)
+    upper[f_var] = g if sizes else 0
+    upper[first_arc:] = g  # loads only rise along a path, so each GPU's path uses an arc at most once
+
+    rows: list[dict[int, float]] = []
+    lo: list[float] = []
+    hi: list[float] = []
+    rows.append({j: shape_list[i].cpu_milli for j, i in enumerate(cand)})
+    lo.append(-np.inf)
+    hi.append(t.cpu_milli)
+    rows.append({j: shape_list[i].memory_mib for j, i in enumerate(cand)})
+    lo.append(-np.inf)
+    hi.append(t.memory_mib)
+    gpus = {j: float(shape_list[i].gpu_count) for j, i in enumerate(cand) if not shape_list[i].sharing}
+    rows.append({**gpus, f_var: 1.0})
+    lo.append(-np.inf)
+    hi.append(g)
+    if sizes:
+        balance: list[dict[int, float]] = [{} for _ in range(end + 1)]
+        for a, (p, q, _) in enumerate(arcs):
+            balance[at[p]][first_arc + a] = balance[at[p]].get(first_arc + a, 0.0) - 1.0  # leaves p
+            sink = end if q < 0 else at[q]
+            balance[sink][first_arc + a] = balance[sink].get(first_arc + a, 0.0) + 1.0  # enters q
+        balance[0][f_var] = 1.0  # F units leave the source ...
+        balance[end][f_var] = -1.0  # ... and reach the end
+        for b in balance:
+            rows.append(b)
+            lo.append(0)
+            hi.append(0)
+        for m in sizes:
+            link = {j: 1.0 for j, i in enumerate(cand) if shape_list[i].sharing and shape_list[i].milli == m}
+            link.update({first_arc + a: -1.0 for a, (_, _, size) in enumerate(arcs) if size == m})
+            rows.append(link)
+            lo.append(0)
+            hi.append(0)
+    matrix = np.zeros((len(rows), nvar))
+    for r, coef in enumerate(rows):
+        for idx, c in coef.items():
+            matrix[r, idx] = c
+
+    objective = np.zeros(nvar)
+    objective[:ny] = -reduced[cand]
+    res = milp(
+        objective,
+        integrality=np.ones(nvar),
+        bounds=Bounds(np.zeros(nvar), upper),
+        constraints=LinearConstraint(matrix, np.asarray(lo), np.asarray(hi)),
+        options={"time_limit": time_limit_s, "mip_rel_gap": 1e-5, "disp": False},
+    )
+    dual = getattr(res, "mip_dual_bound", None)
+    trivial = float(reduced[cand] @ upper[:ny])
+    ub = trivial if dual is None or not np.isfinite(dual) else min(trivial, -float(dual))
+    if res.x is None:
+        return _Pricing({}, 0.0, max(ub, 0.0))
+    counts = {i: round(res.x[j]) for j, i in enumerate(cand) if round(res.x[j]) > 0}
+    value = float(sum(reduced[i] * c for i, c in counts.items()))
+    return _Pricing(counts, value, max(ub, value))
+
+
+def _price_per_gpu(
+    t: NodeType, shape_list: Sequence[Shape], reduced: FloatArray, cand: list[int], time_limit_s: float
+) -> _Pricing:
+    """:func:`_price` with the GPUs numbered: per-GPU counts of each distinct share size, and whole GPUs marked
+    ``o[g]``. Whole GPUs come first and GPU loads do not increase (symmetry breaking: any layout can be permuted
+    into that order). Fast for one or two GPUs, where the arc-flow model's many arcs cost more than they save."""
     g = t.gpus
     sharing_milli = sorted({shape_list[i].milli for i in cand if shape_list[i].sharing})
     has_whole = any(not shape_list[i].sharing for i in cand)
