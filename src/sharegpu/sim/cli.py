@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,20 +263,19 @@ def _shares_table(title: str, rows: dict[str, Shares]) -> Table:
         "constraint",
     )
     t.add_column("pod list")
-    columns = (
-        ("pods", "pods", "{:,.0f}"),
-        ("GPU pods", "gpu_pods", "{:,.0f}"),
-        ("GPU demand", "gpu_demand_gpus", "{:,.1f}"),
-        ("CPU-only %", "cpu_only_pct", "{:.1f}"),
-        ("sharing %", "sharing_pct", "{:.1f}"),
-        ("multi-GPU %", "multi_gpu_pct", "{:.1f}"),
-        ("gpu_spec %", "gpu_spec_pct", "{:.1f}"),
+    columns: tuple[tuple[str, Callable[[Shares], str]], ...] = (
+        ("pods", lambda x: f"{x.pods:,}"),
+        ("GPU pods", lambda x: f"{x.gpu_pods:,}"),
+        ("GPU demand", lambda x: f"{x.gpu_demand_milli / 1000:,.1f}"),
+        ("CPU-only %", lambda x: f"{x.cpu_only_pct:.1f}"),
+        ("sharing %", lambda x: f"{x.sharing_pct:.1f}"),
+        ("multi-GPU %", lambda x: f"{x.multi_gpu_pct:.1f}"),
+        ("gpu_spec %", lambda x: f"{x.gpu_spec_pct:.1f}"),
     )
-    for label, _, _ in columns:
+    for label, _ in columns:
         t.add_column(label, justify="right", no_wrap=True)
     for name, shares in rows.items():
-        d = shares.as_dict()
-        t.add_row(name, *(fmt.format(d[key]) for _, key, fmt in columns))
+        t.add_row(name, *(fmt(shares) for _, fmt in columns))
     return t
 
 
