@@ -16,7 +16,7 @@ from sharegpu.ledger import Ledger
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.framework import Policy, Scheduler, Unschedulable
-from sharegpu.sim.metrics import RunLog, allocation_curve, percentile
+from sharegpu.sim.metrics import RunLog, Timeline, allocation_curve, percentile, sample_timeline
 from sharegpu.sim.openb import TraceTask
 
 Progress = Callable[[int], None]
@@ -38,6 +38,7 @@ class RunResult:
     fragmentation_pct: float | None  # free GPU milli that the workload cannot use, % of capacity, at the end
     final_alloc_pct: float
     replay: dict[str, float] | None = None  # replay mode: queueing figures (see ReplayResult)
+    timeline: Timeline | None = None  # replay mode: allocation and pending pods over trace time
 
     def alloc_at(self, arrived_pct: int) -> float | None:
         return self.curve[arrived_pct] if 0 <= arrived_pct < len(self.curve) else None
@@ -63,6 +64,7 @@ class RunResult:
             "decision_latency_ms": {"p50": round(self.latency_p50_ms, 3), "p99": round(self.latency_p99_ms, 3)},
             "curve_alloc_pct_by_arrived_pct": self.curve,
             **({"replay": self.replay} if self.replay is not None else {}),
+            **({"timeline": self.timeline.to_dict()} if self.timeline is not None else {}),
         }
 
 
@@ -143,6 +145,7 @@ def replay_timed(
     policy: Policy,
     seed: int = 0,
     max_pending: int = 10_000,
+    progress: Progress | None = None,
 ) -> ReplayResult:
     """Honours creation and deletion times: pods leave, and a FIFO pending queue is retried whenever
     capacity is freed. Tasks without a creation time arrive at 0; without a deletion time they never leave."""
@@ -158,6 +161,8 @@ def replay_timed(
     waited: set[str] = set()
     arrived = 0
     peak = 0
+    times: list[int] = []
+    pending_sizes: list[int] = []
 
     def try_place(name: str) -> bool:
         t = by_name[name]
@@ -173,7 +178,7 @@ def replay_timed(
         return True
 
     while events:
-        _, kind, _, name = heapq.heappop(events)
+        now, kind, seq, name = heapq.heappop(events)
         if kind == 0:
             ledger.release(name)
             still: deque[str] = deque()
@@ -192,6 +197,10 @@ def replay_timed(
                     log.fail("pending queue full")
         peak = max(peak, len(pending))
         log.record(arrived, int(ledger.total_gpu_milli - np.where(ledger.healthy, ledger.free_milli, 0).sum()))
+        times.append(now)
+        pending_sizes.append(len(pending))
+        if progress is not None and kind == 1 and seq % 256 == 0:
+            progress(seq)
     for _ in pending:
         log.fail("still pending at the end of the trace")
     run = _result(policy.name, seed, ledger, log, t0, len(tasks), None)
@@ -202,4 +211,5 @@ def replay_timed(
         "peak_pending": peak,
         "mean_alloc_pct": round(100 * float(np.mean(log.allocated)) / total, 2) if total else 0.0,
     }
-    return ReplayResult(dataclasses.replace(run, replay=stats), len(waited), len(pending), peak)
+    timeline = sample_timeline(times, log.allocated[1:], pending_sizes, total)
+    return ReplayResult(dataclasses.replace(run, replay=stats, timeline=timeline), len(waited), len(pending), peak)

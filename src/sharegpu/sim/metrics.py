@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,3 +61,41 @@ def allocation_curve(arrived: npt.ArrayLike, allocated: npt.ArrayLike, total_mil
 
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
+
+
+TIMELINE_POINTS = 400
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A replay's state over trace time on an even grid: allocated GPU (% of capacity) and pods pending."""
+
+    time_s: tuple[float, ...]
+    alloc_pct: tuple[float, ...]
+    pending: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, list[float] | list[int]]:
+        return {"time_s": list(self.time_s), "alloc_pct": list(self.alloc_pct), "pending": list(self.pending)}
+
+
+def sample_timeline(
+    times: Sequence[int],
+    allocated_milli: Sequence[int],
+    pending: Sequence[int],
+    total_milli: int,
+    points: int = TIMELINE_POINTS,
+) -> Timeline:
+    """The state after the last event at or before each of ``points`` even steps from the first event to the last
+    (events are in time order; several at one time count as one step). A report needs the shape, not every event."""
+    if not times:
+        return Timeline((), (), ())
+    t = np.asarray(times, dtype=np.float64)
+    grid = np.linspace(t[0], t[-1], points) if t[-1] > t[0] else t[:1]
+    idx = np.searchsorted(t, grid, side="right") - 1
+    alloc = np.asarray(allocated_milli, dtype=np.float64)[idx]
+    pct = np.round(100 * alloc / total_milli, 2) if total_milli else np.zeros_like(alloc)
+    return Timeline(
+        tuple(float(x) for x in grid),
+        tuple(float(x) for x in pct),
+        tuple(int(x) for x in np.asarray(pending, dtype=np.int64)[idx]),
+    )

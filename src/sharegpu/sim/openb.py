@@ -7,6 +7,8 @@ a traceback. Only the columns of the format are accepted: an unknown column is a
 from __future__ import annotations
 
 import csv
+import io
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,8 @@ POD_REQUIRED = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 MAX_VALUE = 10**12
 MAX_GPUS_PER_NODE = 64
 POD_OPTIONAL = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
+# The trace's anonymised GPU models: not in the catalog, yet no typo.
+OPAQUE_MODELS = frozenset({"G1", "G2", "G3"})
 
 
 class TraceError(ValueError):
@@ -46,45 +50,62 @@ class TraceTask:
         return self.request.name
 
 
-def _rows(path: Path, required: tuple[str, ...], optional: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+def _decode(path: Path) -> str:
+    """The file as text. Decoding it whole (rather than as the CSV reader pulls chunks) lets a bad byte be
+    reported on its own line, not on the line the reader had reached."""
     try:
-        f = path.open(newline="", encoding="utf-8")
+        data = path.read_bytes()
     except OSError as e:
         raise TraceError(path, None, f"cannot open: {e.strerror or e}") from None
-    with f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise TraceError(path, 1, "file is empty; expected a CSV header") from None
-        except (csv.Error, UnicodeDecodeError) as e:
-            raise TraceError(path, 1, f"not a readable CSV file: {e}") from None
-        header = [h.strip() for h in header]
-        unknown = [h for h in header if h not in required and h not in optional]
-        if unknown:
-            raise TraceError(path, 1, f"unknown column(s) {unknown}; expected {list(required + optional)}")
-        missing = [h for h in required if h not in header]
-        if missing:
-            raise TraceError(path, 1, f"missing column(s) {missing}")
-        if len(set(header)) != len(header):
-            raise TraceError(path, 1, "a column is named twice")
-        rows = []
-        try:
-            for row in reader:
-                line = reader.line_num
-                if not row or all(not c.strip() for c in row):
-                    continue
-                if len(row) != len(header):
-                    raise TraceError(path, line, f"has {len(row)} fields; the header has {len(header)}")
-                rows.append((line, dict(zip(header, (c.strip() for c in row), strict=True))))
-        except (csv.Error, UnicodeDecodeError) as e:
-            raise TraceError(path, reader.line_num, f"not a readable CSV row: {e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise TraceError(
+            path, line, f"not a readable CSV file: byte 0x{data[e.start]:02x} at column {column} is not UTF-8 text"
+        ) from None
+
+
+def _rows(
+    path: Path, required: tuple[str, ...], optional: tuple[str, ...]
+) -> tuple[tuple[str, ...], list[tuple[int, dict[str, str]]]]:
+    """The header and the non-blank rows, each with its line in the file."""
+    reader = csv.reader(io.StringIO(_decode(path), newline=""))
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise TraceError(path, 1, "file is empty; expected a CSV header") from None
+    except csv.Error as e:
+        raise TraceError(path, 1, f"not a readable CSV file: {e}") from None
+    header = [h.strip() for h in header]
+    unknown = [h for h in header if h not in required and h not in optional]
+    if unknown:
+        raise TraceError(path, 1, f"unknown column(s) {unknown}; expected {list(required + optional)}")
+    missing = [h for h in required if h not in header]
+    if missing:
+        raise TraceError(path, 1, f"missing column(s) {missing}")
+    if len(set(header)) != len(header):
+        raise TraceError(path, 1, "a column is named twice")
+    rows = []
+    line = 1
+    try:
+        for row in reader:
+            line = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != len(header):
+                raise TraceError(path, line, f"has {len(row)} fields; the header has {len(header)}")
+            rows.append((line, dict(zip(header, (c.strip() for c in row), strict=True))))
+    except csv.Error as e:
+        # The reader counts the line it failed on only once it has read it; a row it stopped in is the next one.
+        raise TraceError(path, max(reader.line_num, line + 1), f"not a readable CSV row: {e}") from None
     if not rows:
         raise TraceError(path, None, "has a header but no rows")
-    return rows
+    return tuple(header), rows
 
 
-def _int(path: Path, line: int, row: dict[str, str], col: str, optional: bool = False) -> int | None:
+def _int(path: Path, line: int, row: Mapping[str, str], col: str, optional: bool = False) -> int | None:
     text = row.get(col, "")
     if text == "" and optional:
         return None
@@ -105,13 +126,13 @@ def _int(path: Path, line: int, row: dict[str, str], col: str, optional: bool = 
     return value
 
 
-def _req_int(path: Path, line: int, row: dict[str, str], col: str) -> int:
+def _req_int(path: Path, line: int, row: Mapping[str, str], col: str) -> int:
     v = _int(path, line, row, col)
     assert v is not None
     return v
 
 
-def _unique_name(path: Path, line: int, row: dict[str, str], col: str, kind: str, seen: set[str]) -> str:
+def _unique_name(path: Path, line: int, row: Mapping[str, str], col: str, kind: str, seen: set[str]) -> str:
     name = row[col]
     if not name:
         raise TraceError(path, line, f"{col} ({kind} name) is empty")
@@ -121,10 +142,49 @@ def _unique_name(path: Path, line: int, row: dict[str, str], col: str, kind: str
     return name
 
 
-def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> list[NodeSpec]:
+@dataclass(frozen=True, slots=True)
+class TraceWarning:
+    """Something a trace file says that is accepted but probably not meant; printed with its file and line."""
+
+    path: Path
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+Warn = Callable[[TraceWarning], None]
+
+
+class _Findings:
+    """Collects one kind of finding row by row, so that a file with thousands of them gives one warning."""
+
+    def __init__(self) -> None:
+        self.lines: dict[str, list[int]] = {}
+
+    def add(self, key: str, line: int) -> None:
+        self.lines.setdefault(key, []).append(line)
+
+    def emit(self, warn: Warn | None, path: Path, message: Callable[[str, int], str]) -> None:
+        if warn is None:
+            return
+        for key, lines in self.lines.items():
+            where = ", ".join(map(str, lines[:5])) + (", …" if len(lines) > 5 else "")
+            warn(TraceWarning(path, lines[0], f"{message(key, len(lines))} (line {where})"))
+
+
+def _unknown_models(catalog: Catalog, names: Iterable[str]) -> list[str]:
+    return sorted(n for n in names if not catalog.known(n) and n.upper() not in OPAQUE_MODELS)
+
+
+def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG, warn: Warn | None = None) -> list[NodeSpec]:
+    """The node list. A GPU model that is neither in the catalog nor one of the trace's anonymised names is
+    accepted as an opaque model (whole GPUs and compute shares only) and reported through ``warn``."""
     nodes = []
     seen: set[str] = set()
-    for line, row in _rows(path, NODE_REQUIRED, ()):
+    unknown = _Findings()
+    for line, row in _rows(path, NODE_REQUIRED, ())[1]:
         name = _unique_name(path, line, row, "sn", "node", seen)
         gpus = _req_int(path, line, row, "gpu")
         if gpus > MAX_GPUS_PER_NODE:
@@ -132,6 +192,8 @@ def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> list[NodeSpec]
         model = row["model"]
         if gpus and not model:
             raise TraceError(path, line, f"node {name!r} has {gpus} GPUs but no model")
+        for m in _unknown_models(catalog, [model] if gpus else []):
+            unknown.add(m, line)
         model_name = catalog.get(model).name if model else ""
         nodes.append(
             NodeSpec(
@@ -141,18 +203,90 @@ def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> list[NodeSpec]
                 sim_gpus(name, model_name, gpus),
             )
         )
+    unknown.emit(
+        warn,
+        path,
+        lambda m, n: (
+            f"GPU model {m!r} ({n} node(s)) is not in the GPU catalog; it is taken as an opaque model "
+            "(whole GPUs and compute shares, no MIG, no memory sizing): check the spelling"
+        ),
+    )
     return nodes
 
 
-def load_pods(path: Path, catalog: Catalog = DEFAULT_CATALOG) -> list[TraceTask]:
-    tasks = []
+@dataclass(frozen=True)
+class PodTable:
+    """A pod list as read: the header, each row's text and file line, and the validated task of each row."""
+
+    path: Path
+    header: tuple[str, ...]
+    rows: tuple[Mapping[str, str], ...]
+    lines: tuple[int, ...]
+    tasks: tuple[TraceTask, ...]
+
+
+def read_pod_table(path: Path, catalog: Catalog = DEFAULT_CATALOG, warn: Warn | None = None) -> PodTable:
+    """The pod list with its raw rows (for tools that rewrite a trace). ``gpu_milli`` above one GPU is clamped to
+    one GPU, as the FGD reference does, and reported through ``warn``, as is a ``gpu_spec`` model that is neither
+    in the catalog nor one of the trace's anonymised names."""
+    header, rows = _rows(path, POD_REQUIRED, POD_OPTIONAL)
     seen: set[str] = set()
-    for line, row in _rows(path, POD_REQUIRED, POD_OPTIONAL):
-        tasks.append(_task(path, line, row, catalog, seen))
-    return tasks
+    clamped, unknown = _Findings(), _Findings()
+    tasks = []
+    for line, row in rows:
+        task = _task(path, line, row, catalog, seen)
+        if _req_int(path, line, row, "gpu_milli") > FULL_MILLI:
+            clamped.add("", line)
+        for m in _unknown_models(catalog, _spec_models(row)):
+            unknown.add(m, line)
+        tasks.append(task)
+    clamped.emit(
+        warn,
+        path,
+        lambda _, n: (
+            f"gpu_milli above {FULL_MILLI} (one whole GPU) in {n} row(s); clamped to {FULL_MILLI} as the "
+            "FGD reference does"
+        ),
+    )
+    unknown.emit(
+        warn,
+        path,
+        lambda m, n: (
+            f"gpu_spec names GPU model {m!r} ({n} pod(s)), which is not in the GPU catalog: check the "
+            "spelling; such a pod runs only on nodes of that exact model"
+        ),
+    )
+    return PodTable(path, header, tuple(r for _, r in rows), tuple(line for line, _ in rows), tuple(tasks))
 
 
-def _task(path: Path, line: int, row: dict[str, str], catalog: Catalog, seen: set[str]) -> TraceTask:
+def load_pods(path: Path, catalog: Catalog = DEFAULT_CATALOG, warn: Warn | None = None) -> list[TraceTask]:
+    return list(read_pod_table(path, catalog, warn).tasks)
+
+
+def unplaceable_models(nodes: Sequence[NodeSpec], table: PodTable) -> list[TraceWarning]:
+    """Pods whose ``gpu_spec`` allows no GPU model that any node of the cluster has: they can never be placed."""
+    present = {g.model for n in nodes for g in n.gpus}
+    found = _Findings()
+    for line, task in zip(table.lines, table.tasks, strict=True):
+        allowed = task.request.allowed_models
+        if task.request.gpu_count and allowed and not allowed & present:
+            found.add("|".join(sorted(allowed)), line)
+    out: list[TraceWarning] = []
+    found.emit(
+        out.append,
+        table.path,
+        lambda spec, n: (
+            f"{n} pod(s) allow only GPU model(s) {spec}, which no node of the cluster has; they can never be placed"
+        ),
+    )
+    return out
+
+
+def _spec_models(row: Mapping[str, str]) -> list[str]:
+    return [m.strip() for m in row.get("gpu_spec", "").split("|") if m.strip()]
+
+
+def _task(path: Path, line: int, row: Mapping[str, str], catalog: Catalog, seen: set[str]) -> TraceTask:
     name = _unique_name(path, line, row, "name", "pod", seen)
     num_gpu = _req_int(path, line, row, "num_gpu")
     milli = _req_int(path, line, row, "gpu_milli")
@@ -164,14 +298,12 @@ def _task(path: Path, line: int, row: dict[str, str], catalog: Catalog, seen: se
     milli = min(milli, FULL_MILLI)
     if num_gpu > 1 and milli < FULL_MILLI:
         raise TraceError(path, line, f"a {num_gpu}-GPU pod must use whole GPUs (gpu_milli 1000), not {milli}")
-    spec = row.get("gpu_spec", "")
-    models = frozenset(m.strip() for m in spec.split("|") if m.strip())
     try:
         req = GpuRequest(
             name,
             gpu_count=num_gpu,
             compute_milli=milli if num_gpu else None,
-            allowed_models=models,
+            allowed_models=frozenset(_spec_models(row)),
             cpu_milli=_req_int(path, line, row, "cpu_milli"),
             host_memory_mib=_req_int(path, line, row, "memory_mib"),
             catalog=catalog,

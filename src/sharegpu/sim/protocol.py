@@ -12,7 +12,8 @@ from sharegpu.sim.openb import TraceTask
 
 
 def parse_seeds(text: str) -> list[int]:
-    """'42-51' → [42..51]; '42,45' → [42, 45]; '7' → [7]."""
+    """'42-51' → [42..51]; '42,45' → [42, 45]; '7' → [7]. A seed given twice is an error: it would run twice
+    and count twice in every mean."""
     seeds: list[int] = []
     for part in text.split(","):
         part = part.strip()
@@ -23,9 +24,12 @@ def parse_seeds(text: str) -> list[int]:
             a, b = int(lo), int(hi if dash else lo)
             if a < 0 or b < a:
                 raise ValueError
-            seeds.extend(range(a, b + 1))
         except ValueError:
             raise ValueError(f"seeds {text!r}: {part!r} is not a seed or a range like 42-51") from None
+        again = sorted(set(seeds) & set(range(a, b + 1)))
+        if again:
+            raise ValueError(f"seeds {text!r}: seed {again[0]} is given twice; list each seed once")
+        seeds.extend(range(a, b + 1))
     if not seeds:
         raise ValueError(f"seeds {text!r}: no seed given; use e.g. 42 or 42-51")
     return seeds

@@ -1,4 +1,5 @@
-"""Reports of simulation runs: a rich table, a JSON document and a PNG plot of allocation vs arrived."""
+"""Reports of simulation runs: a rich table, a JSON document and a PNG plot — of allocation against arrived demand
+for the FGD protocol, of queueing figures and allocation and pending pods over time for a replay."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -26,6 +28,8 @@ class PolicySummary:
     p99_ms: float
     failed: float
     fragmentation_pct: float | None
+    seeds_100: int = 0  # runs whose arrivals reached 100 % of capacity (the others have no value there)
+    seeds_130: int = 0
 
     @property
     def unalloc_100(self) -> float | None:
@@ -56,6 +60,8 @@ def summarize(runs: Sequence[RunResult]) -> list[PolicySummary]:
                 statistics.median(r.latency_p99_ms for r in rs),
                 statistics.fmean(r.failed for r in rs),
                 _mean([r.fragmentation_pct for r in rs]),
+                sum(r.alloc_at(100) is not None for r in rs),
+                sum(r.alloc_at(130) is not None for r in rs),
             )
         )
     return out
@@ -65,26 +71,77 @@ def _fmt(v: float | None, digits: int = 2) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
+def _level(mean: float | None, reached: int, seeds: int) -> str:
+    """A level's mean, marked with how many seeds reached it when some did not."""
+    return _fmt(mean) if reached == seeds or mean is None else f"{_fmt(mean)} ({reached}/{seeds})"
+
+
 def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
-    t = Table(
-        title=title,
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        caption="alloc: allocated GPU % of capacity when arrived demand is 100 % / 130 %; unalloc: GPUs left "
-        "idle at 100 %; frag: GPU the typical workload cannot use, at the end; decision latency in ms",
+    if runs and all(r.replay is not None for r in runs):
+        return replay_table(runs, title)
+    summaries = summarize(runs)
+    partial = any(s.seeds_130 < s.seeds or s.seeds_100 < s.seeds for s in summaries)
+    caption = (
+        "alloc: allocated GPU % of capacity when arrived demand is 100 % / 130 %; unalloc: GPUs left idle at "
+        "100 %; frag: GPU the typical workload cannot use, at the end; decision latency in ms"
     )
+    if partial:
+        caption += (
+            "; (k/n): only k of the n seeds' workloads reached that level (the mean is theirs, so it is not "
+            "comparable with the other column): raise --tune"
+        )
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, caption=caption)
     for col in ("policy", "seeds", "alloc@100", "alloc@130", "unalloc", "frag%", "failed", "wall s", "p50", "p99"):
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
-    for s in summarize(runs):
+    for s in summaries:
         unalloc = None if s.unalloc_100 is None else s.unalloc_100 * total_gpus / 100
         t.add_row(
             s.policy,
             str(s.seeds),
-            _fmt(s.alloc_100),
-            _fmt(s.alloc_130),
+            _level(s.alloc_100, s.seeds_100, s.seeds),
+            _level(s.alloc_130, s.seeds_130, s.seeds),
             _fmt(unalloc, 1),
             _fmt(s.fragmentation_pct),
             f"{s.failed:.0f}",
+            f"{s.wall_s:.2f}",
+            f"{s.p50_ms:.3f}",
+            f"{s.p99_ms:.3f}",
+        )
+    return t
+
+
+REPLAY_FIGURES = ("waited", "never_placed", "peak_pending", "mean_alloc_pct")
+
+
+def _replay_mean(rs: Sequence[RunResult], key: str) -> float:
+    return statistics.fmean((r.replay or {}).get(key, 0.0) for r in rs)
+
+
+def replay_table(runs: Sequence[RunResult], title: str) -> Table:
+    """Replay's own figures, mean over seeds: pods that waited in the pending queue, pods never placed, the
+    largest queue, and allocation averaged over the replay's events."""
+    t = Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption="replay of creation and deletion times, mean over seeds: waited: pods that found no room on arrival "
+        "and queued; never placed: still pending at the end or dropped; peak pending: largest queue; mean alloc: "
+        "allocated GPU % of capacity averaged over events; final alloc: at the end; decision latency in ms",
+    )
+    for col in ("policy", "seeds", "waited", "never placed", "peak pending", "mean alloc", "final alloc", "wall s"):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for col in ("p50", "p99"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for s in summarize(runs):
+        rs = [r for r in runs if r.policy == s.policy]
+        t.add_row(
+            s.policy,
+            str(s.seeds),
+            f"{_replay_mean(rs, 'waited'):,.0f}",
+            f"{statistics.fmean(r.failed for r in rs):,.0f}",
+            f"{_replay_mean(rs, 'peak_pending'):,.0f}",
+            _fmt(_replay_mean(rs, "mean_alloc_pct")),
+            _fmt(statistics.fmean(r.final_alloc_pct for r in rs)),
             f"{s.wall_s:.2f}",
             f"{s.p50_ms:.3f}",
             f"{s.p99_ms:.3f}",
@@ -101,7 +158,10 @@ def write_json(path: Path, runs: Sequence[RunResult], meta: dict[str, object]) -
                 "policy": s.policy,
                 "seeds": s.seeds,
                 "mean_alloc_pct_at_arrived": {"100": s.alloc_100, "130": s.alloc_130},
+                # The means above are over the seeds whose workload reached the level.
+                "seeds_reaching_arrived": {"100": s.seeds_100, "130": s.seeds_130},
                 "median_wall_s": s.wall_s,
+                **_replay_summary([r for r in runs if r.policy == s.policy]),
             }
             for s in summarize(runs)
         ],
@@ -110,24 +170,49 @@ def write_json(path: Path, runs: Sequence[RunResult], meta: dict[str, object]) -
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
-def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
-    """Mean allocation % against arrived % per policy (one line each), as in the FGD paper's Fig. 7."""
+def _replay_summary(rs: Sequence[RunResult]) -> dict[str, object]:
+    if not rs or any(r.replay is None for r in rs):
+        return {}
+    return {"mean_replay": {k: round(_replay_mean(rs, k), 2) for k in REPLAY_FIGURES}}
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _all_seeds_curve(rs: Sequence[RunResult], start: int = 0) -> tuple[list[int], list[float]]:
+    """Mean allocation at each arrived level that every seed reached: a level some seeds never reached would
+    average the others only, and the line would seem to fall as demand rises."""
+    xs, ys = [], []
+    for x in range(start, len(rs[0].curve)):
+        values = [r.curve[x] for r in rs]
+        if all(v is not None for v in values):
+            xs.append(x)
+            ys.append(statistics.fmean(v for v in values if v is not None))
+    return xs, ys
+
+
+def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
+    """Mean allocation % against arrived % per policy (one line each), as in the FGD paper's Fig. 7; a replay
+    gets :func:`write_replay_plot` instead. A line ends at the last level that all its seeds reached."""
+    if runs and all(r.timeline is not None for r in runs):
+        write_replay_plot(path, runs, title)
+        return
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    policies = [s.policy for s in summarize(runs)]
-    for p in policies:
-        rs = [r for r in runs if r.policy == p]
-        xs, ys = [], []
-        for x in range(len(rs[0].curve)):
-            m = _mean([r.curve[x] for r in rs])
-            if m is not None:
-                xs.append(x)
-                ys.append(m)
-        ax.plot(xs, ys, label=p, linewidth=1.4)
+    summaries = summarize(runs)
+    policies = [s.policy for s in summaries]
+    for s in summaries:
+        rs = [r for r in runs if r.policy == s.policy]
+        xs, ys = _all_seeds_curve(rs)
+        ended = max((i for i, v in enumerate(rs[0].curve) if v is not None), default=0)
+        label = s.policy if not xs or xs[-1] >= ended else f"{s.policy} (all {s.seeds} seeds up to {xs[-1]} %)"
+        ax.plot(xs, ys, label=label, linewidth=1.4)
     ax.plot([0, 100], [0, 100], color="grey", linestyle=":", linewidth=0.8, label="all placed")
     ax.set_xlabel("arrived GPU demand, % of cluster GPUs")
     ax.set_ylabel("allocated GPU, % of cluster GPUs")
@@ -139,13 +224,49 @@ def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
     # Inset: the region where policies differ.
     inset = ax.inset_axes((0.07, 0.6, 0.34, 0.35))
     for p in policies:
-        rs = [r for r in runs if r.policy == p]
-        points = [(x, _mean([r.curve[x] for r in rs])) for x in range(80, len(rs[0].curve))]
-        kept = [(x, y) for x, y in points if y is not None]
-        inset.plot([x for x, _ in kept], [y for _, y in kept])
+        xs, ys = _all_seeds_curve([r for r in runs if r.policy == p], start=80)
+        inset.plot(xs, ys)
     inset.set_xlim(80, 130)
     inset.grid(alpha=0.3)
     inset.tick_params(labelsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _mean_timeline(rs: Sequence[RunResult]) -> tuple[Any, Any, Any]:
+    """Seeds of one policy on one time axis (hours): step values at the union of their sample times, averaged."""
+    import numpy as np
+
+    lines = [r.timeline for r in rs if r.timeline is not None and r.timeline.time_s]
+    if not lines:
+        return np.zeros(0), np.zeros(0), np.zeros(0)
+    grid = np.unique(np.concatenate([np.asarray(t.time_s) for t in lines]))
+    alloc, pending = [], []
+    for t in lines:
+        idx = np.clip(np.searchsorted(np.asarray(t.time_s), grid, side="right") - 1, 0, None)
+        alloc.append(np.asarray(t.alloc_pct)[idx])
+        pending.append(np.asarray(t.pending)[idx])
+    return (grid - grid[0]) / 3600, np.mean(alloc, axis=0), np.mean(pending, axis=0)
+
+
+def write_replay_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
+    """Allocated GPU % (top) and pods pending (bottom) against trace time, one line per policy (mean of seeds)."""
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=120, sharex=True, height_ratios=(3, 2))
+    for s in summarize(runs):
+        hours, alloc, pending = _mean_timeline([r for r in runs if r.policy == s.policy])
+        top.step(hours, alloc, where="post", label=s.policy, linewidth=1.2)
+        bottom.step(hours, pending, where="post", label=s.policy, linewidth=1.2)
+    top.set_ylabel("allocated GPU, % of cluster GPUs")
+    top.set_ylim(bottom=0)  # not 0-100: a lightly loaded replay would be a flat line at the bottom
+    top.set_title(title)
+    top.grid(alpha=0.3)
+    top.legend(loc="lower right")
+    bottom.set_ylabel("pods pending")
+    bottom.set_xlabel("trace time, hours from the first event")
+    bottom.set_ylim(bottom=0)
+    bottom.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)

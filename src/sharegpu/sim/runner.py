@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import ExitStack
 from dataclasses import dataclass
+from multiprocessing import Manager
+from queue import Queue
 
 import numpy as np
 import numpy.typing as npt
@@ -59,33 +62,78 @@ def fragmentation_of(model: FragmentationModel) -> Callable[[Ledger], float]:
     return measure
 
 
-def run_one(exp: Experiment, workload: Workload, policy_name: str, seed: int) -> RunResult:
+RunProgress = Callable[[str, int, int, int], None]
+"""Progress within a run: policy, seed, pods submitted so far, pods in the run."""
+
+
+@dataclass(frozen=True)
+class _Reporter:
+    """A run's progress callback: direct in this process, or through a queue from a worker process."""
+
+    policy: str
+    seed: int
+    sink: RunProgress | None = None
+    queue: Queue[tuple[str, int, int, int]] | None = None
+
+    def bind(self, total: int) -> Callable[[int], None]:
+        def report(done: int) -> None:
+            item = (self.policy, self.seed, done, total)
+            if self.sink is not None:
+                self.sink(*item)
+            if self.queue is not None:
+                self.queue.put(item)
+
+        return report
+
+
+def run_one(
+    exp: Experiment, workload: Workload, policy_name: str, seed: int, reporter: _Reporter | None = None
+) -> RunResult:
     ctx = PolicyContext(workload)
     policy = make_policy(policy_name, ctx)
     frag = fragmentation_of(FragmentationModel(workload))
     if exp.replay:
-        return replay_timed(exp.nodes, exp.tasks, policy, seed).run
+        progress = reporter.bind(len(exp.tasks)) if reporter else None
+        return replay_timed(exp.nodes, exp.tasks, policy, seed, progress=progress).run
     arrivals: Sequence[GpuRequest] = fgd_arrivals(exp.tasks, exp.capacity_milli, seed, exp.tune)
-    return run_arrivals(exp.nodes, arrivals, policy, seed, rank=tie_rank(seed, len(exp.nodes)), frag=frag)
+    progress = reporter.bind(len(arrivals)) if reporter else None
+    return run_arrivals(
+        exp.nodes, arrivals, policy, seed, rank=tie_rank(seed, len(exp.nodes)), frag=frag, progress=progress
+    )
 
 
 def run_experiment(
-    exp: Experiment, jobs: int = 0, on_done: Callable[[RunResult], None] | None = None
+    exp: Experiment,
+    jobs: int = 0,
+    on_done: Callable[[RunResult], None] | None = None,
+    on_progress: RunProgress | None = None,
 ) -> list[RunResult]:
-    """Every policy × seed; results in (policy, seed) order. ``jobs`` 0 means one process per core."""
+    """Every policy × seed; results in (policy, seed) order. ``jobs`` 0 means one process per core.
+    ``on_progress`` hears how far each run has got (every 256 pods), also from worker processes."""
     workload = exp.workload()
     combos = [(p, s) for p in exp.policies for s in exp.seeds]
     jobs = jobs or (os.cpu_count() or 1)
     results: dict[tuple[str, int], RunResult] = {}
     if jobs <= 1 or len(combos) == 1:
         for p, s in combos:
-            results[(p, s)] = r = run_one(exp, workload, p, s)
+            reporter = _Reporter(p, s, sink=on_progress) if on_progress else None
+            results[(p, s)] = r = run_one(exp, workload, p, s, reporter)
             if on_done:
                 on_done(r)
-    else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(combos))) as pool:
-            futures = {pool.submit(run_one, exp, workload, p, s): (p, s) for p, s in combos}
-            for f in as_completed(futures):
+        return [results[c] for c in combos]
+    with ExitStack() as stack:
+        pool = stack.enter_context(ProcessPoolExecutor(max_workers=min(jobs, len(combos))))
+        queue = stack.enter_context(Manager()).Queue() if on_progress else None
+        futures = {
+            pool.submit(run_one, exp, workload, p, s, _Reporter(p, s, queue=queue) if queue else None): (p, s)
+            for p, s in combos
+        }
+        waiting = set(futures)
+        while waiting:
+            finished, waiting = wait(waiting, timeout=0.2, return_when=FIRST_COMPLETED)
+            while queue is not None and on_progress is not None and not queue.empty():
+                on_progress(*queue.get())
+            for f in finished:
                 results[futures[f]] = r = f.result()
                 if on_done:
                     on_done(r)

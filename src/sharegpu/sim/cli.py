@@ -1,0 +1,334 @@
+"""The simulator's commands: ``sim`` (replay a workload through the policies) and the ``trace`` group
+(inspect and derive openb pod lists); registered on the root app in sharegpu.cli."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sharegpu.placement.policies import POLICIES, UnknownPolicy, parse_policies
+from sharegpu.sim.engine import RunResult
+from sharegpu.sim.openb import (
+    TraceError,
+    TraceTask,
+    TraceWarning,
+    Warn,
+    load_nodes,
+    read_pod_table,
+    unplaceable_models,
+)
+from sharegpu.sim.protocol import parse_seeds
+from sharegpu.sim.report import print_table, write_json, write_plot
+from sharegpu.sim.runner import Experiment, run_experiment
+from sharegpu.sim.scenario import DEFAULT_POLICIES, DEFAULT_SEEDS, scenario_nodes, scenario_tasks
+from sharegpu.sim.variants import Shares, VariantError, VariantSpec, measure, vary, write_variant
+
+DEFAULT_OUT = Path("sharegpu-report")
+TRACE_POLICIES = "fgd,sharegpu"
+TRACE_SEEDS = "42"
+
+
+class UsageError(Exception):
+    """Bad command-line input; printed without a traceback, exit code 2."""
+
+
+def sim(
+    nodes: Path | None = typer.Option(
+        None, "--nodes", help="Node list CSV (openb format). Default: the embedded scenario."
+    ),
+    pods: Path | None = typer.Option(None, "--pods", help="Pod list CSV (openb format)."),
+    policy: str | None = typer.Option(
+        None,
+        "--policy",
+        help=f"Comma-separated policies, each once, from: {', '.join(POLICIES)}. Default: {TRACE_POLICIES} for a "
+        f"trace; {','.join(DEFAULT_POLICIES)} for the embedded scenario.",
+    ),
+    seeds: str | None = typer.Option(
+        None,
+        "--seeds",
+        help=f"Seeds: 42, 42-51 or 42,44. Default: {TRACE_SEEDS} for a trace; "
+        f"{','.join(map(str, DEFAULT_SEEDS))} for the embedded scenario.",
+    ),
+    tune: float = typer.Option(
+        1.3, "--tune", help="Grow the workload until its GPU demand is this × capacity (above 0, at most 100)."
+    ),
+    json_out: Path | None = typer.Option(
+        None, "--json", help="Write the JSON report here; without --out the plot goes beside it (same name, .png)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help=f"Folder for the report: report.json and allocation.png. Default: {DEFAULT_OUT}."
+    ),
+    replay: bool = typer.Option(
+        False, "--replay", help="Honour creation/deletion times (pods leave, a pending queue retries) instead."
+    ),
+    jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
+) -> None:
+    """Replay a workload through the placement policies and report GPU allocation (FGD paper protocol)."""
+    console = _out()
+    warnings: list[TraceWarning] = []
+    try:
+        if jobs < 0:
+            raise UsageError(f"--jobs {jobs} must be 0 (one per core) or more")
+        paths = report_paths(json_out, out)
+        exp = _experiment(nodes, pods, policy, seeds, tune, replay, warnings.append)
+    except (TraceError, UnknownPolicy, UsageError, ValueError) as e:
+        raise _error(str(e)) from None
+    for w in warnings:
+        _warn(w)
+    started = time.perf_counter()
+    runs = _run_with_progress(_err(), exp, jobs)
+    title = f"{exp.name}: {exp.total_gpus} GPUs on {len(exp.nodes)} nodes, {len(exp.tasks)} tasks"
+    title += ", replay" if exp.replay else f", tune {exp.tune}"
+    print_table(console, runs, title, exp.total_gpus)
+    meta: dict[str, object] = {
+        "experiment": exp.name,
+        "nodes": len(exp.nodes),
+        "total_gpus": exp.total_gpus,
+        "tasks": len(exp.tasks),
+        "tune": exp.tune,
+        "mode": "replay" if exp.replay else "fgd-protocol",
+        "policies": list(exp.policies),
+        "seeds": list(exp.seeds),
+        "total_wall_s": round(time.perf_counter() - started, 3),
+    }
+    try:
+        write_json(paths.json, runs, meta)
+        write_plot(paths.plot, runs, title)
+    except OSError as e:
+        raise _error(f"cannot write the report: {e}") from None
+    console.print(f"report: {paths.json} (JSON), {paths.plot} (plot)")
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    json: Path
+    plot: Path
+
+
+def report_paths(json_out: Path | None, out: Path | None) -> ReportPaths:
+    """Where the report goes, checked before any run so that a long run never ends in a path error."""
+    if out is None and json_out is not None:
+        paths = ReportPaths(json_out, json_out.with_suffix(".png"))
+    else:
+        folder = out or DEFAULT_OUT
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"--out {folder} is a file; --out names a folder for report.json and allocation.png")
+        paths = ReportPaths(json_out or folder / "report.json", folder / "allocation.png")
+    if paths.json.absolute() == paths.plot.absolute():
+        raise UsageError(f"--json {paths.json} would be overwritten by the plot; give it a .json name")
+    for what, path in (("--json", paths.json), ("the plot", paths.plot)):
+        _check_writable(what, path)
+    return paths
+
+
+def _check_writable(what: str, path: Path) -> None:
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a folder; give a file name")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"{what} {path} exists and is not writable")
+        return
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"cannot write {what} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {what} {path}: no permission to create files in {parent}")
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = parse_policies(text)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--policy {text!r} names {', '.join(twice)} more than once; list each policy once")
+    return tuple(names)
+
+
+def _experiment(
+    nodes: Path | None,
+    pods: Path | None,
+    policy: str | None,
+    seeds: str | None,
+    tune: float,
+    replay: bool,
+    warn: Warn,
+) -> Experiment:
+    if (nodes is None) != (pods is None):
+        raise UsageError("give both --nodes and --pods (a trace), or neither (the embedded scenario)")
+    if not 0 < tune <= 100:
+        raise UsageError(
+            f"--tune {tune:g} must be above 0 and at most 100 (1.3 grows the workload to 130 % of GPU capacity)"
+        )
+    if nodes is not None and pods is not None:
+        policies = _policies(policy or TRACE_POLICIES)
+        seed_list = tuple(parse_seeds(seeds or TRACE_SEEDS))
+        node_list = load_nodes(nodes, warn=warn)
+        table = read_pod_table(pods, warn=warn)
+        if not any(n.gpus for n in node_list):
+            raise UsageError(f"{nodes}: no node has a GPU")
+        for w in unplaceable_models(node_list, table):
+            warn(w)
+        return Experiment(
+            name=pods.stem,
+            nodes=tuple(node_list),
+            tasks=table.tasks,
+            policies=policies,
+            seeds=seed_list,
+            tune=tune,
+            replay=replay,
+        )
+    return Experiment(
+        name="embedded scenario",
+        nodes=tuple(scenario_nodes()),
+        tasks=tuple(TraceTask(r) for r in scenario_tasks()),
+        policies=_policies(policy or ",".join(DEFAULT_POLICIES)),
+        seeds=tuple(parse_seeds(seeds) if seeds else DEFAULT_SEEDS),
+        tune=tune,
+        replay=replay,
+    )
+
+
+def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[RunResult]:
+    """One bar for the runs, and one per run in flight counting its pods (long runs take minutes)."""
+    total = len(exp.policies) * len(exp.seeds)
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as progress:
+        bar = progress.add_task(f"simulating {total} run(s)", total=total)
+        in_flight: dict[tuple[str, int], TaskID] = {}
+
+        def moving(policy: str, seed: int, pods: int, of: int) -> None:
+            key = (policy, seed)
+            if key not in in_flight:
+                in_flight[key] = progress.add_task(f"  {policy} seed {seed}: pods", total=of)
+            progress.update(in_flight[key], completed=pods)
+
+        def done(r: RunResult) -> None:
+            task = in_flight.pop((r.policy, r.seed), None)
+            if task is not None:
+                progress.remove_task(task)
+            progress.update(bar, advance=1, description=f"{r.policy} seed {r.seed}: {r.wall_s:.1f}s")
+
+        return run_experiment(exp, jobs, done, moving)
+
+
+trace_app = typer.Typer(
+    help="Inspect openb pod lists and derive variants of them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _err() -> Console:
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
+def _out() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
+def _error(message: str) -> typer.Exit:
+    _err().print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code=2)
+
+
+def _warn(message: object) -> None:
+    _err().print(f"[yellow]warning:[/] {message}", highlight=False)
+
+
+def _shares_table(title: str, rows: dict[str, Shares]) -> Table:
+    t = Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption="CPU-only: % of pods; sharing, multi-GPU: % of GPU demand; gpu_spec: % of GPU pods with a model "
+        "constraint",
+    )
+    t.add_column("pod list")
+    columns: tuple[tuple[str, Callable[[Shares], str]], ...] = (
+        ("pods", lambda x: f"{x.pods:,}"),
+        ("GPU pods", lambda x: f"{x.gpu_pods:,}"),
+        ("GPU demand", lambda x: f"{x.gpu_demand_milli / 1000:,.1f}"),
+        ("CPU-only %", lambda x: f"{x.cpu_only_pct:.1f}"),
+        ("sharing %", lambda x: f"{x.sharing_pct:.1f}"),
+        ("multi-GPU %", lambda x: f"{x.multi_gpu_pct:.1f}"),
+        ("gpu_spec %", lambda x: f"{x.gpu_spec_pct:.1f}"),
+    )
+    for label, _ in columns:
+        t.add_column(label, justify="right", no_wrap=True)
+    for name, shares in rows.items():
+        t.add_row(name, *(fmt(shares) for _, fmt in columns))
+    return t
+
+
+@trace_app.command("vary")
+def trace_vary(
+    base: Path = typer.Argument(..., help="The base pod list (openb format), e.g. openb_pod_list_default.csv."),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the variant (a pod list CSV)."),
+    cpu_only: float | None = typer.Option(None, "--cpu-only", help="CPU-only pods, % of all pods."),
+    sharing: float | None = typer.Option(
+        None, "--sharing", help="Sharing pods (one GPU, gpu_milli < 1000), % of the GPU demand."
+    ),
+    multi_gpu: float | None = typer.Option(None, "--multi-gpu", help="Multi-GPU pods, % of the GPU demand."),
+    gpu_spec: float | None = typer.Option(
+        None, "--gpu-spec", help="Model-constrained pods (gpu_spec set), % of GPU pods."
+    ),
+    spec_source: Path | None = typer.Option(
+        None, "--spec-source", help="Pod list whose gpu_spec values are drawn for new constraints. Default: the base."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of every random choice: same inputs and seed, same file."),
+    force: bool = typer.Option(False, "--force", help="Overwrite --out if it exists."),
+) -> None:
+    """Write a variant of a pod list with chosen shares of CPU-only, sharing, multi-GPU and model-constrained pods.
+
+    Rows are resampled by class from the base (passes of seeded permutations; a share not given keeps the base's
+    proportions; the total GPU demand stays the base's); only gpu_spec is ever rewritten. Details: the module
+    docstring of sharegpu.sim.variants and the README.
+    """
+    try:
+        spec = VariantSpec(cpu_only, sharing, multi_gpu, gpu_spec, seed)
+        if out.exists() and out.resolve() == base.resolve():
+            raise VariantError(f"--out {out} is the base trace itself; write the variant to another file")
+        if out.is_dir():
+            raise VariantError(f"--out {out} is a folder; give a file name, e.g. {out / 'variant.csv'}")
+        if out.exists() and not force:
+            raise VariantError(f"--out {out} exists; give --force to overwrite it")
+        table = read_pod_table(base, warn=_warn)
+        source = read_pod_table(spec_source, warn=_warn) if spec_source is not None else None
+        variant = vary(table, spec, source)
+        write_variant(out, variant)
+    except (TraceError, VariantError) as e:
+        raise _error(str(e)) from None
+    except OSError as e:
+        raise _error(f"cannot write {out}: {e.strerror or e}") from None
+    _out().print(_shares_table(f"wrote {out}", {str(base): measure(table.tasks), str(out): measure(variant.tasks)}))
+
+
+@trace_app.command("describe")
+def trace_describe(
+    pods: list[Path] = typer.Argument(..., help="Pod lists (openb format)."),
+) -> None:
+    """Print the shares of CPU-only, sharing, multi-GPU and model-constrained pods of each pod list."""
+    try:
+        columns = {p.stem.removeprefix("openb_pod_list_"): measure(read_pod_table(p, warn=_warn).tasks) for p in pods}
+    except TraceError as e:
+        raise _error(str(e)) from None
+    _out().print(_shares_table("pod lists", columns))
