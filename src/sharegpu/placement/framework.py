@@ -9,9 +9,9 @@ and recomputes only nodes whose state changed since (the ledger bumps a node's v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -19,10 +19,43 @@ import numpy.typing as npt
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.mechanism import make_share, usable_gpus
+from sharegpu.placement.mechanism import UsablePlan, make_share
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
+
+
+AnyArray = npt.NDArray[Any]
+
+
+class NodeMemo:
+    """Values that depend only on one node's state (and a key such as a request shape), kept per node until the
+    ledger changes that node (it bumps the node's version on every change). A decision then recomputes only
+    the nodes that changed since the key was last asked for: usually one."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._entries: dict[Hashable, tuple[IntArray, AnyArray]] = {}
+
+    def get(self, key: Hashable, nodes: IntArray, compute: Callable[[IntArray], AnyArray]) -> AnyArray:
+        """``compute(nodes)`` (one row per node), from the memo where a node is unchanged since it was computed."""
+        versions = self._ledger.version
+        entry = self._entries.get(key)
+        if entry is None:
+            values = compute(nodes)
+            seen = np.full(len(versions), -1, dtype=np.int64)
+            store = np.zeros((len(versions), *values.shape[1:]), dtype=values.dtype)
+            store[nodes] = values
+            seen[nodes] = versions[nodes]
+            self._entries[key] = (seen, store)
+            return values
+        seen, store = entry
+        stale = nodes[seen[nodes] != versions[nodes]]
+        if len(stale):
+            store[stale] = compute(stale)
+            seen[stale] = versions[stale]
+        out: AnyArray = store[nodes]
+        return out
 
 
 @dataclass
@@ -33,6 +66,13 @@ class CycleState:
     usable: BoolArray  # (N,G) GPUs that can host one share now
     rng: np.random.Generator
     data: dict[str, object] = field(default_factory=dict)
+    memo: NodeMemo | None = None  # per-node values kept across cycles by the scheduler
+
+    def per_node(self, key: Hashable, nodes: IntArray, compute: Callable[[IntArray], AnyArray]) -> AnyArray:
+        """``compute(nodes)``, memoised per node across cycles when the scheduler keeps a memo."""
+        if self.memo is None:
+            return compute(nodes)
+        return self.memo.get(key, nodes, compute)
 
 
 class ScorePlugin(Protocol):
@@ -88,9 +128,13 @@ class NoFit(Exception):
 
 
 @dataclass
-class _Cache:
-    versions: IntArray
-    scores: IntArray
+class _Feasibility:
+    """One request shape's filter result for every node, and the node versions it was computed at."""
+
+    plan: UsablePlan
+    seen: IntArray  # (N,)
+    ok: BoolArray  # (N,)
+    usable: BoolArray  # (N,G)
 
 
 class Scheduler:
@@ -106,26 +150,67 @@ class Scheduler:
         self.rank: IntArray = np.arange(n, dtype=np.int64) if rank is None else np.asarray(rank, dtype=np.int64)
         if sorted(self.rank.tolist()) != list(range(n)):
             raise ValueError("rank must be a permutation of the node indices")
-        self._cache: dict[tuple[str, tuple[object, ...]], _Cache] = {}
+        self.memo = NodeMemo(ledger)
+        self._feasible: dict[tuple[object, ...], _Feasibility] = {}
         self._reasons: dict[tuple[str, tuple[object, ...]], tuple[IntArray, list[str]]] = {}
 
     # ----- filter --------------------------------------------------------------------------------------------
     def feasible(self, req: GpuRequest) -> tuple[BoolArray, BoolArray]:
-        """(N,) nodes that can host ``req`` and the (N,G) GPUs that can host one of its shares."""
+        """(N,) nodes that can host ``req`` and the (N,G) GPUs that can host one of its shares (the caller's own
+        copies)."""
+        f = self._feasibility(req)
+        return f.ok.copy(), f.usable.copy()
+
+    def _feasibility(self, req: GpuRequest) -> _Feasibility:
+        """The filter's result for ``req``'s shape, refreshed on the nodes that changed since it was last asked.
+
+        A node passes when its CPU and host memory fit and enough of its GPUs can host a share; all of that is the
+        node's own state, so rows of unchanged nodes stay valid.
+        """
+        f = self._entry(req)
+        stale = np.flatnonzero(f.seen != self.ledger.version)
+        if len(stale):
+            self._refresh(f, req, stale)
+        return f
+
+    def _entry(self, req: GpuRequest) -> _Feasibility:
+        key = req.shape_key()
+        f = self._feasible.get(key)
+        if f is None:
+            n, g = self.ledger.present.shape
+            f = _Feasibility(
+                UsablePlan.of(self.ledger, req),
+                np.full(n, -1, dtype=np.int64),
+                np.zeros(n, dtype=bool),
+                np.zeros((n, g), dtype=bool),
+            )
+            self._feasible[key] = f
+        return f
+
+    def _refresh(self, f: _Feasibility, req: GpuRequest, stale: IntArray) -> None:
         led = self.ledger
-        usable = usable_gpus(led, req)
-        ok = (led.cpu_free >= req.cpu_milli) & (led.mem_free >= req.host_memory_mib)
+        usable = f.plan.usable(led, req, stale)
+        ok = (led.cpu_free[stale] >= req.cpu_milli) & (led.mem_free[stale] >= req.host_memory_mib)
         if req.gpu_count > 0:
             ok &= usable.sum(axis=1) >= req.gpu_count
-        return ok, usable
+        f.usable[stale] = usable
+        f.ok[stale] = ok
+        f.seen[stale] = led.version[stale]
+
+    def fits(self, req: GpuRequest, node: int) -> bool:
+        """Whether ``node`` passes the filter for ``req`` now (only that node is looked at)."""
+        f = self._entry(req)
+        if f.seen[node] != self.ledger.version[node]:
+            self._refresh(f, req, np.array([node], dtype=np.int64))
+        return bool(f.ok[node])
+
+    def plan(self, req: GpuRequest) -> UsablePlan:
+        """How ``req``'s shape meets each GPU model of the ledger (built once per shape)."""
+        return self._entry(req).plan
 
     def explain(self, req: GpuRequest, usable: BoolArray) -> Unschedulable:
         """Why no node fits, counted per kind of reason, with the nearest miss named."""
-        reasons: dict[str, int] = {}
-        nodes = np.arange(len(self.ledger.nodes), dtype=np.int64)
-        for kind, _ in self._node_reasons(req, usable, nodes):
-            if kind:
-                reasons[kind] = reasons.get(kind, 0) + 1
+        reasons = self._reason_counts(req, usable)
         summary = "; ".join(f"{c} node(s): {r}" for r, c in sorted(reasons.items(), key=lambda kv: -kv[1]))
         hint = self._nearest_miss(req)
         return Unschedulable(req, f"{summary or 'no nodes'}{hint}", reasons)
@@ -148,30 +233,22 @@ class Scheduler:
         key = state.request.shape_key()
         for plugin, weight in self.policy.scorers:
             if plugin.node_local:
-                s = self._cached(plugin, key, state, nodes)
+
+                def compute(stale: IntArray, plugin: ScorePlugin = plugin) -> IntArray:
+                    return plugin.score(self.ledger, state, stale)
+
+                s = self.memo.get(("score", plugin.name, key), nodes, compute)
             else:
                 s = plugin.score(self.ledger, state, nodes)
             total += weight * s
         return total
 
-    def _cached(self, plugin: ScorePlugin, key: tuple[object, ...], state: CycleState, nodes: IntArray) -> IntArray:
-        versions = self.ledger.version
-        cache = self._cache.get((plugin.name, key))
-        if cache is None:
-            cache = _Cache(np.full(len(versions), -1, dtype=np.int64), np.zeros(len(versions), dtype=np.int64))
-            self._cache[(plugin.name, key)] = cache
-        stale = nodes[cache.versions[nodes] != versions[nodes]]
-        if len(stale):
-            cache.scores[stale] = plugin.score(self.ledger, state, stale)
-            cache.versions[stale] = versions[stale]
-        return cache.scores[nodes]
-
     def decide(self, req: GpuRequest) -> Decision | Unschedulable:
-        ok, usable = self.feasible(req)
-        nodes = np.flatnonzero(ok).astype(np.int64)
-        state = CycleState(req, usable, self.rng)
+        f = self._feasibility(req)
+        nodes = np.flatnonzero(f.ok)
+        state = CycleState(req, f.usable, self.rng, memo=self.memo)
         if len(nodes) == 0:
-            return self.explain(req, usable)
+            return self.explain(req, f.usable)
         scores = self.scores(state, nodes)
         node = self.pick(nodes, scores)
         return Decision(self.assignment_on(state, node), node, int(scores.max()), len(nodes))
@@ -195,13 +272,13 @@ class Scheduler:
 
     def decide_on(self, req: GpuRequest, node: int) -> Decision | Unschedulable:
         """Like :meth:`decide`, but on the one node that something else (the kube-scheduler) chose."""
-        ok, usable = self.feasible(req)
-        if not ok[node]:
-            reason = self.explain_nodes(req, usable, np.array([node], dtype=np.int64))[0]
+        f = self._feasibility(req)
+        if not f.ok[node]:
+            reason = self.explain_nodes(req, f.usable, np.array([node], dtype=np.int64))[0]
             return Unschedulable(req, f"{self.ledger.nodes[node].name}: {reason}", {reason: 1})
-        state = CycleState(req, usable, self.rng)
+        state = CycleState(req, f.usable, self.rng, memo=self.memo)
         nodes = np.array([node], dtype=np.int64)
-        return Decision(self.assignment_on(state, node), node, int(self.scores(state, nodes)[0]), int(ok.sum()))
+        return Decision(self.assignment_on(state, node), node, int(self.scores(state, nodes)[0]), int(f.ok.sum()))
 
     def explain_nodes(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[str]:
         """Why each of ``nodes`` (rejected by :meth:`feasible`) cannot host ``req``, in words a user can act on.
@@ -223,6 +300,33 @@ class Scheduler:
                 reasons[n] = text
             versions[stale] = led.version[stale]
         return [reasons[n] for n in nodes.tolist()]
+
+    def _reason_counts(self, req: GpuRequest, usable: BoolArray) -> dict[str, int]:
+        """How many nodes each kind of reason rejects (as :func:`_node_reason` words it), in the order of the first
+        node that gives it; vectorised, since a request that fits nowhere is explained over every node."""
+        led = self.ledger
+        cpu_short = led.cpu_free < req.cpu_milli
+        mem_short = led.mem_free < req.host_memory_mib
+        rules: list[tuple[str, BoolArray]] = []
+        open_: BoolArray = np.ones(len(led.nodes), dtype=bool)
+        if req.gpu_count > 0:
+            allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
+            no_model: BoolArray = (allowed[led.model_id] & led.present).sum(axis=1) == 0
+            rules.append(("no GPU of an allowed model" if req.allowed_models else "no GPUs", no_model))
+            open_ = ~no_model
+        rules.append(("not enough CPU", open_ & cpu_short))
+        open_ &= ~cpu_short
+        rules.append(("not enough host memory", open_ & mem_short))
+        open_ &= ~mem_short
+        if req.gpu_count > 0:
+            rules.append(
+                (
+                    f"fewer than {req.gpu_count} GPU(s) with room for the share",
+                    open_ & (usable.sum(axis=1) < req.gpu_count),
+                )
+            )
+        firsts = [(int(np.argmax(mask)), kind, int(mask.sum())) for kind, mask in rules if mask.any()]
+        return {kind: count for _, kind, count in sorted(firsts)}
 
     def _node_reasons(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[tuple[str, str]]:
         """(kind, words) per node: the kind counts nodes alike in a summary, the words explain one node."""

@@ -147,51 +147,106 @@ def _mem_fraction(req: GpuRequest, profile: MigProfile) -> int:
     return max(1, min(FULL_MILLI, -(-req.memory_mib * FULL_MILLI // profile.memory_mib)))
 
 
-def usable_gpus(ledger: Ledger, req: GpuRequest) -> BoolMatrix:
-    """(nodes × GPU slots) mask of the GPUs that can host one share of ``req`` now."""
-    usable = np.zeros(ledger.present.shape, dtype=bool)
-    if req.gpu_count == 0 or usable.size == 0:
+_NONE, _WHOLE, _SHARE, _MIG = 0, 1, 2, 3
+_ROUTE_CODE = {None: _NONE, Route.WHOLE: _WHOLE, Route.SHARE: _SHARE, Route.MIG: _MIG}
+
+
+@dataclass(frozen=True)
+class UsablePlan:
+    """How one request shape meets each GPU model of a ledger, as tables indexed by model id (the last row is
+    "no GPU"), so that which GPUs can host a share is a few array operations over any set of nodes.
+
+    It depends on the request's shape and the ledger's models only, never on GPU state: a scheduler builds it
+    once per shape.
+    """
+
+    route: npt.NDArray[np.int8]  # (models + 1,) route code per model
+    compute: npt.NDArray[np.int64]  # (models + 1,) compute a share reserves on the model
+    mode_ok: BoolMatrix  # (models + 1, modes) may a share join a GPU in this mode
+    mps_limit: npt.NDArray[np.bool_]  # (models + 1,) the MPS client limit applies to a share on the model
+    memory: int
+    mig_models: tuple[int, ...]  # model ids reached through MIG (checked per model: placements differ)
+    least_compute: int  # a lower bound of the free compute a GPU needs to host a share, on any model
+
+    @classmethod
+    def of(cls, ledger: Ledger, req: GpuRequest) -> UsablePlan:
+        k = len(ledger.models) + 1
+        route = np.zeros(k, dtype=np.int8)
+        compute = np.zeros(k, dtype=np.int64)
+        mode_ok = np.zeros((k, len(GpuMode)), dtype=bool)
+        mps_limit = np.zeros(k, dtype=bool)
+        mig: list[int] = []
+        if req.gpu_count > 0:
+            for mid, model in enumerate(ledger.models):
+                r = route_for(req, model)
+                route[mid] = _ROUTE_CODE[r]
+                if r == Route.SHARE:
+                    compute[mid] = req.compute_on(model)
+                    modes = share_modes(req, model)
+                    mode_ok[mid, GpuMode.FREE] = True
+                    for m in modes:
+                        mode_ok[mid, m] = True
+                    mps_limit[mid] = GpuMode.MPS in modes
+                elif r == Route.MIG:
+                    mig.append(mid)
+        # A whole GPU is free only when all its compute is; a MIG GPU's free compute says little (0: no bound).
+        needs = [FULL_MILLI if r == _WHOLE else int(c) for r, c in zip(route[:-1], compute[:-1], strict=True) if r]
+        least = 0 if mig else min(needs, default=FULL_MILLI + 1)
+        return cls(route, compute, mode_ok, mps_limit, req.memory_mib or 0, tuple(mig), least)
+
+    def usable(self, ledger: Ledger, req: GpuRequest, nodes: npt.NDArray[np.int64]) -> BoolMatrix:
+        """(len(nodes) × GPU slots): the GPUs of ``nodes`` that can host one share of ``req`` now."""
+        mid = ledger.model_id[nodes]
+        route = self.route[mid]
+        mode = ledger.mode[nodes]
+        base = ledger.present[nodes] & ledger.healthy[nodes]
+        usable: BoolMatrix = base & (route == _WHOLE) & (mode == GpuMode.FREE)
+        share = base & (route == _SHARE)
+        if share.any():
+            usable |= (
+                share
+                & (ledger.free_milli[nodes] >= self.compute[mid])
+                & (ledger.free_mem[nodes] >= self.memory)
+                & self.mode_ok[mid, mode]
+                & (~self.mps_limit[mid] | (mode != GpuMode.MPS) | (ledger.clients[nodes] < MPS_MAX_CLIENTS))
+            )
+        for m in self.mig_models:
+            on_model = base & (mid == m)
+            if on_model.any():
+                candidates = on_model & ((mode == GpuMode.FREE) | (mode == GpuMode.MIG))
+                usable |= _mig_usable(ledger, req, ledger.models[m], candidates, nodes)
         return usable
-    base = ledger.present & ledger.healthy
-    mode = ledger.mode
-    for mid, model in enumerate(ledger.models):
-        route = route_for(req, model)
-        if route is None:
-            continue
-        on_model = base & (ledger.model_id == mid)
-        if not on_model.any():
-            continue
-        if route == Route.WHOLE:
-            usable |= on_model & (mode == GpuMode.FREE)
-        elif route == Route.SHARE:
-            compute = req.compute_on(model)
-            mem = req.memory_mib or 0
-            fit = on_model & (ledger.free_milli >= compute) & (ledger.free_mem >= mem)
-            modes = share_modes(req, model)
-            ok_mode = mode == GpuMode.FREE
-            for m in modes:
-                ok_mode |= mode == m
-            if GpuMode.MPS in modes:
-                ok_mode &= (mode != GpuMode.MPS) | (ledger.clients < MPS_MAX_CLIENTS)
-            usable |= fit & ok_mode
-        else:
-            usable |= _mig_usable(ledger, req, model, on_model & ((mode == GpuMode.FREE) | (mode == GpuMode.MIG)))
-    return usable
 
 
-def _mig_usable(ledger: Ledger, req: GpuRequest, model: GpuModel, candidates: BoolMatrix) -> BoolMatrix:
-    """GPUs among ``candidates`` where a MIG share of ``req`` fits: a new instance on free slots and slices
-    (vectorised), or an instance already there that it may join (checked one by one: there are few)."""
+def usable_gpus(ledger: Ledger, req: GpuRequest, nodes: npt.NDArray[np.int64] | None = None) -> BoolMatrix:
+    """(nodes × GPU slots) mask of the GPUs that can host one share of ``req`` now; rows of ``nodes`` only when
+    given (a node's row depends on that node's state alone, so callers may refresh the rows that changed)."""
+    if nodes is None:
+        nodes = np.arange(ledger.present.shape[0], dtype=np.int64)
+    return UsablePlan.of(ledger, req).usable(ledger, req, nodes)
+
+
+def _mig_usable(
+    ledger: Ledger, req: GpuRequest, model: GpuModel, candidates: BoolMatrix, nodes: npt.NDArray[np.int64]
+) -> BoolMatrix:
+    """GPUs among ``candidates`` (rows of ``nodes``) where a MIG share of ``req`` fits: a new instance on free
+    slots and slices (vectorised), or an instance already there that it may join (checked one by one: there
+    are few)."""
     ok = np.zeros_like(candidates)
-    free_slices = model.compute_slices - ledger.mig_slices_used.astype(np.int64)
+    slots_used = ledger.mig_slots_used[nodes]
+    free_slices = model.compute_slices - ledger.mig_slices_used[nodes].astype(np.int64)
     for p in mig_profiles_for(req, model):
         fits = free_slices >= p.compute_slices
         for start in p.starts:
-            ok |= fits & ((ledger.mig_slots_used & slot_mask(start, p.memory_slots)) == 0)
+            ok |= fits & ((slots_used & slot_mask(start, p.memory_slots)) == 0)
     ok &= candidates
+    if not ledger.instances:
+        return ok
+    row_of = {n: i for i, n in enumerate(nodes.tolist())}
     for n, g in ledger.instances:
-        if candidates[n, g] and not ok[n, g]:
-            ok[n, g] = mig_choice(ledger, n, g, req) is not None
+        i = row_of.get(n)
+        if i is not None and candidates[i, g] and not ok[i, g]:
+            ok[i, g] = mig_choice(ledger, n, g, req) is not None
     return ok
 
 

@@ -6,7 +6,7 @@ Baselines follow the reference simulator of the FGD paper (kubernetes-scheduler-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -154,18 +154,28 @@ class BestFitScore:
 
 
 # ----- FGD ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FragmentationModel:
-    """Everything FGD needs beyond the ledger: the workload distribution and node → shape access."""
+    """Everything FGD needs beyond the ledger: the workload distribution and node → shape access.
+
+    Compared and hashed by identity, so that it can key a scheduler's per-node memo.
+    """
 
     workload: Workload
+    # (models + 1) × shapes access tables per list of model names, the last row (node without GPUs) all False:
+    # a memo, since every score asks for it.
+    _tables: dict[tuple[str, ...], npt.NDArray[np.bool_]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def access(self, ledger: Ledger, nodes: IntArray) -> npt.NDArray[np.bool_]:
-        table = self.workload.access(ledger.model_names)
-        ids = ledger.node_model_id[nodes]
-        out = np.zeros((len(nodes), len(self.workload.shapes)), dtype=bool)
-        has = ids >= 0
-        out[has] = table[ids[has]]
+        names = tuple(ledger.model_names)
+        table = self._tables.get(names)
+        if table is None:
+            table = np.zeros((len(names) + 1, len(self.workload.shapes)), dtype=bool)
+            table[: len(names)] = self.workload.access(ledger.model_names)
+            self._tables[names] = table
+        out: npt.NDArray[np.bool_] = table[ledger.node_model_id[nodes]]  # id -1 reads the last row
         return out
 
     def stranded(self, gpu_free: FloatArray | IntArray, cpu_free: FloatArray | IntArray) -> FloatArray:
@@ -193,7 +203,13 @@ class FragmentationModel:
         )
 
     def share_delta(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:
-        """(K,G) growth of each node's fragmentation if a one-GPU share lands on each of its GPUs."""
+        """(K,G) growth of each node's fragmentation if a one-GPU share lands on each of its GPUs.
+
+        Before and after are computed over the same nodes in one call, never taken from values computed over
+        another set of nodes: BLAS rounds a row's weighted sum differently depending on the batch it sits in, so
+        mixing batches would move FGD's integer scores and ties (a CPU-only pod's growth on a node whose CPU is
+        not short would no longer be exactly 0).
+        """
         return self.per_gpu_after(ledger, req, nodes) - self.before(ledger, nodes)[:, None]
 
     def whole_after(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:

@@ -1,0 +1,218 @@
+"""The scheduler's fast paths equal plain references: per-shape filter and score memos against a cache-less
+decision, the vectorised filter against a per-GPU check, the vectorised reasons against the per-node ones, and
+the replay's indexed pending queue against retrying the whole queue."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger
+from sharegpu.model.assignment import Assignment
+from sharegpu.model.catalog import GIB
+from sharegpu.model.inventory import NodeSpec, sim_gpus
+from sharegpu.model.request import GpuRequest, InvalidRequest, Isolation, Sharing
+from sharegpu.placement.fragmentation import Workload
+from sharegpu.placement.framework import BoolArray, CycleState, Decision, Scheduler, Unschedulable
+from sharegpu.placement.mechanism import Route, mig_choice, route_for, share_modes, usable_gpus
+from sharegpu.placement.policies import PolicyContext, make_policy
+from sharegpu.sim.engine import replay_timed
+from sharegpu.sim.openb import TraceTask
+
+MODELS = ["A100-40GB", "H100-80GB", "A30-24GB", "T4", "P100", "V100-16GB", "G2"]
+NODE_MODELS = ["A100-40GB", "H100-80GB", "T4", "P100", "V100-16GB", "G2"]
+
+
+def random_cluster(rnd: random.Random, n: int) -> list[NodeSpec]:
+    nodes = []
+    for i in range(n):
+        name = f"n{i:02d}"
+        gpus = sim_gpus(name, rnd.choice(NODE_MODELS), rnd.choice([1, 2, 4, 8]))
+        # Now and then an unhealthy GPU: it hosts nothing, and the filter must say so.
+        gpus = tuple(dataclasses.replace(g, healthy=rnd.random() > 0.1) for g in gpus)
+        nodes.append(NodeSpec(name, rnd.choice([8000, 32_000, 96_000]), rnd.choice([16, 64, 256]) * GIB, gpus))
+    return nodes
+
+
+def random_request(rnd: random.Random, name: str) -> GpuRequest:
+    """Any valid request: whole, shared by compute or memory, MIG by isolation or profile, model-bound, CPU-only."""
+    while True:
+        kind = rnd.random()
+        cpu, mem = rnd.choice([0, 1000, 4000, 16_000]), rnd.choice([0, 1024, 8 * GIB])
+        try:
+            if kind < 0.1:
+                return GpuRequest(name, 0, cpu_milli=cpu, host_memory_mib=mem)
+            count = rnd.choice([1, 1, 1, 2, 4])
+            compute = rnd.choice([None, None, 100, 300, 500, 1000])
+            memory = rnd.choice([None, None, 4 * GIB, 10 * GIB])
+            return GpuRequest(
+                name,
+                1 if (compute or memory) and rnd.random() < 0.8 else count,
+                compute_milli=compute,
+                memory_mib=memory,
+                isolation=rnd.choice([Isolation.NONE, Isolation.NONE, Isolation.MEMORY, Isolation.HARDWARE]),
+                sharing=rnd.choice([Sharing.AUTO] * 6 + [Sharing.MPS, Sharing.TIME_SLICING, Sharing.MIG]),
+                allowed_models=frozenset(rnd.sample(MODELS, 2)) if rnd.random() < 0.2 else frozenset(),
+                cpu_milli=cpu,
+                host_memory_mib=mem,
+            )
+        except InvalidRequest:
+            continue
+
+
+def reference_usable(ledger: Ledger, req: GpuRequest) -> BoolArray:
+    """GPU by GPU, from the mechanism rules alone: the filter the vectorised plan must equal."""
+    out = np.zeros(ledger.present.shape, dtype=bool)
+    for n in range(len(ledger.nodes)):
+        for g in range(ledger.present.shape[1]):
+            if req.gpu_count == 0 or not (ledger.present[n, g] and ledger.healthy[n, g]):
+                continue
+            model = ledger.gpu_model(n, g)
+            route = route_for(req, model)
+            mode = GpuMode(int(ledger.mode[n, g]))
+            if route == Route.WHOLE:
+                out[n, g] = mode is GpuMode.FREE
+            elif route == Route.SHARE:
+                modes = share_modes(req, model)
+                out[n, g] = (
+                    ledger.free_milli[n, g] >= req.compute_on(model)
+                    and ledger.free_mem[n, g] >= (req.memory_mib or 0)
+                    and (mode is GpuMode.FREE or mode in modes)
+                    and not (mode is GpuMode.MPS and ledger.clients[n, g] >= MPS_MAX_CLIENTS)
+                )
+            elif route == Route.MIG:
+                out[n, g] = mig_choice(ledger, n, g, req) is not None
+    return out
+
+
+def reference_decide(sched: Scheduler, req: GpuRequest) -> Decision | None:
+    """The decision computed from scratch: every node filtered and scored, nothing remembered between cycles."""
+    led = sched.ledger
+    usable = reference_usable(led, req)
+    ok = (led.cpu_free >= req.cpu_milli) & (led.mem_free >= req.host_memory_mib)
+    if req.gpu_count:
+        ok &= usable.sum(axis=1) >= req.gpu_count
+    nodes = np.flatnonzero(ok).astype(np.int64)
+    if len(nodes) == 0:
+        return None
+    state = CycleState(req, usable, np.random.default_rng(0))
+    total = np.zeros(len(nodes), dtype=np.int64)
+    for plugin, weight in sched.policy.scorers:
+        total += weight * plugin.score(led, state, nodes)
+    node = sched.pick(nodes, total)
+    return Decision(sched.assignment_on(state, node), node, int(total.max()), len(nodes))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["fgd", "sharegpu", "bestfit", "packing", "clustering", "dotprod"]))
+def test_memoised_decisions_equal_decisions_from_scratch(seed: int, policy: str) -> None:
+    rnd = random.Random(seed)
+    nodes = random_cluster(rnd, rnd.randint(1, 7))
+    reqs = [random_request(rnd, f"p{i}") for i in range(40)]
+    sched = Scheduler(Ledger(nodes), make_policy(policy, PolicyContext(Workload.from_requests(reqs))), seed=1)
+    for req in reqs:
+        if sched.ledger.assignments and rnd.random() < 0.2:
+            sched.ledger.release(rnd.choice(sorted(sched.ledger.assignments)))
+        np.testing.assert_array_equal(sched.feasible(req)[1], reference_usable(sched.ledger, req))
+        fast, ref = sched.decide(req), reference_decide(sched, req)
+        if ref is None:
+            assert isinstance(fast, Unschedulable)
+            continue
+        assert isinstance(fast, Decision)
+        assert (fast.assignment, fast.node_index, fast.score, fast.feasible) == (
+            ref.assignment,
+            ref.node_index,
+            ref.score,
+            ref.feasible,
+        )
+        sched.ledger.place(fast.assignment)
+    sched.ledger.check_invariants()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_reasons_counted_at_once_equal_reasons_node_by_node(seed: int) -> None:
+    rnd = random.Random(seed)
+    nodes = random_cluster(rnd, rnd.randint(1, 7))
+    reqs = [random_request(rnd, f"p{i}") for i in range(30)]
+    sched = Scheduler(Ledger(nodes), make_policy("bestfit", PolicyContext(Workload.from_requests(reqs))))
+    every = np.arange(len(nodes), dtype=np.int64)
+    for req in reqs:
+        d = sched.decide(req)
+        if isinstance(d, Decision):
+            sched.ledger.place(d.assignment)
+            continue
+        expected: dict[str, int] = {}
+        for kind, _ in sched._node_reasons(req, usable_gpus(sched.ledger, req), every):
+            if kind:
+                expected[kind] = expected.get(kind, 0) + 1
+        assert d.reasons == expected
+        assert list(d.reasons) == list(expected)  # same order: ties in the summary go to the first node's reason
+
+
+def test_fits_and_feasible_agree_after_changes() -> None:
+    rnd = random.Random(3)
+    nodes = random_cluster(rnd, 6)
+    reqs = [random_request(rnd, f"p{i}") for i in range(60)]
+    sched = Scheduler(Ledger(nodes), make_policy("bestfit", PolicyContext(Workload.from_requests(reqs))))
+    for req in reqs:
+        ok = [sched.fits(req, n) for n in range(len(nodes))]  # one node at a time first, then all at once
+        assert ok == sched.feasible(req)[0].tolist()
+        d = sched.decide(req)
+        if isinstance(d, Decision):
+            sched.ledger.place(d.assignment)
+
+
+# ----- the replay's pending queue -------------------------------------------------------------------------------
+def placements(monkeypatch: pytest.MonkeyPatch, run: object) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Every placement the ledger accepts while ``run()`` runs, in order: (pod, node, GPU indices)."""
+    seen: list[tuple[str, str, tuple[int, ...]]] = []
+    original = Ledger.place
+
+    def record(self: Ledger, a: Assignment, check_health: bool = True) -> None:
+        original(self, a, check_health)
+        seen.append((a.pod, a.node, tuple(s.gpu_index for s in a.shares)))
+
+    with monkeypatch.context() as m:
+        m.setattr(Ledger, "place", record)
+        run()  # type: ignore[operator]
+    return seen
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["fgd", "sharegpu", "bestfit", "random", "packing"]),
+    st.sampled_from([3, 10_000]),
+)
+def test_indexed_pending_queue_places_what_retrying_everything_places(
+    monkeypatch: pytest.MonkeyPatch, seed: int, policy: str, max_pending: int
+) -> None:
+    rnd = random.Random(seed)
+    nodes = random_cluster(rnd, rnd.randint(1, 4))
+    tasks = []
+    for i in range(80):  # overloaded: far more demand than the small cluster holds at once
+        created = rnd.randrange(0, 200)
+        deleted = created + rnd.randrange(0, 60) if rnd.random() < 0.85 else None
+        tasks.append(TraceTask(random_request(rnd, f"p{i:03d}"), created, deleted))
+    pol = make_policy(policy, PolicyContext(Workload.from_requests(t.request for t in tasks)))
+    results = {}
+    seen = {}
+    for retry_all in (False, True):
+
+        def go(retry_all: bool = retry_all) -> None:
+            results[retry_all] = replay_timed(nodes, tasks, pol, seed=5, max_pending=max_pending, retry_all=retry_all)
+
+        seen[retry_all] = placements(monkeypatch, go)
+    assert seen[False] == seen[True]
+    fast, ref = results[False], results[True]
+    assert (fast.waited, fast.never_placed, fast.peak_pending) == (ref.waited, ref.never_placed, ref.peak_pending)
+    assert fast.run.curve == ref.run.curve and fast.run.failures == ref.run.failures
+    assert fast.run.replay == ref.run.replay
