@@ -439,11 +439,11 @@ def allocation_bound(
     nodes: Sequence[NodeSpec],
     requests: Sequence[GpuRequest],
     gap_pct: float = 0.02,
-    max_rounds: int = 60,
-    time_limit_s: float = 900.0,
+    max_rounds: int = 1000,
+    time_limit_s: float = 1800.0,
     pricing_time_limit_s: float = 20.0,
-    heuristic_rounds: int = 25,
-    heuristic_tries: int = 20,
+    heuristic_rounds: int = 3,
+    heuristic_tries: int = 10,
     on_round: Callable[[int, float, float], None] | None = None,
 ) -> Bound:
     """An upper bound on the GPU milli any placement of ``requests`` on ``nodes`` can allocate (module doc).
