@@ -9,7 +9,7 @@ GPU memory plays no part. All arrays are (nodes × GPU slots) with absent or unh
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,31 +47,43 @@ class Workload:
     milli: IntArray  # (M,)
     count: IntArray  # (M,)
     cpu_per_gpu_milli: float = 0.0  # CPU milli the workload asks per milli-GPU (CPU-only tasks included)
+    # Shapes beyond ``shapes`` that, with them, cover most of the GPU demand (rare but large, e.g. 8-GPU tasks
+    # that only the CPU-richest nodes can host), with their task counts. FGD ignores them; see :meth:`extended`.
+    extras: tuple[tuple[TaskShape, int], ...] = ()
+    counts: tuple[int, ...] = ()  # task count of each of ``shapes``
 
     @classmethod
-    def from_requests(cls, reqs: Iterable[GpuRequest], coverage: float = 0.95) -> Workload:
+    def from_requests(
+        cls, reqs: Iterable[GpuRequest], coverage: float = 0.95, demand_coverage: float = 0.95
+    ) -> Workload:
         """The most common shapes first until they cover ``coverage`` of the tasks (the crossing one included).
 
-        Equal counts order by (cpu, gpu milli, gpu count, models) descending, as the reference does.
+        Equal counts order by (cpu, gpu milli, gpu count, models) descending, as the reference does. The shapes
+        that bring the most GPU demand first, until they cover ``demand_coverage`` of it, are kept beside them as
+        :attr:`extras` when they are not among them.
         """
         counts = Counter(
             TaskShape(shape_cpu(r), r.milli if r.gpu_count else 0, r.gpu_count, r.allowed_models) for r in reqs
         )
         if not counts:
             raise ValueError("a workload distribution needs at least one task")
-        total = sum(counts.values())
-        ordered = sorted(
-            counts.items(),
-            key=lambda kv: (kv[1], kv[0].cpu_milli, kv[0].gpu_milli, kv[0].gpu_count, "|".join(sorted(kv[0].models))),
-            reverse=True,
+
+        def tie(shape: TaskShape) -> tuple[int, int, int, str]:
+            return (shape.cpu_milli, shape.gpu_milli, shape.gpu_count, "|".join(sorted(shape.models)))
+
+        ordered = sorted(counts.items(), key=lambda kv: (kv[1], *tie(kv[0])), reverse=True)
+        chosen = _cover(ordered, lambda s, c: c, coverage)
+        by_demand = sorted(counts.items(), key=lambda kv: (_demand(kv[0]) * kv[1], *tie(kv[0])), reverse=True)
+        have = {s for s, _ in chosen}
+        extras = tuple(
+            (s, c) for s, c in _cover(by_demand, lambda s, c: _demand(s) * c, demand_coverage) if s not in have
         )
-        chosen: list[tuple[TaskShape, int]] = []
-        cum = 0
-        for shape, c in ordered:
-            chosen.append((shape, c))
-            cum += c
-            if cum >= coverage * total:
-                break
+        return cls.of(chosen, extras)
+
+    @classmethod
+    def of(cls, chosen: list[tuple[TaskShape, int]], extras: tuple[tuple[TaskShape, int], ...] = ()) -> Workload:
+        """Shapes weighted by their task counts."""
+        cum = sum(c for _, c in chosen)
         weights = np.array([c for _, c in chosen], dtype=np.float64) / cum
         shapes = tuple(s for s, _ in chosen)
         cpu = np.array([s.cpu_milli for s in shapes], dtype=np.int64)
@@ -79,20 +91,21 @@ class Workload:
         count = np.array([s.gpu_count for s in shapes], dtype=np.int64)
         gpu = float((weights * milli * count).sum())
         ratio = float((weights * cpu).sum()) / gpu if gpu > 0 else 0.0
-        return cls(shapes, weights, cpu, milli, count, ratio)
+        return cls(shapes, weights, cpu, milli, count, ratio, extras, tuple(c for _, c in chosen))
 
-    def demand_blended(self) -> Workload:
-        """The same shapes weighted half by how often they arrive and half by the GPU they bring.
+    def extended(self) -> Workload:
+        """The typical shapes and the :attr:`extras`, weighted by task counts over all of them."""
+        if not self.extras:
+            return self
+        return Workload.of([*zip(self.shapes, self.counts, strict=True), *self.extras])
 
-        Counting tasks protects the many small shares; counting GPU demand protects the multi-GPU tasks that
-        carry most of the allocation but are few. Fragmentation is linear in the weights, so the blend is
-        the even mean of both views, computed once.
-        """
+    def demand_weights(self) -> FloatArray:
+        """Weights by GPU demand (how often a shape arrives times the GPU it brings); counts where none asks."""
         demand = self.weights * self.milli * self.count
         if demand.sum() <= 0:
-            return self
-        weights = 0.5 * self.weights + 0.5 * demand / demand.sum()
-        return Workload(self.shapes, weights, self.cpu, self.milli, self.count, self.cpu_per_gpu_milli)
+            return self.weights
+        out: FloatArray = demand / demand.sum()
+        return out
 
     def access(self, model_names: list[str]) -> BoolArray:
         """(models × shapes): may shape m run on model k."""
@@ -103,28 +116,55 @@ class Workload:
         return out
 
 
+def _demand(shape: TaskShape) -> int:
+    return shape.gpu_milli * shape.gpu_count
+
+
+def _cover(
+    ordered: list[tuple[TaskShape, int]], size: Callable[[TaskShape, int], int], coverage: float
+) -> list[tuple[TaskShape, int]]:
+    """The first of ``ordered`` until their sizes reach ``coverage`` of the total (the crossing one included)."""
+    total = sum(size(s, c) for s, c in ordered)
+    chosen: list[tuple[TaskShape, int]] = []
+    cum = 0
+    for shape, c in ordered:
+        if total <= 0 or cum >= coverage * total:
+            break
+        chosen.append((shape, c))
+        cum += size(shape, c)
+    return chosen
+
+
 def node_fragmentation(free: IntArray, cpu_free: IntArray, access: BoolArray, wl: Workload) -> FloatArray:
     """Σ_m p_m · F_m for each node: free (K,G), cpu_free (K,), access (K,M) → (K,)."""
+    result: FloatArray = shape_fragmentation(free, cpu_free, access, wl).astype(np.float64) @ wl.weights
+    return result
+
+
+def shape_fragmentation(free: IntArray, cpu_free: IntArray, access: BoolArray, wl: Workload) -> IntArray:
+    """(K,M) F_m of each node for each shape m, in milli-GPU."""
     ge = free[:, :, None] >= wl.milli[None, None, :]  # (K,G,M)
     cnt = ge.sum(axis=1)
     sum_lt = np.where(ge, 0, free[:, :, None]).sum(axis=1)
     idle = free.sum(axis=1)
-    return _combine(cnt, sum_lt, idle, cpu_free, access, wl)
-
-
-def _combine(
-    cnt: IntArray, sum_lt: IntArray, idle: IntArray, cpu_free: IntArray, access: BoolArray, wl: Workload
-) -> FloatArray:
     runs = access & (wl.milli > 0)[None, :] & (cnt >= wl.count[None, :]) & (cpu_free[:, None] >= wl.cpu[None, :])
-    frag = np.where(runs, sum_lt, idle[:, None]).astype(np.float64)
-    result: FloatArray = frag @ wl.weights
-    return result
+    out: IntArray = np.where(runs, sum_lt, idle[:, None])
+    return out
 
 
 def share_fragmentation(
     free: IntArray, cpu_free: IntArray, access: BoolArray, wl: Workload, milli: int, cpu: int
 ) -> FloatArray:
-    """(K,G): each node's fragmentation after one ``milli`` share lands on GPU g (and ``cpu`` leaves the node).
+    """(K,G): each node's fragmentation after one ``milli`` share lands on GPU g (and ``cpu`` leaves the node)."""
+    frag = share_shape_fragmentation(free, cpu_free, access, wl, milli, cpu).astype(np.float64)
+    result: FloatArray = frag @ wl.weights
+    return result
+
+
+def share_shape_fragmentation(
+    free: IntArray, cpu_free: IntArray, access: BoolArray, wl: Workload, milli: int, cpu: int
+) -> IntArray:
+    """(K,G,M): F_m of each node after one ``milli`` share lands on GPU g (and ``cpu`` leaves the node).
 
     Only GPU g changes, so the per-shape counts and sums are corrected for that one GPU instead of recomputed.
     """
@@ -145,9 +185,8 @@ def share_fragmentation(
         & (cnt_g >= wl.count[None, None, :])
         & (cpu_after[:, None, None] >= wl.cpu[None, None, :])
     )
-    frag = np.where(runs, sum_g, np.broadcast_to(idle_g[:, :, None], runs.shape)).astype(np.float64)
-    result: FloatArray = frag @ wl.weights
-    return result
+    out: IntArray = np.where(runs, sum_g, np.broadcast_to(idle_g[:, :, None], runs.shape))
+    return out
 
 
 def fgd_score(before: FloatArray, after: FloatArray) -> IntArray:

@@ -15,13 +15,13 @@ from sharegpu.placement.scorers import (
     DotProductScore,
     FgdGpus,
     FgdScore,
-    FragmentationDeltaGpus,
-    FragmentationDeltaScore,
     FragmentationModel,
     GpuClusteringScore,
     GpuPackingScore,
     RandomGpus,
     RandomScore,
+    RefinedFgdGpus,
+    RefinedFgdScore,
 )
 
 
@@ -67,12 +67,12 @@ def _fgd(ctx: PolicyContext) -> Policy:
 
 
 def _sharegpu(ctx: PolicyContext) -> Policy:
-    model = FragmentationModel(ctx.fragmentation("sharegpu").workload.demand_blended())
+    scorer = RefinedFgdScore.of(ctx.fragmentation("sharegpu").workload)
     return Policy(
         "sharegpu",
-        ((FragmentationDeltaScore(model), 1),),
-        FragmentationDeltaGpus(model),
-        description="least growth of fragmented and CPU-stranded GPU, then best fit",
+        ((scorer, 1),),
+        RefinedFgdGpus(scorer),
+        description="FGD's choice, ties settled by exact fragmentation, CPU-stranded GPU and best fit",
     )
 
 

@@ -19,7 +19,9 @@ from sharegpu.placement.fragmentation import (
     fgd_score,
     node_fragmentation,
     shape_cpu,
+    shape_fragmentation,
     share_fragmentation,
+    share_shape_fragmentation,
 )
 from sharegpu.placement.framework import CycleState, IntArray
 
@@ -214,18 +216,24 @@ class FragmentationModel:
 
     def whole_after(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:
         """Fragmentation after a CPU-only or whole-GPU request takes the tightest GPUs that fit."""
-        free = free_milli(ledger, nodes).copy()
+        free = self.after_whole(free_milli(ledger, nodes), req)
+        cpu = ledger.cpu_free[nodes] - shape_cpu(req)
+        return node_fragmentation(free, cpu, self.access(ledger, nodes), self.workload)
+
+    @staticmethod
+    def after_whole(free: IntArray, req: GpuRequest) -> IntArray:
+        """(K,G) free milli once a CPU-only or whole-GPU request has taken the tightest GPUs that fit."""
+        free = free.copy()
         if req.gpu_count and req.milli == FULL_MILLI:
             # Only idle GPUs fit a whole-GPU share, and all look alike: the tightest are the first by index.
             idle = free == FULL_MILLI
             free[idle & (np.cumsum(idle, axis=1) <= req.gpu_count)] = 0
         elif req.gpu_count:
-            for i in range(len(nodes)):
+            for i in range(len(free)):
                 order = np.argsort(free[i], kind="stable")
                 taken = [g for g in order if free[i, g] >= req.milli][: req.gpu_count]
                 free[i, taken] -= req.milli
-        cpu = ledger.cpu_free[nodes] - shape_cpu(req)
-        return node_fragmentation(free, cpu, self.access(ledger, nodes), self.workload)
+        return free
 
 
 @dataclass(frozen=True)
@@ -283,39 +291,93 @@ class FgdGpus:
 
 
 # ----- sharegpu -----------------------------------------------------------------------------------------------
-TIE_SCALE = 1000  # the secondary score lives in [0, TIE_SCALE)
+_PRIMARY = 10**15  # key layout: FGD's score · 10^15 + refinement · 10^6 + node tightness · 10^3 + GPU tightness
+_REFINE = 10**6
+_REFINE_SPAN = 10**9  # the refinement, shifted to be non-negative, lives in [0, 10^9)
+TIE_SCALE = 1000  # each tightness lives in [0, TIE_SCALE)
 
 
-@dataclass(frozen=True)
-class FragmentationDeltaScore:
-    """sharegpu's score: the least growth of GPU that the expected workload cannot use, tighter nodes first.
+@dataclass(frozen=True, eq=False)
+class RefinedFgdScore:
+    """sharegpu's score: FGD's decision, with its ties settled by what FGD cannot see.
 
-    Two kinds of waste grow with a placement. Fragmentation (FGD): free GPU milli that the typical tasks cannot
-    use, measured here exactly, since FGD's int(100 · sigmoid(ΔF / 1000)) cannot tell apart changes below about
-    40 milli-GPU and leaves most decisions to a tie-break by node name; and with the task shapes weighted half
-    by count and half by GPU demand (:meth:`Workload.demand_blended`), so that the few multi-GPU tasks that
-    bring much of the demand keep whole idle nodes to land on. And stranding, which FGD sees only once
-    a node crosses a task's CPU threshold: free GPUs that the node's free CPU cannot feed at the workload's
-    typical CPU per GPU. CPU-only and CPU-heavy tasks therefore go where CPU is in surplus rather than onto
-    GPU-rich nodes whose CPU they would use up. Among equal waste the node left with the least free GPU and CPU
-    (best fit) wins, so that idle nodes stay idle for the large requests that need them.
+    The primary key is FGD's own integer score (its typical shapes and weights). It is coarse: int(100 ·
+    sigmoid(ΔF / 1000)) cannot tell apart changes below about 40 milli-GPU, so FGD leaves most decisions to a
+    tie-break by node name. Among the placements FGD rates best, sharegpu takes the one that wastes least:
+    1. the exact growth of fragmentation, with the shapes weighted half by how often they arrive and half by the
+       GPU they bring, and with the rare large shapes that carry much of the demand (:attr:`Workload.extras`,
+       e.g. 8-GPU tasks that only the CPU-richest nodes can host) counted too;
+    2. plus the growth of stranded GPU: free GPUs that the node's free CPU cannot feed at the workload's typical
+       CPU per GPU, which FGD sees only once a node crosses a task's CPU threshold;
+    3. then the tightest node (least GPU and CPU left), then the tightest GPU, so that idle nodes stay idle.
+    Because FGD's score stays the primary key, the refinements can only choose among placements FGD itself
+    would have rated best; they never overrule it.
+
+    Every term of a node depends only on that node's state and the request's shape (the framework memoises
+    it), and each row is summed on its own (no BLAS), so a node's key does not depend on which other nodes are
+    scored with it.
     """
 
-    model: FragmentationModel
+    model: FragmentationModel  # over the typical shapes and the extras
+    fgd_weights: FloatArray  # FGD's: task counts over its typical shapes, 0 on the extras
+    weights: FloatArray  # the refinement's: half task counts, half GPU demand, over all shapes
     name: str = "sharegpu"
     node_local: bool = True
 
+    @classmethod
+    def of(cls, workload: Workload) -> RefinedFgdScore:
+        ext = workload.extended()
+        fgd = np.zeros(len(ext.shapes), dtype=np.float64)
+        fgd[: len(workload.shapes)] = workload.weights
+        return cls(FragmentationModel(ext), fgd, 0.5 * ext.weights + 0.5 * ext.demand_weights())
+
     def score(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
+        keys = self.keys(ledger, state, nodes)
+        if keys.ndim == 1:
+            return keys
+        out: IntArray = np.where(state.usable[nodes], keys, -1).max(axis=1)
+        return out
+
+    def keys(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
+        """(K,G) keys of a share on each GPU of ``nodes``, or (K,) keys of any other request; higher is better.
+
+        Memoised per node and request shape, so that the GPU selector reads the keys its node was scored with.
+        """
+
+        def compute(idx: IntArray) -> IntArray:
+            return self._keys(ledger, state, idx)
+
+        out: IntArray = state.per_node(("sharegpu-keys", self, state.request.shape_key()), nodes, compute)
+        return out
+
+    def _keys(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
         req = state.request
-        if is_sharing(req):
-            delta = np.where(state.usable[nodes], self.model.share_delta(ledger, req, nodes), np.inf).min(axis=1)
-        else:
-            delta = self.model.whole_after(ledger, req, nodes) - self.model.before(ledger, nodes)
-        gpu = free_milli(ledger, nodes).sum(axis=1)
+        model = self.model
+        wl = model.workload
+        free = free_milli(ledger, nodes)
         cpu = ledger.cpu_free[nodes]
-        stranding = self.model.stranded(gpu - req.total_milli, cpu - req.cpu_milli) - self.model.stranded(gpu, cpu)
-        primary: IntArray = -np.round(delta + stranding).astype(np.int64)
-        return primary * TIE_SCALE + _tightness(ledger, req, nodes)
+        access = model.access(ledger, nodes)
+
+        def fragmentation(idx: IntArray) -> IntArray:
+            return shape_fragmentation(free_milli(ledger, idx), ledger.cpu_free[idx], model.access(ledger, idx), wl)
+
+        before: IntArray = state.per_node(("sharegpu-fragmentation", self), nodes, fragmentation)
+        gpu = free.sum(axis=1)
+        stranding = model.stranded(gpu - req.total_milli, cpu - req.cpu_milli) - model.stranded(gpu, cpu)
+        node_tight = _tightness(ledger, req, nodes)
+        if is_sharing(req):
+            grow = share_shape_fragmentation(free, cpu, access, wl, req.milli, shape_cpu(req)) - before[:, None, :]
+            gpu_tight = np.clip(FULL_MILLI - free, 0, TIE_SCALE - 1)
+            return self._combine(grow, stranding[:, None], node_tight[:, None], gpu_tight)
+        after = shape_fragmentation(model.after_whole(free, req), cpu - shape_cpu(req), access, wl)
+        return self._combine(after - before, stranding, node_tight, np.zeros_like(node_tight))
+
+    def _combine(self, grow: IntArray, stranding: FloatArray, node_tight: IntArray, gpu_tight: IntArray) -> IntArray:
+        primary = fgd_score(np.zeros(1), (grow * self.fgd_weights).sum(axis=-1))
+        waste = np.round((grow * self.weights).sum(axis=-1) + stranding).astype(np.int64)
+        refine = np.clip(_REFINE_SPAN // 2 - waste, 0, _REFINE_SPAN - 1)
+        out: IntArray = primary * _PRIMARY + refine * _REFINE + node_tight * TIE_SCALE + gpu_tight
+        return out
 
 
 def _tightness(ledger: Ledger, req: GpuRequest, nodes: IntArray) -> IntArray:
@@ -330,16 +392,15 @@ def _tightness(ledger: Ledger, req: GpuRequest, nodes: IntArray) -> IntArray:
 
 
 @dataclass(frozen=True)
-class FragmentationDeltaGpus:
-    """A share on the GPU whose fragmentation grows least, the tightest such GPU first; whole GPUs best-fit."""
+class RefinedFgdGpus:
+    """A share on the GPU with the best key of :class:`RefinedFgdScore` (the one its node's score came from,
+    first by index on ties); whole GPUs best-fit."""
 
-    model: FragmentationModel
+    scorer: RefinedFgdScore
 
     def select(self, ledger: Ledger, state: CycleState, node: int) -> list[int]:
         req = state.request
         if not is_sharing(req):
             return BestFitGpus().select(ledger, state, node)
-        delta = self.model.share_delta(ledger, req, np.array([node]))[0]
-        usable = np.flatnonzero(state.usable[node])
-        key = np.lexsort((usable, ledger.free_milli[node, usable], np.round(delta[usable])))
-        return [int(usable[key[0]])]
+        keys = self.scorer.keys(ledger, state, np.array([node], dtype=np.int64))[0]
+        return [int(np.argmax(np.where(state.usable[node], keys, -1)))]
