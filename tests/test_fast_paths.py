@@ -18,7 +18,7 @@ from sharegpu.model.catalog import GIB
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest, InvalidRequest, Isolation, Sharing
 from sharegpu.placement.fragmentation import Workload
-from sharegpu.placement.framework import BoolArray, CycleState, Decision, Scheduler, Unschedulable
+from sharegpu.placement.framework import BoolArray, CycleState, Decision, Scheduler, Unschedulable, _node_reason
 from sharegpu.placement.mechanism import Route, mig_choice, route_for, share_modes, usable_gpus
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.sim.engine import replay_timed
@@ -216,3 +216,38 @@ def test_indexed_pending_queue_places_what_retrying_everything_places(
     assert (fast.waited, fast.never_placed, fast.peak_pending) == (ref.waited, ref.never_placed, ref.peak_pending)
     assert fast.run.curve == ref.run.curve and fast.run.failures == ref.run.failures
     assert fast.run.replay == ref.run.replay
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_reasons_worded_once_per_distinct_state_equal_reasons_worded_per_node(seed: int) -> None:
+    rnd = random.Random(seed)
+    nodes = random_cluster(rnd, rnd.randint(1, 9))
+    nodes += [dataclasses.replace(n, name=n.name + "-twin") for n in nodes]  # nodes alike: their wording is shared
+    reqs = [random_request(rnd, f"p{i}") for i in range(30)]
+    sched = Scheduler(Ledger(nodes), make_policy("bestfit", PolicyContext(Workload.from_requests(reqs))))
+    led = sched.ledger
+    every = np.arange(len(led.nodes), dtype=np.int64)
+    for req in reqs:
+        usable = usable_gpus(led, req)
+        allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
+        expected = []
+        for n in range(len(led.nodes)):
+            gpu_ok = allowed[led.model_id[n]] & led.present[n]
+            healthy = gpu_ok & led.healthy[n]
+            expected.append(
+                _node_reason(
+                    req,
+                    int(gpu_ok.sum()),
+                    int(healthy.sum()),
+                    int(usable[n].sum()),
+                    int(np.where(healthy, led.free_mem[n], -1).max(initial=-1)),
+                    int(np.where(healthy, led.free_milli[n], -1).max(initial=-1)),
+                    int(led.cpu_free[n]),
+                    int(led.mem_free[n]),
+                )
+            )
+        assert sched._node_reasons(req, usable, every) == expected
+        d = sched.decide(req)
+        if isinstance(d, Decision):
+            led.place(d.assignment)

@@ -33,8 +33,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from sharegpu.k8s.answers import FilterAnswer
 from sharegpu.k8s.pod_request import asks_for_sharegpu
-from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionResult
+from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingResult, ExtenderPreemptionResult
 from sharegpu.k8s.status import MODE_NAMES, REASON_CLASSES, cluster_summary, pending_pods
 from sharegpu.k8s.view import ClusterView
 from sharegpu.ledger import GpuMode
@@ -119,13 +120,12 @@ def bind_outcome(result: ExtenderBindingResult) -> BindOutcome:
     return BindOutcome.UNSCHEDULABLE
 
 
-def filter_outcome(args: ExtenderArgs, result: ExtenderFilterResult, not_synced: str) -> FilterOutcome:
-    passed = len(result.NodeNames or []) if result.Nodes is None else len(result.Nodes.get("items") or [])
+def filter_outcome(args: ExtenderArgs, answer: FilterAnswer) -> FilterOutcome:
     if not asks_for_sharegpu(args.Pod):
         return FilterOutcome.IGNORED
-    if passed:
+    if answer.passed:
         return FilterOutcome.FEASIBLE
-    if not_synced in result.FailedNodes.values():
+    if answer.not_synced:
         return FilterOutcome.NOT_SYNCED
     return FilterOutcome.UNSCHEDULABLE
 
@@ -311,12 +311,12 @@ class ClusterMetrics:
     def set_leader(self, leader: bool) -> None:
         self.leader.set(1 if leader else 0)
 
-    def record(self, verb: str, args: BaseModel, result: object, seconds: float, not_synced: str) -> None:
+    def record(self, verb: str, args: BaseModel, result: object, seconds: float) -> None:
         """One answered extender call: its latency and, by verb, its outcome (the extender's HTTP layer calls this
         once per call, so that the verbs themselves stay free of metrics)."""
         self.latency.labels(verb).observe(seconds)
-        if verb == "filter" and isinstance(args, ExtenderArgs) and isinstance(result, ExtenderFilterResult):
-            self.decision("filter", filter_outcome(args, result, not_synced))
+        if verb == "filter" and isinstance(args, ExtenderArgs) and isinstance(result, FilterAnswer):
+            self.decision("filter", filter_outcome(args, result))
         elif verb == "bind" and isinstance(result, ExtenderBindingResult):
             self.bind(bind_outcome(result))
         elif verb == "preempt" and isinstance(result, ExtenderPreemptionResult):

@@ -22,7 +22,6 @@ Protocol: k8s.io/kube-scheduler/extender/v1 (see :mod:`sharegpu.k8s.schema`), JS
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -37,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from sharegpu.k8s.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
 from sharegpu.k8s.api import ApiError, ClusterApi, Conflict, NotFound, Unavailable
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
@@ -73,13 +73,6 @@ READ_BACK_BACKOFF_S = 0.2
 FENCE_ANNOTATION = "sharegpu.io/bind-fence"
 
 
-def _event_safe(reason: str) -> str:
-    """The kube-scheduler uses an extender's reasons as a format string (Go's fmt): a bare % would garble them."""
-    if "%" not in reason:
-        return reason
-    return reason.replace("%", " percent").replace("  percent", " percent")
-
-
 @dataclass(frozen=True, slots=True)
 class _Feasible:
     request: GpuRequest
@@ -108,40 +101,47 @@ class Extender:
         self._feasible: OrderedDict[tuple[str, str, int], _Feasible] = OrderedDict()
         self._names: tuple[Ledger, list[str], IntArray] | None = None
         self._passed: tuple[Ledger, list[str], IntArray] | None = None  # what the last filter passed
+        self._frags: Fragments | None = None  # the answers' JSON pieces, per ledger
 
     # ----- filter ----------------------------------------------------------------------------------------------
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
+        return self.filter_answer(args).result()
+
+    def filter_answer(self, args: ExtenderArgs) -> FilterAnswer:
+        """Filter's answer as sent: the body, with what the metrics count."""
         names = _node_names(args)
         try:
             req = pod_request(args.Pod, self.view.catalog)
         except InvalidRequest as e:
             # No node and no preemption can help a request that can never be valid.
-            return self._filtered(args, [], {}, dict.fromkeys(names, str(e)))
+            return FilterAnswer.of(self._filtered(args, [], {}, dict.fromkeys(names, str(e))))
         if req is None:
-            return self._filtered(args, names, {}, {})
+            return FilterAnswer.of(self._filtered(args, names, {}, {}))
         if not self.view.synced:
-            return self._filtered(args, [], dict.fromkeys(names, NOT_SYNCED), {})
+            return FilterAnswer.of(self._filtered(args, [], dict.fromkeys(names, NOT_SYNCED), {}), not_synced=True)
         # The pod is being scheduled (again): what an earlier cycle held for it must not count against it.
         self.view.drop_hold(args.Pod.key)
         self.view.expire_holds(time.monotonic())
         f = self._feasibility(args.Pod, req)
+        frags = self._fragments()
         idx = self._indices(names)
         known = idx >= 0
         fits = np.zeros(len(names), dtype=bool)
         fits[known] = f.ok[idx[known]]
-        passed = [names[i] for i in np.flatnonzero(fits).tolist()]
-        self._passed = (self.view.ledger, passed, idx[fits])
-        failed: dict[str, str] = {}
-        unresolvable = {names[i]: self.view.node_problem(names[i]) for i in np.flatnonzero(~known).tolist()}
-        rejected = np.flatnonzero(known & ~fits)
-        if len(rejected):
-            reasons = self.view.scheduler().explain_nodes(req, f.usable, idx[rejected])
-            for i, reason in zip(rejected.tolist(), reasons, strict=True):
-                if _never_fits(reason):
-                    unresolvable[names[i]] = reason  # no eviction can help
-                else:
-                    failed[names[i]] = reason
-        return self._filtered(args, passed, failed, unresolvable)
+        passed_idx = idx[fits]
+        passed: list[str] = frags.names[passed_idx].tolist()
+        self._passed = (self.view.ledger, passed, passed_idx)
+        others = {names[i]: self.view.node_problem(names[i]) for i in np.flatnonzero(~known).tolist()}
+        rejected = first_each(idx[known & ~fits], len(frags.names))  # a name given twice is answered once
+        ids = frags.reasons(self.view.scheduler(), req, f.usable, rejected)
+        never = frags.never(ids)  # no eviction can help these
+        if args.NodeNames is not None:
+            others = {n: event_safe(r) for n, r in others.items()}
+            body = frags.filter_body(passed_idx, rejected[~never], ids[~never], rejected[never], ids[never], others)
+            return FilterAnswer(body, len(passed))
+        failed = {frags.names[n]: frags.text(r) for n, r in zip(rejected.tolist(), ids.tolist(), strict=True)}
+        unresolvable = others | {n: failed.pop(n) for n in frags.names[rejected[never]].tolist()}
+        return FilterAnswer.of(self._filtered(args, passed, failed, unresolvable))
 
     @staticmethod
     def _filtered(
@@ -174,25 +174,38 @@ class Extender:
             self._feasible.popitem(last=False)
         return f
 
+    def _fragments(self) -> Fragments:
+        self._frags = fragments_of(self._frags, self.view.ledger)
+        return self._frags
+
     # ----- prioritize ------------------------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:
-        """(Host, Score) per node, in the order given: the HostPriorityList, as plain tuples (a model per node would
-        cost more than the scoring)."""
+        """(Host, Score) per node, in the order given: the HostPriorityList, as plain tuples."""
+        names, _, scores = self._priorities(args)
+        return list(zip(names, scores.tolist(), strict=True))
+
+    def prioritize_answer(self, args: ExtenderArgs) -> bytes:
+        """The HostPriorityList as sent."""
+        names, idx, scores = self._priorities(args)
+        return self._fragments().prioritize_body(names, idx, scores)
+
+    def _priorities(self, args: ExtenderArgs) -> tuple[list[str], IntArray, IntArray]:
+        """(names as given, their ledger indices (-1: not a sharegpu node), score per name)."""
         names = _node_names(args)
         try:
             req = pod_request(args.Pod, self.view.catalog)
         except InvalidRequest:
             req = None
+        idx = self._indices(names)
         if req is None or not self.view.synced:
-            return [(n, 0) for n in names]
+            return names, idx, np.zeros(len(names), dtype=np.int64)
         f = self._feasibility(args.Pod, req)
         sched = self.view.scheduler()
-        idx = self._indices(names)
         known = idx >= 0
         fits = np.zeros(len(names), dtype=bool)
         fits[known] = f.ok[idx[known]]
         out = np.zeros(len(names), dtype=np.int64)
-        cand = np.unique(idx[fits])  # node order, each node once (a name may repeat)
+        cand = first_each(idx[fits], len(sched.ledger.nodes))  # node order, each node once (a name may repeat)
         if len(cand):
             scores = sched.scores(CycleState(req, f.usable, sched.rng), cand)
             best = sched.pick(cand, scores)
@@ -205,7 +218,7 @@ class Extender:
             by_node[cand] = scaled
             out[fits] = by_node[idx[fits]]
             self._hold(args.Pod, req, best)
-        return list(zip(names, out.tolist(), strict=True))
+        return names, idx, out
 
     def _hold(self, pod: Pod, req: GpuRequest, node: int) -> None:
         """Hold what the policy would bind on its pick, so that the pods filtered before this one's bind see it
@@ -282,7 +295,7 @@ class Extender:
                 return ExtenderBindingResult(Error=f"cannot bind {key}: {self.view.node_problem(args.Node)}")
             d = self.view.scheduler().decide_on(req, n)
             if not isinstance(d, Decision):
-                return ExtenderBindingResult(Error=f"cannot bind {key}: {_event_safe(d.reason)}")
+                return ExtenderBindingResult(Error=f"cannot bind {key}: {event_safe(d.reason)}")
             a = d.assignment
         try:
             self.view.reserve(a, pod.metadata.uid)
@@ -352,7 +365,7 @@ class Extender:
         if outcome is Outcome.UNKNOWN:
             log.warning("pod %s: bind outcome unknown; its GPUs stay reserved until it is settled: %s", key, why)
             self._spawn_settler(key)
-        return ExtenderBindingResult(Error=f"cannot bind {key}: {_event_safe(why)}")
+        return ExtenderBindingResult(Error=f"cannot bind {key}: {event_safe(why)}")
 
     async def _read_back(self, key: str, uid: str, a: Assignment) -> tuple[Outcome | None, str, Pod | None]:
         """The pod as it is now, judged against the Binding of ``a``: (BOUND | FAILED, why, pod) when that settles
@@ -474,17 +487,7 @@ class Extender:
 
 
 def _readable(reasons: dict[str, str]) -> dict[str, str]:
-    return {node: _event_safe(r) for node, r in reasons.items()}
-
-
-def _never_fits(reason: str) -> bool:
-    """Whether a filter reason says the node cannot host the pod whatever is evicted (no GPU of an allowed model,
-    or fewer healthy ones than it asks for)."""
-    return (
-        reason.startswith("no GPU of an allowed model")
-        or reason == "no sharegpu GPUs"
-        or " healthy GPU(s) of an allowed model < " in reason
-    )
+    return {node: event_safe(r) for node, r in reasons.items()}
 
 
 def _node_names(args: ExtenderArgs) -> list[str]:
@@ -496,11 +499,13 @@ def _node_names(args: ExtenderArgs) -> list[str]:
 
 
 # ----- HTTP ------------------------------------------------------------------------------------------------------
-def _json(model: BaseModel | list[tuple[str, int]]) -> Response:
-    if isinstance(model, list):
-        body = json.dumps([{"Host": h, "Score": s} for h, s in model], separators=(",", ":")).encode()
+def _json(answer: BaseModel | FilterAnswer | bytes) -> Response:
+    if isinstance(answer, bytes):
+        body = answer
+    elif isinstance(answer, FilterAnswer):
+        body = answer.body
     else:
-        body = model.model_dump_json().encode()
+        body = answer.model_dump_json().encode()
     return Response(body, media_type="application/json")
 
 
@@ -514,7 +519,7 @@ def _bad_request(e: ValidationError | ValueError, verb: str) -> Response:
 
 def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> Starlette:
     def verb(
-        name: str, model: type[BaseModel], handle: Callable[[BaseModel], Awaitable[BaseModel | list[tuple[str, int]]]]
+        name: str, model: type[BaseModel], handle: Callable[[BaseModel], Awaitable[BaseModel | FilterAnswer | bytes]]
     ) -> Route:
         async def endpoint(request: Request) -> Response:
             body = await request.body()
@@ -526,7 +531,7 @@ def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> 
                 return _bad_request(e, name)
             try:
                 result = await handle(args)
-                extender.metrics.record(name, args, result, time.perf_counter() - t0, NOT_SYNCED)  # issue 10
+                extender.metrics.record(name, args, result, time.perf_counter() - t0)  # issue 10
                 return _json(result)
             except Exception as e:  # a bug must not take the scheduler's extender down: report, keep serving
                 log.exception("%s failed", name)
@@ -535,13 +540,13 @@ def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> 
 
         return Route(f"/{name}", endpoint, methods=["POST"])
 
-    async def do_filter(a: BaseModel) -> BaseModel:
+    async def do_filter(a: BaseModel) -> FilterAnswer:
         assert isinstance(a, ExtenderArgs)
-        return extender.filter(a)
+        return extender.filter_answer(a)
 
-    async def do_prioritize(a: BaseModel) -> list[tuple[str, int]]:
+    async def do_prioritize(a: BaseModel) -> bytes:
         assert isinstance(a, ExtenderArgs)
-        return extender.prioritize(a)
+        return extender.prioritize_answer(a)
 
     async def do_bind(a: BaseModel) -> BaseModel:
         assert isinstance(a, ExtenderBindingArgs)

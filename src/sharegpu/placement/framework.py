@@ -341,13 +341,15 @@ class Scheduler:
         n_usable = usable[nodes].sum(axis=1).tolist()
         cpu_free = led.cpu_free[nodes].tolist()
         mem_free = led.mem_free[nodes].tolist()
+        # A reason is a function of these seven numbers, and nodes of one kind in one state share them (empty
+        # nodes, full ones): each distinct tuple is worded once.
+        worded: dict[tuple[int, ...], tuple[str, str]] = {}
         out = []
-        for k in range(len(nodes)):
-            out.append(
-                _node_reason(
-                    req, n_allowed[k], n_healthy[k], n_usable[k], free_mem[k], free_milli[k], cpu_free[k], mem_free[k]
-                )
-            )
+        for row in zip(n_allowed, n_healthy, n_usable, free_mem, free_milli, cpu_free, mem_free, strict=True):
+            reason = worded.get(row)
+            if reason is None:
+                reason = worded[row] = _node_reason(req, *row)
+            out.append(reason)
         return out
 
     def place(self, req: GpuRequest) -> Decision:
