@@ -127,7 +127,10 @@ class Fragments:
         versions, ids = entry
         stale = nodes[versions[nodes] != led.version[nodes]]
         if len(stale):
-            ids[stale] = [self._intern(t) for t in sched.explain_nodes(req, usable, stale)]
+            texts = sched.explain_nodes(req, usable, stale)
+            for text in dict.fromkeys(texts):  # the distinct ones (few): interned one by one
+                self._intern(text)
+            ids[stale] = list(map(self._reason_ids.__getitem__, texts))
             versions[stale] = led.version[stale]
         out: npt.NDArray[np.int32] = ids[nodes]
         return out
