@@ -70,10 +70,15 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_round(rig: Rig, kind: str, n: int, extender_pid: int) -> dict[str, Any]:
+def one_round(rig: Rig, kind: str, n: int, extender_pid: int, scheduler_pids: dict[str, int]) -> dict[str, Any]:
     ns = rig.namespace()
     pods = [plain_pod(i) if kind == "plain" else share_pod(i) for i in range(n)]
     cpu0 = cpu_s(extender_pid)
+    # The CPU of the kube-scheduler that schedules this round's pods: the rig's stock one for plain pods, the one
+    # running the chart's profile for sharegpu pods (where the time per pod goes besides the extender).
+    sched_pid = scheduler_pids[kind]
+    sched0 = cpu_s(sched_pid)
+    api0 = cpu_s(scheduler_pids["apiserver"])
     started = time.perf_counter()
     rig.create_pods(ns, pods)
     created = time.perf_counter() - started
@@ -87,6 +92,8 @@ def one_round(rig: Rig, kind: str, n: int, extender_pid: int) -> dict[str, Any]:
         time.sleep(0.1)
     elapsed = time.perf_counter() - started
     cpu = cpu_s(extender_pid) - cpu0
+    sched_cpu = cpu_s(sched_pid) - sched0
+    api_cpu = cpu_s(scheduler_pids["apiserver"]) - api0
     refused = sum(1 for e in rig.events(ns) if e.get("reason") == "FailedScheduling")
     from lightkube.resources.core_v1 import Pod
 
@@ -95,7 +102,9 @@ def one_round(rig: Rig, kind: str, n: int, extender_pid: int) -> dict[str, Any]:
         time.sleep(0.2)
     return {"kind": kind, "pods": n, "seconds": round(elapsed, 3), "create_s": round(created, 3),
             "pods_per_s": round(n / elapsed, 1), "failed_scheduling": refused,
-            "extender_cpu_ms_per_pod": round(1000 * cpu / n, 2)}  # fmt: skip
+            "extender_cpu_ms_per_pod": round(1000 * cpu / n, 2),
+            "scheduler_cpu_ms_per_pod": round(1000 * sched_cpu / n, 2),
+            "apiserver_cpu_ms_per_pod": round(1000 * api_cpu / n, 2)}  # fmt: skip
 
 
 def openb_nodes(rig: Rig, path: Path) -> int:
@@ -133,17 +142,25 @@ def main() -> int:
             rig.wait_nodes_published()
             n_nodes = len(LOAD_NODES)
         ext, url = rig.start_extender()
-        rig.start_scheduler(url)
+        sched = rig.start_scheduler(url)
+        pids_dir = rig.k8s_real / "pids"
+        pids = {
+            "plain": int((pids_dir / "kube-scheduler.pid").read_text()),
+            "sharegpu": sched.p.pid,
+            "apiserver": int((pids_dir / "kube-apiserver.pid").read_text()),
+        }
         time.sleep(2.0)  # both schedulers' caches hold every node before the first round
         results = []
         for r in range(args.rounds):
             for kind in ("plain", "sharegpu") if r % 2 == 0 else ("sharegpu", "plain"):
-                res = one_round(rig, kind, args.pods, ext.p.pid)
+                res = one_round(rig, kind, args.pods, ext.p.pid, pids)
                 print(json.dumps(res))
                 results.append(res)
         rig_extender_log = next(p for p in rig.procs if p.name == "extender").text()
     med = {k: statistics.median(x["pods_per_s"] for x in results if x["kind"] == k) for k in ("plain", "sharegpu")}
     cpu = {k: statistics.median(x["extender_cpu_ms_per_pod"] for x in results if x["kind"] == k) for k in med}
+    sched_cpu = {k: statistics.median(x["scheduler_cpu_ms_per_pod"] for x in results if x["kind"] == k) for k in med}
+    api_cpu = {k: statistics.median(x["apiserver_cpu_ms_per_pod"] for x in results if x["kind"] == k) for k in med}
     summary = {
         "nodes": n_nodes,
         "pods_per_round": args.pods,
@@ -152,6 +169,9 @@ def main() -> int:
         "sharegpu_pods_per_s_median": med["sharegpu"],
         "ratio": round(med["sharegpu"] / med["plain"], 2),
         "extender_cpu_ms_per_pod_median": cpu,
+        "scheduler_cpu_ms_per_pod_median": sched_cpu,
+        "apiserver_cpu_ms_per_pod_median": api_cpu,
+        "load_average": os.getloadavg(),
         "sharegpu_failed_scheduling": sum(x["failed_scheduling"] for x in results if x["kind"] == "sharegpu"),
         "extender_binds_refused": rig_extender_log.count("cannot bind"),
     }

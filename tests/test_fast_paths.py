@@ -251,3 +251,29 @@ def test_reasons_worded_once_per_distinct_state_equal_reasons_worded_per_node(se
         d = sched.decide(req)
         if isinstance(d, Decision):
             led.place(d.assignment)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["fgd", "sharegpu", "bestfit", "packing"]))
+def test_a_scheduler_given_a_new_policy_decides_as_a_fresh_one(seed: int, policy: str) -> None:
+    """What a policy swap keeps (the per-shape filter results and reasons) stays exact while the ledger moves."""
+    rnd = random.Random(seed)
+    nodes = random_cluster(rnd, rnd.randint(1, 7))
+    reqs = [random_request(rnd, f"p{i}") for i in range(40)]
+    sched = Scheduler(Ledger(nodes), make_policy("bestfit", PolicyContext(Workload.from_requests(reqs[:3]))), seed=1)
+    for i, req in enumerate(reqs):
+        if i % 5 == 4:  # the workload drifted: a new policy over the same ledger
+            sched = sched.with_policy(make_policy(policy, PolicyContext(Workload.from_requests(reqs[: i + 1]))), 1)
+        if sched.ledger.assignments and rnd.random() < 0.2:
+            sched.ledger.release(rnd.choice(sorted(sched.ledger.assignments)))
+        fresh = Scheduler(sched.ledger, sched.policy, seed=1)
+        fast, ref = sched.decide(req), fresh.decide(req)
+        every = np.arange(len(nodes), dtype=np.int64)
+        usable = sched.feasible(req)[1]
+        assert sched.explain_nodes(req, usable, every) == fresh.explain_nodes(req, fresh.feasible(req)[1], every)
+        if isinstance(ref, Unschedulable):
+            assert isinstance(fast, Unschedulable) and fast.reason == ref.reason
+            continue
+        assert isinstance(fast, Decision)
+        assert (fast.assignment, fast.node_index, fast.score) == (ref.assignment, ref.node_index, ref.score)
+        sched.ledger.place(fast.assignment)

@@ -117,8 +117,34 @@ def test_bind_writes_the_assignment_with_the_binding(cluster: Cluster) -> None:
     )
     assert cluster.srv.call(lambda: cluster.view.ledger.assignments["default/mps"]) == a
     calls = [c for c in cluster.api.calls if "default/mps" in c]
-    # One write: the Binding carries the assignment annotation (no separate annotate call to leave behind).
-    assert [c for c in calls if c != "get pod default/mps"] == ["bind pod default/mps"]
+    # One write: the Binding carries the assignment annotation (no separate annotate call to leave behind), and no
+    # read: the view has not seen the pod (it does not follow this API here), but prioritize was sent it.
+    assert calls == ["bind pod default/mps"]
+
+
+def test_bind_reads_the_pod_when_neither_the_watch_nor_prioritize_gave_it(cluster: Cluster) -> None:
+    stored = cluster.add_pod(pod_obj("unseen", memory="10Gi", compute=25))
+    meta = stored["metadata"]
+    status, bind = cluster.srv.post(
+        "/bind", {"PodName": "unseen", "PodNamespace": "default", "PodUID": meta["uid"], "Node": "node-b"}
+    )
+    assert status == 200 and bind == {"Error": ""}
+    assert [c for c in cluster.api.calls if "default/unseen" in c] == [
+        "get pod default/unseen",
+        "bind pod default/unseen",
+    ]
+
+
+def test_bind_of_a_replaced_pod_reads_it_and_refuses(cluster: Cluster) -> None:
+    """Prioritize saw one incarnation; the bind names another UID: the copy prioritize saw is not used."""
+    stored = cluster.add_pod(pod_obj("again", memory="10Gi", compute=25))
+    status, _ = cluster.srv.post("/prioritize", {"Pod": stored, "Nodes": None, "NodeNames": ["node-b"]})
+    assert status == 200
+    status, bind = cluster.srv.post(
+        "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "another-uid", "Node": "node-b"}
+    )
+    assert status == 200 and "replaced" in bind["Error"]
+    assert "get pod default/again" in cluster.api.calls and "bind pod default/again" not in cluster.api.calls
 
 
 def test_invalid_pod_is_unresolvable_everywhere_with_the_core_message(cluster: Cluster) -> None:

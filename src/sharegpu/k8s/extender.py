@@ -102,6 +102,9 @@ class Extender:
         self._names: tuple[Ledger, list[str], IntArray] | None = None
         self._passed: tuple[Ledger, list[str], IntArray] | None = None  # what the last filter passed
         self._frags: Fragments | None = None  # the answers' JSON pieces, per ledger
+        # The Pods the scheduler sent to prioritize, for their bind: in a burst the watch may not have delivered a
+        # pod yet when its bind comes, and reading it from the API server cost a round trip per such bind.
+        self._sent: OrderedDict[str, Pod] = OrderedDict()
 
     # ----- filter ----------------------------------------------------------------------------------------------
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
@@ -218,7 +221,26 @@ class Extender:
             by_node[cand] = scaled
             out[fits] = by_node[idx[fits]]
             self._hold(args.Pod, req, best)
+            self._remember(args.Pod)
         return names, idx, out
+
+    def _remember(self, pod: Pod) -> None:
+        self._sent[pod.key] = pod
+        self._sent.move_to_end(pod.key)
+        if len(self._sent) > CACHE_SIZE:
+            self._sent.popitem(last=False)
+
+    def _known_pod(self, key: str, uid: str) -> Pod | None:
+        """The newest copy of pod ``key`` (of UID ``uid``, when given) that the watch or the scheduler gave: None
+        when neither has one. An old copy is harmless: the Binding carries its resourceVersion as a precondition,
+        so a pod that changed since is read back and bound again at its current version."""
+        best: Pod | None = None
+        for pod in (self.view.pod(key), self._sent.get(key)):
+            if pod is None or (uid and pod.metadata.uid != uid):
+                continue
+            if best is None or _newer(pod.metadata.resource_version, best.metadata.resource_version):
+                best = pod
+        return best
 
     def _hold(self, pod: Pod, req: GpuRequest, node: int) -> None:
         """Hold what the policy would bind on its pick, so that the pods filtered before this one's bind see it
@@ -264,9 +286,11 @@ class Extender:
                     Error=f"cannot bind {key}: an earlier bind of it is {phase.value} and not settled yet (its outcome "
                     "is unknown and not settled); the scheduler retries"
                 )
-        # The watch's copy spares a round trip; a pod the view lacks, or one that may have been replaced, is read.
-        pod = self.view.pod(key)
-        if pod is None or (args.PodUID and pod.metadata.uid != args.PodUID) or pod.spec.node_name:
+        # The watch's (or the scheduler's) copy spares a round trip; a pod neither has, or one that may have been
+        # replaced or bound, is read.
+        pod = self._known_pod(key, args.PodUID)
+        self._sent.pop(key, None)
+        if pod is None or pod.spec.node_name:
             try:
                 pod = await self.api.get_pod(args.PodNamespace, args.PodName)
             except ApiError as e:
@@ -488,6 +512,15 @@ class Extender:
 
 def _readable(reasons: dict[str, str]) -> dict[str, str]:
     return {node: event_safe(r) for node, r in reasons.items()}
+
+
+def _newer(a: str, b: str) -> bool:
+    """Whether resourceVersion ``a`` is newer than ``b`` (integers, as every API server writes them; otherwise not
+    compared)."""
+    try:
+        return int(a) > int(b)
+    except ValueError:
+        return False
 
 
 def _node_names(args: ExtenderArgs) -> list[str]:

@@ -150,8 +150,11 @@ class ClusterView:
             self._workload_pods != n
             and (self._workload_pods <= 0 or abs(n - self._workload_pods) >= WORKLOAD_DRIFT * self._workload_pods)
         )
-        if self._scheduler is None or self._scheduler.ledger is not led or stale:
+        if self._scheduler is None or self._scheduler.ledger is not led:
             self._scheduler = Scheduler(led, self._make_policy(), self.seed)
+        elif stale:
+            # Same ledger, new workload: the filter's per-shape results and reasons stay valid.
+            self._scheduler = self._scheduler.with_policy(self._make_policy(), self.seed)
         return self._scheduler
 
     def _make_policy(self) -> Policy:

@@ -154,6 +154,16 @@ class Scheduler:
         self._feasible: dict[tuple[object, ...], _Feasibility] = {}
         self._reasons: dict[tuple[str, tuple[object, ...]], tuple[IntArray, list[str]]] = {}
 
+    def with_policy(self, policy: Policy, seed: int = 0) -> Scheduler:
+        """A scheduler of ``policy`` over the same ledger that keeps what does not depend on the policy: the
+        per-shape filter results and reasons (each row kept at its node's version, so they stay exact). Scores are
+        the policy's own and start afresh. The cluster view swaps policies when the workload it sees drifts; without
+        this every swap made the next cycle of each shape filter and explain every node again."""
+        out = Scheduler(self.ledger, policy, seed, self.rank)
+        out._feasible = self._feasible
+        out._reasons = self._reasons
+        return out
+
     # ----- filter --------------------------------------------------------------------------------------------
     def feasible(self, req: GpuRequest) -> tuple[BoolArray, BoolArray]:
         """(N,) nodes that can host ``req`` and the (N,G) GPUs that can host one of its shares (the caller's own
