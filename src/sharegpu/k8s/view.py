@@ -116,6 +116,7 @@ class ClusterView:
         self._fixed_workload = workload
         make_policy(policy, PolicyContext(workload or _placeholder_workload()))  # fail early on a bad name
         self._specs: dict[str, NodeSpec] = {}
+        self._parsed: dict[str, tuple[str, NodeSpec]] = {}  # node → (its inventory text, that text parsed)
         self._node_problems: dict[str, str] = {}
         self._pods: dict[str, Pod] = {}
         self._requests: dict[str, GpuRequest] = {}
@@ -216,15 +217,29 @@ class ClusterView:
 
     # ----- changing --------------------------------------------------------------------------------------------
     def reset(self, nodes: Iterable[Node], pods: Iterable[Pod]) -> None:
-        """Replace everything with a fresh list from the API server (start, or after the connection was lost)."""
+        """Replace everything with a fresh list from the API server (start, after the connection was lost, and
+        every few minutes when a watch ends).
+
+        When the nodes are as they were and no assignment was left out, the ledger is kept and only the pods whose
+        assignment may have changed are accounted again: the result equals a ledger rebuilt from the list, but the
+        relist of a large cluster costs what changed, and the scheduler's caches (per shape, per node version) stay
+        warm. Otherwise the ledger is rebuilt from the list.
+        """
+        specs_before = dict(self._specs)
+        pods_before = dict(self._pods)
+        problems_before = bool(self._pod_problems)
         self._specs.clear()
         self._node_problems.clear()
         self._pods.clear()
         self._requests.clear()
         self._pod_problems.clear()
         self._gone.clear()
+        names = set()
         for n in nodes:
+            names.add(n.metadata.name)
             self._ingest_node(n)
+        for name in [n for n in self._parsed if n not in names]:
+            del self._parsed[name]
         listed: set[str] = set()
         for p in pods:
             listed.add(p.key)
@@ -236,14 +251,43 @@ class ClusterView:
                     fl.deleted = True
                 else:
                     del self._inflight[key]
+        unchanged = self._ledger is not None and not problems_before and self._specs == specs_before
+        if unchanged and self._account_changes(pods_before):
+            return
         self._ledger = None
         self._rebuild()
+
+    def _account_changes(self, pods_before: dict[str, Pod]) -> bool:
+        """After a relist that kept the nodes: account again the pods whose assignment may differ from what the
+        ledger holds (new, changed, gone, or placed by this process). False (the ledger must be rebuilt) when one
+        cannot be accounted: which pod wins a conflict must not depend on the order of the changes."""
+        led = self._ledger
+        assert led is not None
+        keys = set(self._inflight) | {k for k in led.assignments if k not in self._pods}
+        keys.update(k for k, pod in self._pods.items() if _holds_differently(pods_before.get(k), pod))
+        ordered = sorted(keys)
+        for key in ordered:  # everything that may move is taken out first, so that no placement meets a stale one
+            if key in led.assignments:
+                led.release(key)
+        for key in ordered:
+            desired = self._desired(key)
+            if desired is None:
+                continue
+            try:
+                led.place(desired, check_health=False)
+            except LedgerError:
+                return False
+        if self._pod_problems:
+            return False
+        self.generation += 1
+        return True
 
     def apply_node(self, event: str, node: Node) -> None:
         name = node.metadata.name
         before = (self._specs.get(name), self._node_problems.get(name))
         if event == DELETED:
             self._specs.pop(name, None)
+            self._parsed.pop(name, None)
             self._node_problems.pop(name, None)
         else:
             self._ingest_node(node)
@@ -293,6 +337,10 @@ class ClusterView:
         text = node.metadata.annotations.get(INVENTORY_ANNOTATION)
         if text is None:
             return  # not a sharegpu node: no problem to report, node_problem() explains it if asked
+        parsed = self._parsed.get(name)
+        if parsed is not None and parsed[0] == text:
+            self._specs[name] = parsed[1]  # the inventory as last read: a relist need not parse it again
+            return
         try:
             spec = NodeSpec.from_json(text, self.catalog)
             if spec.name != name:
@@ -301,6 +349,7 @@ class ClusterView:
             self._node_problem(name, f"{INVENTORY_ANNOTATION} is invalid, so its GPUs are not scheduled: {e}")
             return
         self._specs[name] = spec
+        self._parsed[name] = (text, spec)
 
     def _node_problem(self, name: str, why: str) -> None:
         reason = f"node {name}: {why}"
@@ -438,6 +487,7 @@ class ClusterView:
                 Ledger([spec], self.catalog)
             except Exception as e:  # whatever an inventory does wrong, only its node is left out
                 del self._specs[name]
+                self._parsed.pop(name, None)
                 self._node_problem(
                     name,
                     f"its {INVENTORY_ANNOTATION} cannot be accounted, so its GPUs are not "
@@ -626,6 +676,19 @@ class ClusterView:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _holds_differently(before: Pod | None, now: Pod) -> bool:
+    """Whether what pod ``now`` holds may differ from what its earlier copy ``before`` held: what
+    :meth:`ClusterView._desired` reads of a pod (its UID, node, assignment annotation and whether it finished)."""
+    if before is None:
+        return True
+    return (
+        before.metadata.uid != now.metadata.uid
+        or before.spec.node_name != now.spec.node_name
+        or before.finished != now.finished
+        or before.metadata.annotations.get(ASSIGNMENT_ANNOTATION) != now.metadata.annotations.get(ASSIGNMENT_ANNOTATION)
+    )
 
 
 def _rv(text: str) -> int | None:
