@@ -524,6 +524,7 @@ class ReadyProxy:
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}"  # TLS passes through: the scheduler talks to the replica itself
         self.ready: str | None = None
+        self.changes: list[tuple[float, str | None]] = []  # (monotonic time, the ready backend from then on)
         self.loop = asyncio.new_event_loop()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, daemon=True)
@@ -542,7 +543,11 @@ class ReadyProxy:
 
     def _probe(self) -> None:
         while not self._stop.is_set():
-            self.ready = next((url for probe, url in self.backends if http_ok(probe + "/readyz", 0.5)), None)
+            # 1 s: the kubelet's default readiness-probe timeout (a replica busy with a backlog may answer late)
+            ready = next((url for probe, url in self.backends if http_ok(probe + "/readyz", 1.0)), None)
+            if ready != self.ready:
+                self.changes.append((time.monotonic(), ready))
+            self.ready = ready
             time.sleep(0.25)
 
     def _main(self) -> None:
