@@ -1,0 +1,167 @@
+"""DRA steering in the extender: the DRA nodes' state from slices, claims, nodes and pods, and /dra/filter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sharegpu.k8s.dra_steer import DraState, NotSteered, claim_names, claim_request
+from sharegpu.k8s.extender import Extender
+from sharegpu.k8s.schema import ExtenderArgs, Pod
+from sharegpu.k8s.view import ClusterView
+from sharegpu.model.request import GpuRequest
+from sharegpu.node.backends.base import DeviceInfo
+from sharegpu.node.dra.slices import build_slices, resource_slice
+
+
+def a100(node: str, i: int) -> DeviceInfo:
+    return DeviceInfo(i, f"GPU-{node}-{i}", "NVIDIA A100-SXM4-80GB", "A100-80GB", 81920, 108, False)
+
+
+def node_obj(name: str, dra: bool = True) -> dict[str, Any]:
+    labels = {"sharegpu.io/device-path": "dra"} if dra else {}
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "status": {"allocatable": {"cpu": "64", "memory": "256Gi"}},
+    }
+
+
+def slices(name: str, gpus: int = 2) -> list[dict[str, Any]]:
+    specs = build_slices(name, [a100(name, i) for i in range(gpus)])
+    return [resource_slice(s, name, 1, len(specs), {"name": name, "uid": "u"}) for s in specs]
+
+
+def claim(name: str, memory: str | None = "10Gi", compute: str | None = "25", cls: str = "gpu.sharegpu.io",
+          allocated: tuple[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    asked = {k: v for k, v in (("memory", memory), ("compute", compute)) if v is not None}
+    exact: dict[str, Any] = {"deviceClassName": cls}
+    if asked:
+        exact["capacity"] = {"requests": asked}
+    obj: dict[str, Any] = {
+        "metadata": {"namespace": "ml", "name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exact}]}},
+    }
+    if allocated is not None:
+        result: dict[str, Any] = {"driver": "gpu.sharegpu.io", "pool": allocated[0], "device": allocated[1],
+                                  "request": "gpu"}  # fmt: skip
+        if asked:
+            result["consumedCapacity"] = asked
+        obj["status"] = {"allocation": {"devices": {"results": [result]}}}
+    return obj
+
+
+def pod(name: str, claim_name: str | None = None, uid: str = "") -> Pod:
+    spec: dict[str, Any] = {
+        "containers": [{"name": "m", "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}}],
+    }
+    if claim_name:
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim_name}]
+    return Pod.model_validate({"metadata": {"namespace": "ml", "name": name, "uid": uid or name}, "spec": spec})
+
+
+def state(nodes: tuple[str, ...] = ("a", "b", "c"), claims: list[dict[str, Any]] = ()) -> DraState:  # type: ignore[assignment]
+    s = DraState()
+    s.reset("node", [node_obj(n) for n in nodes])
+    s.reset("slice", [x for n in nodes for x in slices(n)])
+    s.reset("claim", list(claims))
+    s.reset("pod", [])
+    s.synced = True
+    return s
+
+
+def test_claim_request_reads_capacity_requests() -> None:
+    r = claim_request("ml/p", [claim("c", "10Gi", "30")], 1000, 1024)
+    assert (r.gpu_count, r.memory_mib, r.compute_milli, r.cpu_milli) == (1, 10240, 300, 1000)
+    # compute left out is the whole compute (the driver's request policy default)
+    assert claim_request("ml/p", [claim("c", "10Gi", None)], 0, 0).compute_milli == 1000
+    assert claim_request("ml/p", [claim("c", None, None)], 0, 0) == GpuRequest("ml/p", 1)
+    assert claim_request("ml/p", [claim("c", "10Gi", "30", cls="whole-gpu.sharegpu.io")], 0, 0).is_whole
+
+
+@pytest.mark.parametrize(
+    ("claims", "why"),
+    [
+        ([claim("c", cls="mig.sharegpu.io")], "is not one of"),
+        ([claim("c"), claim("d")], "several device requests"),
+        ([{"spec": {"devices": {"requests": [{"name": "g", "firstAvailable": []}]}}}], "firstAvailable"),
+        ([{"spec": {}}], "no device"),
+    ],
+)
+def test_claims_steering_cannot_judge_are_named(claims: list[dict[str, Any]], why: str) -> None:
+    with pytest.raises(NotSteered, match=why):
+        claim_request("ml/p", claims, 0, 0)
+
+
+def test_claim_names_from_templates_come_from_the_pod_status() -> None:
+    p = {"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}}
+    with pytest.raises(NotSteered, match="not made from its template yet"):
+        claim_names(p)
+    p["status"] = {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x1"}]}
+    assert claim_names(p) == ["p-gpu-x1"]
+
+
+def test_ledger_holds_the_dra_nodes_gpus_and_what_claims_consume() -> None:
+    s = state(claims=[claim("x", "10Gi", "30", allocated=("b", "gpu-1")), claim("pending")])
+    s.nodes["plugin"] = node_obj("plugin", dra=False)
+    s.apply("slice", "ADDED", slices("plugin")[0])
+    led = s.ledger()
+    assert [n.name for n in led.nodes] == ["a", "b", "c"]  # a node not on the DRA path is left out
+    b = led.index["b"]
+    assert led.free_milli[b].tolist()[:2] == [1000, 700]
+    assert led.free_mem[b].tolist()[:2] == [81920, 81920 - 10240]
+
+
+def test_steer_packs_onto_the_used_gpu_and_holds_the_choice() -> None:
+    s = state(claims=[claim("x", allocated=("b", "gpu-0")), claim("p1"), claim("p2")])
+    got = s.steer(pod("p1", "p1"), ["a", "b", "c"])
+    assert got.keep == ["b"] and got.assignment is not None and got.assignment.shares[0].gpu_index == 0
+    # p1's claim is not allocated yet: its hold counts for p2, which still packs onto b's GPU 0
+    assert s.ledger().free_milli[s.ledger().index["b"]][0] == 500
+    assert s.steer(pod("p2", "p2"), ["a", "b", "c"]).keep == ["b"]
+    # once p1's claim is seen allocated the hold goes (the allocation accounts it)
+    s.apply("claim", "MODIFIED", claim("p1", allocated=("b", "gpu-0")))
+    s.ledger()
+    assert "p1" not in s.holds and "p2" in s.holds
+
+
+def test_steer_keeps_only_candidates_the_scheduler_gave() -> None:
+    s = state(claims=[claim("x", allocated=("b", "gpu-0")), claim("p1")])
+    assert s.steer(pod("p1", "p1"), ["a", "c"]).keep in (["a"], ["c"])
+
+
+def test_steer_passes_every_node_when_it_cannot_judge() -> None:
+    s = state(claims=[claim("m", cls="mig.sharegpu.io")])
+    nodes = ["a", "b", "c"]
+    assert s.steer(pod("plain"), nodes).keep == nodes
+    assert s.steer(pod("m", "m"), nodes).keep == nodes
+    assert s.steer(pod("unseen", "unseen"), nodes).why.endswith("not seen yet")
+    s.synced = False
+    assert s.steer(pod("m", "m"), nodes).why == "DRA state not synced"
+    # nothing fits in the model (e.g. every GPU used): the scheduler's own DRA filter decides
+    full = state(("a",), [claim(f"w{i}", None, None, allocated=("a", f"gpu-{i}")) for i in range(2)] + [claim("p")])
+    assert full.steer(pod("p", "p"), ["a"]).keep == ["a"]
+
+
+def test_pods_bound_to_dra_nodes_count_their_cpu() -> None:
+    s = state(("a",))
+    bound = pod("r").model_dump(mode="json", by_alias=True)
+    bound["spec"]["nodeName"] = "a"
+    bound["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "10"
+    s.apply("pod", "ADDED", bound)
+    s.apply("pod", "ADDED", pod("unbound").model_dump(mode="json", by_alias=True))
+    led = s.ledger()
+    assert led.cpu_free[0] == 54_000
+
+
+def test_extender_dra_filter_returns_the_pick_and_passes_others_over() -> None:
+    s = state(claims=[claim("x", allocated=("b", "gpu-0")), claim("p1")])
+    ext = Extender(ClusterView(policy="bestfit"), None, dra=s)
+    args = ExtenderArgs.model_validate({"Pod": pod("p1", "p1").model_dump(mode="json", by_alias=True),
+                                        "NodeNames": ["a", "b", "c"]})  # fmt: skip
+    out = ext.dra_filter(args)
+    assert out.NodeNames == ["b"]
+    assert set(out.FailedNodes or {}) == {"a", "c"} and not out.FailedAndUnresolvableNodes
+    # steering off: every node passes
+    off = Extender(ClusterView(policy="bestfit"), None).dra_filter(args)
+    assert off.NodeNames == ["a", "b", "c"]
