@@ -103,7 +103,7 @@ def test_claim_names_from_templates_come_from_the_pod_status() -> None:
 
 def test_ledger_holds_the_dra_nodes_gpus_and_what_claims_consume() -> None:
     s = state(claims=[claim("x", "10Gi", "30", allocated=("b", "gpu-1")), claim("pending")])
-    s.nodes["plugin"] = node_obj("plugin", dra=False)
+    s.apply("node", "ADDED", node_obj("plugin", dra=False))
     s.apply("slice", "ADDED", slices("plugin")[0])
     led = s.ledger()
     assert [n.name for n in led.nodes] == ["a", "b", "c"]  # a node not on the DRA path is left out
@@ -165,3 +165,37 @@ def test_extender_dra_filter_returns_the_pick_and_passes_others_over() -> None:
     # steering off: every node passes
     off = Extender(ClusterView(policy="bestfit"), None).dra_filter(args)
     assert off.NodeNames == ["a", "b", "c"]
+
+
+def test_the_ledger_follows_events_incrementally_as_a_rebuild_would() -> None:
+    s = state()
+    led = s.ledger()
+    s.apply("claim", "ADDED", claim("x", "10Gi", "30", allocated=("a", "gpu-0")))
+    s.apply("claim", "ADDED", claim("y", "20Gi", "50", allocated=("a", "gpu-0")))
+    s.apply("claim", "ADDED", claim("w", None, None, allocated=("c", "gpu-1")))
+    s.apply("claim", "MODIFIED", claim("x", "10Gi", "30", allocated=("b", "gpu-1")))  # moved (re-allocated)
+    s.apply("claim", "DELETED", claim("y"))
+    bound = pod("r").model_dump(mode="json", by_alias=True)
+    bound["spec"]["nodeName"] = "c"
+    s.apply("pod", "ADDED", bound)
+    assert s.ledger() is led  # no rebuild for claims and pods
+    fresh = state(claims=[claim("x", "10Gi", "30", allocated=("b", "gpu-1")),
+                          claim("w", None, None, allocated=("c", "gpu-1"))])  # fmt: skip
+    fresh.apply("pod", "ADDED", bound)
+    for field in ("free_milli", "free_mem", "cpu_free", "mem_free"):
+        assert getattr(led, field).tolist() == getattr(fresh.ledger(), field).tolist(), field
+    led.check_invariants()
+    # a node leaving the DRA path rebuilds the ledger without it
+    s.apply("node", "MODIFIED", node_obj("c", dra=False))
+    assert [n.name for n in s.ledger().nodes] == ["a", "b"]
+    s.apply("pod", "DELETED", bound)
+    assert s.ledger().cpu_free.tolist() == [64_000, 64_000]
+
+
+def test_an_expired_hold_stops_counting() -> None:
+    s = state(claims=[claim("p1")])
+    s.hold_s = 0.0
+    got = s.steer(pod("p1", "p1"), ["a", "b", "c"])
+    assert got.assignment is not None
+    led = s.ledger()  # the hold expired at once
+    assert not s.holds and int(led.free_milli.sum()) == 6 * 1000

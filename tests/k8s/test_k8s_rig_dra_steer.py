@@ -176,6 +176,11 @@ def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
     assert len(per_node) == 2, per_node  # 12 quarter shares on 3 GPUs of two nodes, the third node untouched
     assert len({(n, d) for n, d in placed.values()}) == 3, placed
 
+    # The binding extender entry (it has managedResources) is never called for them: the default binder binds,
+    # with no sharegpu assignment; the extender's bind would have refused ("asks for no sharegpu.io resource").
+    assert "cannot bind" not in ext.text()
+    assert not any("sharegpu.io/assignment" in (p["metadata"].get("annotations") or {}) for p in rig.pods(ns))
+
     # Control: the rig's own default scheduler (no extender) places the same claim by cpu and memory alone and
     # opens the untouched node.
     _claim_and_pod(rig, ns, "control", "10Gi", 25, scheduler="default-scheduler")

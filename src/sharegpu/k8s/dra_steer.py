@@ -43,7 +43,7 @@ from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.inventory import GpuDevice, NodeSpec
-from sharegpu.model.request import GpuRequest, InvalidRequest
+from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 from sharegpu.placement.dra_steer import dra_steered_policy
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import CycleState, Scheduler
@@ -130,146 +130,228 @@ class Steer:
     assignment: Assignment | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Use:
+    """What one allocated claim holds: per device, (GPU index, whole GPU?, memory MiB, compute milli)."""
+
+    node: str
+    devices: tuple[tuple[int, bool, int, int], ...]
+
+
+WORKLOAD_DRIFT = 0.1  # the workload's shapes are taken again when the claims seen changed by this share
+
+
 class DraState:
-    """The DRA nodes' state from raw API objects (dicts), and the ``dra-steered`` decision over it."""
+    """The DRA nodes' state from raw API objects (dicts), and the ``dra-steered`` decision over it.
+
+    Every object is parsed once, when its event arrives, and the ledger follows the claims, pods and holds
+    incrementally (a release and a place per change); only a change of a DRA node's GPUs (its slices) or of its
+    allocatable cpu and memory rebuilds it. The scheduler over it (and its per-node memo) is kept until the ledger
+    is rebuilt or the workload drifts.
+    """
 
     def __init__(self, catalog: Catalog = DEFAULT_CATALOG, seed: int = 0, hold_s: float = HOLD_S) -> None:
         self.catalog = catalog
         self.seed = seed
         self.hold_s = hold_s
-        self.nodes: dict[str, dict[str, Any]] = {}
-        self.pods: dict[str, dict[str, Any]] = {}  # ns/name → pod (only pods on DRA nodes or with claims)
-        self.slices: dict[str, dict[str, Any]] = {}
-        self.claims: dict[str, dict[str, Any]] = {}  # ns/name → claim
+        self.claims: dict[str, dict[str, Any]] = {}  # ns/name → claim (its spec is read when its pod is steered)
         self.holds: dict[str, tuple[Assignment, tuple[str, ...], float]] = {}  # pod uid → (what, claim keys, until)
         self.synced = False
-        self._dirty = True
+        self._nodes: dict[str, tuple[int, int]] = {}  # DRA node → allocatable (cpu milli, memory MiB)
+        self._slices: dict[str, tuple[str, tuple[GpuDevice, ...]]] = {}  # slice → (node, its GPUs)
+        self._uses: dict[str, _Use] = {}  # claim key → what its allocation holds
+        self._pods: dict[str, tuple[str, int, int]] = {}  # pod key → (node, cpu, memory) of pods bound to a node
         self._ledger: Ledger | None = None
-        self._requests: list[GpuRequest] = []
+        self._scheduler: tuple[Scheduler, int] | None = None  # and the claim count its workload was taken at
+
+    def counts(self) -> tuple[int, int, int]:
+        """(DRA nodes, driver slices, claims) seen."""
+        return len(self._nodes), len(self._slices), len(self.claims)
 
     # ----- changes (from the watches) ------------------------------------------------------------------------------
     def reset(self, kind: str, objs: Iterable[Mapping[str, Any]]) -> None:
-        store = self._store(kind)
-        store.clear()
+        if kind == "node":
+            self._nodes.clear()
+        elif kind == "slice":
+            self._slices.clear()
+        elif kind == "claim":
+            self.claims.clear()
+            self._uses.clear()
+        else:
+            self._pods.clear()
+        self._ledger = None
         for o in objs:
             self.apply(kind, "ADDED", o)
-        self._dirty = True
 
     def apply(self, kind: str, event: str, obj: Mapping[str, Any]) -> None:
         meta = obj.get("metadata") or {}
         key = f"{meta.get('namespace')}/{meta.get('name')}" if meta.get("namespace") else str(meta.get("name"))
-        store = self._store(kind)
-        if event == "DELETED":
-            if store.pop(key, None) is not None:
-                self._dirty = True
-            return
-        if kind == "slice" and (obj.get("spec") or {}).get("driver") != DRIVER:
-            return
-        if kind == "pod" and not (obj.get("spec") or {}).get("nodeName"):
-            return  # unbound pods count through their holds
-        store[key] = dict(obj)
-        self._dirty = True
+        gone = event == "DELETED"
+        if kind == "node":
+            labels = meta.get("labels") or {}
+            cap = None
+            if not gone and labels.get(DEVICE_PATH_LABEL) == DEVICE_PATH_DRA:
+                alloc = (obj.get("status") or {}).get("allocatable") or {}
+                cap = (_cpu_milli(alloc.get("cpu", "0")), _mib(alloc.get("memory", "0")))
+            if self._nodes.get(key) != cap:
+                self._set(self._nodes, key, cap)
+                self._ledger = None
+        elif kind == "slice":
+            parsed = None if gone else self._parse_slice(obj)
+            if self._slices.get(key) != parsed:
+                self._set(self._slices, key, parsed)
+                self._ledger = None
+        elif kind == "claim":
+            self._set(self.claims, key, None if gone else dict(obj))
+            use = None if gone else _parse_use(obj)
+            if self._uses.get(key) != use:
+                self._set(self._uses, key, use)
+                self._account(f"claim:{key}", self._claim_assignment(key, use) if use is not None else None)
+            if use is not None:
+                for uid, (_, claim_keys, _) in list(self.holds.items()):
+                    if key in claim_keys:
+                        self._drop_hold(uid)  # the allocation is seen: it accounts the GPU from now on
+        else:
+            spec = obj.get("spec") or {}
+            node = str(spec.get("nodeName") or "")
+            finished = (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            use_pod = None
+            if not gone and node and not finished:
+                cpu, mem = _pod_cpu_memory(obj)
+                use_pod = (node, cpu, mem)
+            if self._pods.get(key) != use_pod:
+                self._set(self._pods, key, use_pod)
+                a = Assignment(f"pod:{key}", node, (), use_pod[1], use_pod[2]) if use_pod is not None else None
+                self._account(f"pod:{key}", a)
 
-    def _store(self, kind: str) -> dict[str, dict[str, Any]]:
-        return {"node": self.nodes, "pod": self.pods, "slice": self.slices, "claim": self.claims}[kind]
+    @staticmethod
+    def _set(store: dict[str, Any], key: str, value: Any) -> None:
+        if value is None:
+            store.pop(key, None)
+        else:
+            store[key] = value
+
+    def _parse_slice(self, obj: Mapping[str, Any]) -> tuple[str, tuple[GpuDevice, ...]] | None:
+        spec = obj.get("spec") or {}
+        if spec.get("driver") != DRIVER:
+            return None
+        node = str(spec.get("nodeName") or (spec.get("pool") or {}).get("name", ""))
+        gpus = []
+        for d in spec.get("devices") or []:
+            attrs = d.get("attributes") or {}
+            if (attrs.get("type") or {}).get("string") != "gpu":
+                continue
+            model = (attrs.get("model") or {}).get("string", "")
+            if not self.catalog.known(model):
+                continue
+            index = int((attrs.get("index") or {}).get("int", 0))
+            memory = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
+            uuid = (attrs.get("uuid") or {}).get("string", f"{node}-gpu-{index}")
+            gpus.append(GpuDevice(index, uuid, model, memory_mib=memory))
+        return node, tuple(gpus)
 
     # ----- the ledger of DRA nodes ---------------------------------------------------------------------------------
     def ledger(self, now: float | None = None) -> Ledger:
         now = time.monotonic() if now is None else now
-        expired = [uid for uid, (_, _, until) in self.holds.items() if until <= now]
-        for uid in expired:
-            del self.holds[uid]
-            self._dirty = True
-        if self._ledger is None or self._dirty:
+        for uid in [uid for uid, (_, _, until) in self.holds.items() if until <= now]:
+            self._drop_hold(uid)
+        if self._ledger is None:
             self._ledger = self._build()
-            self._dirty = False
+            self._scheduler = None
         return self._ledger
 
     def _build(self) -> Ledger:
         gpus: dict[str, dict[int, GpuDevice]] = {}
-        for s in self.slices.values():
-            spec = s.get("spec") or {}
-            node = str(spec.get("nodeName") or (spec.get("pool") or {}).get("name", ""))
-            for d in spec.get("devices") or []:
-                attrs = d.get("attributes") or {}
-                if (attrs.get("type") or {}).get("string") != "gpu":
-                    continue
-                model = (attrs.get("model") or {}).get("string", "")
-                if not self.catalog.known(model):
-                    continue
-                index = int((attrs.get("index") or {}).get("int", 0))
-                memory = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
-                uuid = (attrs.get("uuid") or {}).get("string", f"{node}-gpu-{index}")
-                gpus.setdefault(node, {})[index] = GpuDevice(index, uuid, model, memory_mib=memory)
-        specs = []
-        for name in sorted(gpus):
-            obj = self.nodes.get(name)
-            if obj is None or (obj.get("metadata") or {}).get("labels", {}).get(DEVICE_PATH_LABEL) != DEVICE_PATH_DRA:
-                continue
-            alloc = (obj.get("status") or {}).get("allocatable") or {}
-            cpu, mem = _cpu_milli(alloc.get("cpu", "0")), _mib(alloc.get("memory", "0"))
-            specs.append(NodeSpec(name, cpu, mem, tuple(gpus[name][i] for i in sorted(gpus[name]))))
+        for node, devices in self._slices.values():
+            for g in devices:
+                gpus.setdefault(node, {})[g.index] = g
+        specs = [
+            NodeSpec(name, *self._nodes[name], tuple(gpus[name][i] for i in sorted(gpus[name])))
+            for name in sorted(gpus)
+            if name in self._nodes
+        ]
         led = Ledger(specs, self.catalog)
-        self._requests = []
-        position = {
-            n.name: {g.index: k for k, g in enumerate(n.gpus)} for n in led.nodes
-        }  # GPU index → its place in the ledger
-        for key, claim in self.claims.items():
-            alloc = (claim.get("status") or {}).get("allocation") or {}
-            results = [r for r in (alloc.get("devices") or {}).get("results") or [] if r.get("driver") == DRIVER]
-            shares = []
-            node = ""
-            for r in results:
-                node = str(r.get("pool", ""))
-                if node not in led.index:
-                    continue
-                n = led.index[node]
-                device = str(r.get("device", ""))
-                m = _GPU_DEVICE.match(device) or _MIG_DEVICE.match(device)
-                g = position[node].get(int(m.group(1))) if m else None
-                if g is None:
-                    continue
-                consumed = r.get("consumedCapacity") or {}
-                gpu = led.nodes[n].gpus[g]
-                if _MIG_DEVICE.match(device) or not consumed:
-                    req = GpuRequest(f"claim:{key}", 1)  # a partition or the whole GPU: nothing else can share it
-                else:
-                    mem = _mib(consumed["memory"]) if "memory" in consumed else gpu.memory_mib
-                    compute = round(_num(consumed["compute"]) * 10) if "compute" in consumed else 1000
-                    req = (
-                        GpuRequest(f"claim:{key}", 1)
-                        if mem >= gpu.memory_mib and compute >= 1000
-                        else GpuRequest(f"claim:{key}", 1, compute_milli=compute, memory_mib=mem)
-                    )
-                self._requests.append(req)
-                try:
-                    shares.append(make_share(led, n, g, req))
-                except (ValueError, InvalidRequest) as e:
-                    log.debug("claim %s: not modelled on %s: %s", key, node, e)
-            if shares and node in led.index:
-                self._place(led, Assignment(f"claim:{key}", node, tuple(shares)))
-        for key, pod in self.pods.items():
-            on = str((pod.get("spec") or {}).get("nodeName") or "")
-            if on not in led.index or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-                continue
-            cpu, mem = _pod_cpu_memory(pod)
-            self._place(led, Assignment(f"pod:{key}", on, (), cpu, mem))
-        for uid, (a, claim_keys, _) in list(self.holds.items()):
-            if any(((self.claims.get(k) or {}).get("status") or {}).get("allocation") for k in claim_keys):
-                del self.holds[uid]  # the allocation is seen: it accounts the GPU from now on
-                continue
-            if a.node in led.index:
-                self._place(led, a)
+        self._ledger = led
+        for key, use in self._uses.items():
+            self._account(f"claim:{key}", self._claim_assignment(key, use))
+        for key, (node, cpu, mem) in self._pods.items():
+            self._account(f"pod:{key}", Assignment(f"pod:{key}", node, (), cpu, mem))
+        for uid, (a, _, _) in self.holds.items():
+            self._account(f"hold:{uid}", a)
         return led
 
-    @staticmethod
-    def _place(led: Ledger, a: Assignment) -> None:
+    def _claim_assignment(self, key: str, use: _Use) -> Assignment | None:
+        led = self._ledger
+        if led is None or use.node not in led.index:
+            return None
+        n = led.index[use.node]
+        position = {g.index: k for k, g in enumerate(led.nodes[n].gpus)}
+        shares = []
+        for index, whole, mem, compute in use.devices:
+            g = position.get(index)
+            if g is None:
+                continue
+            total = led.nodes[n].gpus[g].memory_mib
+            if whole or (mem >= total and compute >= FULL_MILLI):
+                req = GpuRequest(f"claim:{key}", 1)  # a partition or the whole GPU: nothing else can share it
+            else:
+                req = GpuRequest(f"claim:{key}", 1, compute_milli=compute, memory_mib=mem)
+            try:
+                shares.append(make_share(led, n, g, req))
+            except (ValueError, InvalidRequest) as e:
+                log.debug("claim %s: not modelled on %s: %s", key, use.node, e)
+        return Assignment(f"claim:{key}", use.node, tuple(shares)) if shares else None
+
+    def _account(self, name: str, a: Assignment | None) -> None:
+        """Make the ledger hold ``a`` under ``name`` (nothing: ``a`` is None), replacing what it held there."""
+        led = self._ledger
+        if led is None:
+            return  # built from the parsed objects when next needed
+        if name in led.assignments:
+            led.release(name)
+        if a is None or a.node not in led.index:
+            return
+        if a.pod != name:
+            a = Assignment(name, a.node, a.shares, a.cpu_milli, a.host_memory_mib)
         try:
             led.place(a, check_health=False)
         except LedgerError as e:
             # The API objects disagree with the model for a moment (e.g. a slice republished): the decision goes on
             # without this one rather than not at all.
-            log.debug("%s: not accounted: %s", a.pod, e)
+            log.debug("%s: not accounted: %s", name, e)
+
+    def _drop_hold(self, uid: str) -> None:
+        if self.holds.pop(uid, None) is not None:
+            self._account(f"hold:{uid}", None)
+
+    def _hold(self, uid: str, a: Assignment, claim_keys: tuple[str, ...]) -> None:
+        self.holds[uid] = (a, claim_keys, time.monotonic() + self.hold_s)
+        self._account(f"hold:{uid}", a)
+
+    def _requests(self) -> list[GpuRequest]:
+        """The allocated claims as requests (the workload's shapes when the operator fixed none)."""
+        out = []
+        for key, use in self._uses.items():
+            if use.devices:
+                _, whole, mem, compute = use.devices[0]
+                n = len(use.devices)
+                out.append(GpuRequest(key, n) if whole else GpuRequest(key, n, compute_milli=compute, memory_mib=mem))
+        return out
+
+    def scheduler(self, req: GpuRequest, workload: Workload | None) -> Scheduler:
+        led = self.ledger()
+        n = len(self._uses)
+        kept = self._scheduler
+        if (
+            kept is not None
+            and kept[0].ledger is led
+            and (workload is not None or abs(n - kept[1]) <= WORKLOAD_DRIFT * kept[1])
+        ):
+            return kept[0]
+        shapes = workload or Workload.from_requests([*self._requests(), req])
+        sched = Scheduler(led, dra_steered_policy(shapes), self.seed)
+        self._scheduler = (sched, n)
+        return sched
 
     # ----- the decision --------------------------------------------------------------------------------------------
     def steer(self, pod: Pod, candidates: list[str], workload: Workload | None = None) -> Steer:
@@ -294,11 +376,9 @@ class DraState:
         except NotSteered as e:
             return Steer(candidates, str(e))
         uid = pod.metadata.uid or pod.key
-        if self.holds.pop(uid, None) is not None:
-            self._dirty = True  # scheduled again: its earlier choice must not count against it
-        led = self.ledger()
-        policy = dra_steered_policy(workload or Workload.from_requests([*self._requests, req]))
-        sched = Scheduler(led, policy, self.seed)
+        self._drop_hold(uid)  # scheduled again: its earlier choice must not count against it
+        sched = self.scheduler(req, workload)
+        led = sched.ledger
         ok, usable = sched.feasible(req)
         idx = np.array([led.index.get(n, -1) for n in candidates], dtype=np.int64)
         known = idx[idx >= 0]
@@ -308,10 +388,29 @@ class DraState:
         state = CycleState(req, usable, sched.rng, memo=sched.memo)
         best = sched.pick(cand, sched.scores(state, cand))
         a = sched.assignment_on(state, best)
-        node = led.nodes[best].name
-        self.holds[uid] = (a, tuple(f"{ns}/{n}" for n in names), time.monotonic() + self.hold_s)
-        self._dirty = True
-        return Steer([node], f"dra-steered pick among {len(cand)} node(s)", a)
+        self._hold(uid, a, tuple(f"{ns}/{n}" for n in names))
+        return Steer([led.nodes[best].name], f"dra-steered pick among {len(cand)} node(s)", a)
+
+
+def _parse_use(claim: Mapping[str, Any]) -> _Use | None:
+    """What an allocated claim holds of this driver's GPUs (None: not allocated, or nothing of ours)."""
+    alloc = (claim.get("status") or {}).get("allocation") or {}
+    devices = []
+    node = ""
+    for r in (alloc.get("devices") or {}).get("results") or []:
+        if r.get("driver") != DRIVER:
+            continue
+        device = str(r.get("device", ""))
+        m = _GPU_DEVICE.match(device) or _MIG_DEVICE.match(device)
+        if m is None:
+            continue
+        node = str(r.get("pool", ""))
+        consumed = r.get("consumedCapacity") or {}
+        whole = bool(_MIG_DEVICE.match(device)) or not consumed
+        mem = _mib(consumed["memory"]) if "memory" in consumed else 1 << 40  # left out: the whole memory
+        compute = round(_num(consumed["compute"]) * 10) if "compute" in consumed else FULL_MILLI
+        devices.append((int(m.group(1)), whole, mem, compute))
+    return _Use(node, tuple(devices)) if devices else None
 
 
 def _pod_cpu_memory(p: Mapping[str, Any]) -> tuple[int, int]:
@@ -348,13 +447,7 @@ async def follow_dra(state: DraState, client: Any, stop: asyncio.Event, max_back
             backoff = 1.0
             log.info(
                 "DRA steering: following %d DRA node(s), %d slice(s), %d claim(s)",
-                sum(
-                    1
-                    for n in state.nodes.values()
-                    if (n.get("metadata") or {}).get("labels", {}).get(DEVICE_PATH_LABEL) == DEVICE_PATH_DRA
-                ),
-                len(state.slices),
-                len(state.claims),
+                *state.counts(),
             )
 
             async def watch(kind: str, res: Any, kw: dict[str, Any], rv: str) -> None:
