@@ -82,7 +82,8 @@ def test_claim_request_reads_capacity_requests() -> None:
 @pytest.mark.parametrize(
     ("claims", "why"),
     [
-        ([claim("c", cls="mig.sharegpu.io")], "is not one of"),
+        ([claim("c", cls="other.example.com")], "is not one of"),
+        ([claim("c", cls="mig.sharegpu.io")], "one CEL selector names its profile"),
         ([claim("c"), claim("d")], "several device requests"),
         ([{"spec": {"devices": {"requests": [{"name": "g", "firstAvailable": []}]}}}], "firstAvailable"),
         ([{"spec": {}}], "no device"),
@@ -199,3 +200,44 @@ def test_an_expired_hold_stops_counting() -> None:
     assert got.assignment is not None
     led = s.ledger()  # the hold expired at once
     assert not s.holds and int(led.free_milli.sum()) == 6 * 1000
+
+
+def mig_claim(name: str, profile: str, allocated: tuple[str, str] | None = None) -> dict[str, Any]:
+    sel = f'device.attributes["gpu.sharegpu.io"].profile == "{profile}"'
+    obj = claim(name, None, None, cls="mig.sharegpu.io", allocated=allocated)
+    obj["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [{"cel": {"expression": sel}}]
+    return obj
+
+
+def test_mig_claims_are_read_and_their_partitions_accounted() -> None:
+    r = claim_request("ml/p", [mig_claim("c", "3g.40gb")], 0, 0)
+    assert (r.mig_profile, r.gpu_count) == ("3g.40gb", 1)
+    s = state(("a",), [mig_claim("m", "3g.40gb", allocated=("a", "gpu-0-mig-3g40gb-4"))])
+    led = s.ledger()
+    assert sorted(led.instances_on(0, 0)) == [4]  # the 3g instance at slot 4, as allocated
+    assert led.instances_on(0, 0)[4].profile.name == "3g.40gb"
+    led.check_invariants()
+
+
+def test_a_mig_pod_is_steered_to_a_gpu_already_partitioned_not_a_shared_or_idle_one() -> None:
+    # a: GPU 0 shared (no MIG possible), GPU 1 idle; b: GPU 0 has a 3g at slot 4, GPU 1 idle. First fit on a takes
+    # its idle GPU 1 (opening a GPU); on b it takes the partitioned GPU 0: the steered pick is b.
+    s = state(("a", "b"), [claim("x", allocated=("a", "gpu-0")),
+                           mig_claim("m", "3g.40gb", allocated=("b", "gpu-0-mig-3g40gb-4")),
+                           mig_claim("p", "3g.40gb")])  # fmt: skip
+    got = s.steer(pod("p", "p"), ["a", "b"])
+    assert got.keep == ["b"], got.why
+    assert got.assignment is not None and got.assignment.shares[0].gpu_index == 0
+    assert got.assignment.shares[0].mig is not None and got.assignment.shares[0].mig.start == 0
+
+
+def test_a_held_choice_is_replaced_by_its_allocation_even_on_a_full_gpu() -> None:
+    # Three quarters of b's GPU 0 allocated; the fourth pod is held there; when its claim is seen allocated the
+    # hold must give way first, or the allocation would not fit beside it and the GPU would look a quarter free.
+    s = state(("b",), [claim(f"x{i}", allocated=("b", "gpu-0")) for i in range(3)] + [claim("p4"), claim("p5")])
+    assert s.steer(pod("p4", "p4"), ["b"]).assignment is not None
+    s.apply("claim", "MODIFIED", claim("p4", allocated=("b", "gpu-0")))
+    led = s.ledger()
+    assert led.free_milli[0].tolist()[:2] == [0, 1000]
+    got = s.steer(pod("p5", "p5"), ["b"])
+    assert got.assignment is not None and got.assignment.shares[0].gpu_index == 1

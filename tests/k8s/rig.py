@@ -407,11 +407,16 @@ class Rig:
         return config
 
     def start_scheduler(
-        self, extender_url: str, scheduler_name: str = SCHEDULER_NAME, values: dict[str, Any] | None = None
+        self,
+        extender_url: str,
+        scheduler_name: str = SCHEDULER_NAME,
+        values: dict[str, Any] | None = None,
+        config_obj: dict[str, Any] | None = None,
     ) -> Proc:
-        """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile."""
+        """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile
+        (or ``config_obj``, a KubeSchedulerConfiguration of the test's own)."""
         config = self.work / "scheduler-config.yaml"
-        config.write_text(yaml.safe_dump(self.scheduler_config(extender_url, scheduler_name, values)))
+        config.write_text(yaml.safe_dump(config_obj or self.scheduler_config(extender_url, scheduler_name, values)))
         port = free_port()
         sk = str(self.k8s_real / "scheduler.kubeconfig")
         argv = [

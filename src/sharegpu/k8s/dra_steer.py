@@ -19,7 +19,7 @@ cpu and memory). A pod steered but whose claim is not yet seen allocated is *hel
 so that the next pods' filters count it (the scheduler allocates on its own, asynchronously).
 
 The filter never makes a pod unschedulable: every node it is given already passed the kube-scheduler's own DRA
-filter, and when steering cannot judge the pod (no sharegpu claim, MIG, several requests, claims not yet seen,
+filter, and when steering cannot judge the pod (no sharegpu claim, several requests, claims not yet seen,
 state not synced) it passes every node and the stock placement applies.
 """
 
@@ -40,10 +40,10 @@ from sharegpu.k8s.dra_view import DEVICE_PATH_DRA, DEVICE_PATH_LABEL, DRIVER, _m
 from sharegpu.k8s.pod_request import _cpu_and_memory
 from sharegpu.k8s.schema import Pod
 from sharegpu.ledger import Ledger, LedgerError
-from sharegpu.model.assignment import Assignment
+from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.inventory import GpuDevice, NodeSpec
-from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
+from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest, Sharing
 from sharegpu.placement.dra_steer import dra_steered_policy
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import CycleState, Scheduler
@@ -53,10 +53,14 @@ log = logging.getLogger(__name__)
 
 SHARED_CLASS = "gpu.sharegpu.io"
 WHOLE_CLASS = "whole-gpu.sharegpu.io"
-STEERED_CLASSES = (SHARED_CLASS, WHOLE_CLASS)
+MIG_CLASS = "mig.sharegpu.io"
+STEERED_CLASSES = (SHARED_CLASS, WHOLE_CLASS, MIG_CLASS)
+# The profile a MIG claim selects: a CEL selector on the device's ``profile`` attribute, as docs/dra.md shows.
+_PROFILE_SELECTOR = re.compile(r"""\.profile\s*==\s*["']([^"']+)["']""")
 HOLD_S = 10.0  # how long a steered pod's choice counts before its claim is seen allocated
 _GPU_DEVICE = re.compile(r"^gpu-(\d+)$")
 _MIG_DEVICE = re.compile(r"^gpu-(\d+)-mig-")
+_MIG_DEVICE_PARTS = re.compile(r"^gpu-(\d+)-mig-([a-z0-9]+)-(\d+)$")  # slices.mig_device_name
 
 
 class NotSteered(Exception):
@@ -110,6 +114,24 @@ def claim_request(key: str, claims: Iterable[Mapping[str, Any]], cpu_milli: int,
     count = int(exact.get("count") or 1)
     asked = (exact.get("capacity") or {}).get("requests") or {}
     try:
+        if cls == MIG_CLASS:
+            profiles = {
+                m.group(1)
+                for sel in exact.get("selectors") or []
+                for m in [_PROFILE_SELECTOR.search(str((sel.get("cel") or {}).get("expression", "")))]
+                if m is not None
+            }
+            if len(profiles) != 1:
+                raise NotSteered("a MIG claim is steered when one CEL selector names its profile")
+            (profile,) = profiles
+            return GpuRequest(
+                key,
+                count,
+                mig_profile=profile,
+                sharing=Sharing.MIG,
+                cpu_milli=cpu_milli,
+                host_memory_mib=host_memory_mib,
+            )
         if cls == WHOLE_CLASS or not asked:
             return GpuRequest(key, count, cpu_milli=cpu_milli, host_memory_mib=host_memory_mib)
         memory = _mib(asked["memory"]) if "memory" in asked else None
@@ -132,10 +154,11 @@ class Steer:
 
 @dataclass(frozen=True, slots=True)
 class _Use:
-    """What one allocated claim holds: per device, (GPU index, whole GPU?, memory MiB, compute milli)."""
+    """What one allocated claim holds: per device, (GPU index, whole GPU?, memory MiB, compute milli, MIG
+    partition as (profile, start) or None)."""
 
     node: str
-    devices: tuple[tuple[int, bool, int, int], ...]
+    devices: tuple[tuple[int, bool, int, int, tuple[str, int] | None], ...]
 
 
 WORKLOAD_DRIFT = 0.1  # the workload's shapes are taken again when the claims seen changed by this share
@@ -203,14 +226,16 @@ class DraState:
                 self._ledger = None
         elif kind == "claim":
             self._set(self.claims, key, None if gone else dict(obj))
-            use = None if gone else _parse_use(obj)
+            use = None if gone else _parse_use(obj, self.catalog)
+            if use is not None:
+                # The allocation is seen: it accounts the GPU from now on. The hold goes first, or the two would
+                # count the pod twice and the allocation would not fit beside its own hold.
+                for uid, (_, claim_keys, _) in list(self.holds.items()):
+                    if key in claim_keys:
+                        self._drop_hold(uid)
             if self._uses.get(key) != use:
                 self._set(self._uses, key, use)
                 self._account(f"claim:{key}", self._claim_assignment(key, use) if use is not None else None)
-            if use is not None:
-                for uid, (_, claim_keys, _) in list(self.holds.items()):
-                    if key in claim_keys:
-                        self._drop_hold(uid)  # the allocation is seen: it accounts the GPU from now on
         else:
             spec = obj.get("spec") or {}
             node = str(spec.get("nodeName") or "")
@@ -287,11 +312,23 @@ class DraState:
         n = led.index[use.node]
         position = {g.index: k for k, g in enumerate(led.nodes[n].gpus)}
         shares = []
-        for index, whole, mem, compute in use.devices:
+        for index, whole, mem, compute, mig in use.devices:
             g = position.get(index)
             if g is None:
                 continue
-            total = led.nodes[n].gpus[g].memory_mib
+            gpu = led.nodes[n].gpus[g]
+            if mig is not None:
+                try:
+                    profile = led.gpu_model(n, g).profile(mig[0])
+                except ValueError:
+                    pass  # a profile this model lacks: the GPU counts as taken
+                else:
+                    shares.append(
+                        GpuShare(g, gpu.uuid, Mechanism.MIG, FULL_MILLI, profile.memory_mib,
+                                 MigSlot(profile.name, mig[1]), Mechanism.EXCLUSIVE)
+                    )  # fmt: skip
+                    continue
+            total = gpu.memory_mib
             if whole or (mem >= total and compute >= FULL_MILLI):
                 req = GpuRequest(f"claim:{key}", 1)  # a partition or the whole GPU: nothing else can share it
             else:
@@ -318,7 +355,7 @@ class DraState:
         except LedgerError as e:
             # The API objects disagree with the model for a moment (e.g. a slice republished): the decision goes on
             # without this one rather than not at all.
-            log.debug("%s: not accounted: %s", name, e)
+            log.warning("DRA steering: %s not accounted: %s", name, e)
 
     def _drop_hold(self, uid: str) -> None:
         if self.holds.pop(uid, None) is not None:
@@ -333,8 +370,14 @@ class DraState:
         out = []
         for key, use in self._uses.items():
             if use.devices:
-                _, whole, mem, compute = use.devices[0]
+                _, whole, mem, compute, mig = use.devices[0]
                 n = len(use.devices)
+                if mig is not None:
+                    try:
+                        out.append(GpuRequest(key, n, mig_profile=mig[0], sharing=Sharing.MIG))
+                        continue
+                    except InvalidRequest:
+                        pass
                 out.append(GpuRequest(key, n) if whole else GpuRequest(key, n, compute_milli=compute, memory_mib=mem))
         return out
 
@@ -392,7 +435,12 @@ class DraState:
         return Steer([led.nodes[best].name], f"dra-steered pick among {len(cand)} node(s)", a)
 
 
-def _parse_use(claim: Mapping[str, Any]) -> _Use | None:
+def _profile_names(catalog: Catalog) -> dict[str, str]:
+    """MIG profile names by their token in device names ("3g.40gb" → "3g40gb"), over the catalog's models."""
+    return {re.sub(r"[^a-z0-9]", "", p.name.lower()): p.name for m in catalog for p in m.mig_profiles}
+
+
+def _parse_use(claim: Mapping[str, Any], catalog: Catalog = DEFAULT_CATALOG) -> _Use | None:
     """What an allocated claim holds of this driver's GPUs (None: not allocated, or nothing of ours)."""
     alloc = (claim.get("status") or {}).get("allocation") or {}
     devices = []
@@ -406,10 +454,14 @@ def _parse_use(claim: Mapping[str, Any]) -> _Use | None:
             continue
         node = str(r.get("pool", ""))
         consumed = r.get("consumedCapacity") or {}
-        whole = bool(_MIG_DEVICE.match(device)) or not consumed
+        mig = _MIG_DEVICE_PARTS.match(device)
+        part = None
+        if mig is not None and mig.group(2) in _profile_names(catalog):
+            part = (_profile_names(catalog)[mig.group(2)], int(mig.group(3)))
+        whole = mig is not None or not consumed
         mem = _mib(consumed["memory"]) if "memory" in consumed else 1 << 40  # left out: the whole memory
         compute = round(_num(consumed["compute"]) * 10) if "compute" in consumed else FULL_MILLI
-        devices.append((int(m.group(1)), whole, mem, compute))
+        devices.append((int(m.group(1)), whole, mem, compute, part))
     return _Use(node, tuple(devices)) if devices else None
 
 
