@@ -172,6 +172,18 @@ def _placed(rig: Rig, ns: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _assert_where_said(log: str, placed: dict[str, tuple[str, str]], pods: set[str]) -> None:
+    """Every steered pod's claim is allocated exactly where the extender said first fit would put it (node and
+    GPU): the extender's model of the allocator holds on the real one."""
+    said = {
+        m.group(1).split("/")[1]: (m.group(2), f"gpu-{m.group(3)}")
+        for m in re.finditer(r"steered DRA pod (\S+) to (\S+) \(.*first fit: GPU (\d+)\)", log)
+    }
+    assert set(said) == pods
+    got = {p: (n, d.split("-mig-")[0]) for p, (n, d) in placed.items() if p in pods}
+    assert got == said
+
+
 def _assert_not_over_allocated(rig: Rig, ns: str) -> None:
     used: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for c in _claims(rig, ns).values():
@@ -217,6 +229,7 @@ def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
     wait_for(lambda: len(_placed(rig, ns)) == 12, "the burst bound", 90)
     placed = _placed(rig, ns)
     _assert_not_over_allocated(rig, ns)
+    _assert_where_said(ext.text(), placed, {f"p{i}" for i in range(12)})
     per_node = Counter(n for n, _ in placed.values())
     assert per_node[first] == 8, per_node  # the first node is full before another is opened
     assert len(per_node) == 2, per_node  # 12 quarter shares on 3 GPUs of two nodes, the third node untouched
@@ -243,15 +256,7 @@ def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
     assert (mig_node, mig_device.split("-mig-")[0]) == (second, "gpu-1"), mig_device
     assert mig_device.startswith("gpu-1-mig-3g40gb-")
 
-    # Every steered pod's claim is allocated exactly where the extender said first fit would put it (node and GPU):
-    # the extender's model of the allocator holds on the real one.
-    said = {
-        m.group(1).split("/")[1]: (m.group(2), f"gpu-{m.group(3)}")
-        for m in re.finditer(r"steered DRA pod (\S+) to (\S+) \(.*first fit: GPU (\d+)\)", ext.text())
-    }
-    got = {p: (n, d.split("-mig-")[0]) for p, (n, d) in _placed(rig, ns).items()}
-    assert set(said) == {f"p{i}" for i in range(12)} | {"mig"}
-    assert {p: got[p] for p in said} == said
+    _assert_where_said(ext.text(), _placed(rig, ns), {f"p{i}" for i in range(12)} | {"mig"})
 
     _assert_not_over_allocated(rig, ns)
 
