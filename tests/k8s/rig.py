@@ -387,24 +387,36 @@ class Rig:
             assert p.alive, f"{name} exited:\n{p.text()[-3000:]}"
         return p, url
 
-    def scheduler_config(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> dict[str, Any]:
-        """The chart's own KubeSchedulerConfiguration, pointed at ``extender_url`` and at the rig's credentials."""
-        cm = next(d for d in chart_docs() if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
+    def scheduler_config(
+        self, extender_url: str, scheduler_name: str = SCHEDULER_NAME, values: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The chart's own KubeSchedulerConfiguration (rendered with ``values``), pointed at ``extender_url`` and at
+        the rig's credentials."""
+        cm = next(d for d in chart_docs(values) if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
         config: dict[str, Any] = yaml.safe_load(cm["data"]["config.yaml"])
         config["clientConnection"] = {"kubeconfig": str(self.k8s_real / "scheduler.kubeconfig")}
         config["leaderElection"] = {"leaderElect": False}
         config["profiles"][0]["schedulerName"] = scheduler_name
-        (ext,) = config["extenders"]
-        ext["urlPrefix"] = extender_url
-        # The chart mounts these from its Secrets; here they are the harness's own pair.
-        ext["tlsConfig"] = {"caFile": str(self.pki.ca), "certFile": str(self.pki.client_crt),
-                            "keyFile": str(self.pki.client_key)}  # fmt: skip
+        for ext in config["extenders"]:
+            # The chart's URL is the Service's; the path after its port (DRA steering's /dra) is kept.
+            path = ext["urlPrefix"].split(".svc:", 1)[1].partition("/")[2]
+            ext["urlPrefix"] = extender_url + (f"/{path}" if path else "")
+            # The chart mounts these from its Secrets; here they are the harness's own pair.
+            ext["tlsConfig"] = {"caFile": str(self.pki.ca), "certFile": str(self.pki.client_crt),
+                                "keyFile": str(self.pki.client_key)}  # fmt: skip
         return config
 
-    def start_scheduler(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> Proc:
-        """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile."""
+    def start_scheduler(
+        self,
+        extender_url: str,
+        scheduler_name: str = SCHEDULER_NAME,
+        values: dict[str, Any] | None = None,
+        config_obj: dict[str, Any] | None = None,
+    ) -> Proc:
+        """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile
+        (or ``config_obj``, a KubeSchedulerConfiguration of the test's own)."""
         config = self.work / "scheduler-config.yaml"
-        config.write_text(yaml.safe_dump(self.scheduler_config(extender_url, scheduler_name)))
+        config.write_text(yaml.safe_dump(config_obj or self.scheduler_config(extender_url, scheduler_name, values)))
         port = free_port()
         sk = str(self.k8s_real / "scheduler.kubeconfig")
         argv = [
