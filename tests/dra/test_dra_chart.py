@@ -57,3 +57,30 @@ def test_dra_is_off_by_default() -> None:
     assert not [d for d in docs if d["kind"] == "DeviceClass" or d["metadata"]["name"] == "sg-dra-driver"]
     agent = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-node-agent")
     assert "affinity" not in agent["spec"]["template"]["spec"]
+
+
+def test_dra_steering_adds_a_filter_only_extender_entry_its_flag_and_rbac() -> None:
+    off = render({})
+    docs = render({"scheduler": {"draSteering": {"enabled": True}}})
+    for d in docs:
+        if d["kind"] != "DeviceClass":
+            kubernetes_validate.validate(d, "1.37.0", strict=True)
+
+    def config(ds: list[dict[str, Any]]) -> dict[str, Any]:
+        cm = next(d for d in ds if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "sg-scheduler-config")
+        out: dict[str, Any] = yaml.safe_load(cm["data"]["config.yaml"])
+        return out
+
+    assert len(config(off)["extenders"]) == 1
+    main, steer = config(docs)["extenders"]
+    assert main["bindVerb"] == "bind" and main["managedResources"]
+    # called for every pod of the profile (no managedResources), filter only, never the binder, ignorable
+    assert steer["urlPrefix"] == main["urlPrefix"] + "/dra"
+    assert steer["filterVerb"] == "filter" and steer["ignorable"] is True
+    assert not {"managedResources", "bindVerb", "prioritizeVerb", "preemptVerb"} & set(steer)
+    assert steer["tlsConfig"] == main["tlsConfig"]
+    deploy = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "sg-extender")
+    assert "--dra-steering" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "sg-extender")
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices", "resourceclaims"],
+            "verbs": ["get", "list", "watch"]} in role["rules"]  # fmt: skip

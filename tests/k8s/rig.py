@@ -387,24 +387,36 @@ class Rig:
             assert p.alive, f"{name} exited:\n{p.text()[-3000:]}"
         return p, url
 
-    def scheduler_config(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> dict[str, Any]:
-        """The chart's own KubeSchedulerConfiguration, pointed at ``extender_url`` and at the rig's credentials."""
-        cm = next(d for d in chart_docs() if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
+    def scheduler_config(
+        self, extender_url: str, scheduler_name: str = SCHEDULER_NAME, values: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The chart's own KubeSchedulerConfiguration (rendered with ``values``), pointed at ``extender_url`` and at
+        the rig's credentials."""
+        cm = next(d for d in chart_docs(values) if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {}))
         config: dict[str, Any] = yaml.safe_load(cm["data"]["config.yaml"])
         config["clientConnection"] = {"kubeconfig": str(self.k8s_real / "scheduler.kubeconfig")}
         config["leaderElection"] = {"leaderElect": False}
         config["profiles"][0]["schedulerName"] = scheduler_name
-        (ext,) = config["extenders"]
-        ext["urlPrefix"] = extender_url
-        # The chart mounts these from its Secrets; here they are the harness's own pair.
-        ext["tlsConfig"] = {"caFile": str(self.pki.ca), "certFile": str(self.pki.client_crt),
-                            "keyFile": str(self.pki.client_key)}  # fmt: skip
+        for ext in config["extenders"]:
+            # The chart's URL is the Service's; the path after its port (DRA steering's /dra) is kept.
+            path = ext["urlPrefix"].split(".svc:", 1)[1].partition("/")[2]
+            ext["urlPrefix"] = extender_url + (f"/{path}" if path else "")
+            # The chart mounts these from its Secrets; here they are the harness's own pair.
+            ext["tlsConfig"] = {"caFile": str(self.pki.ca), "certFile": str(self.pki.client_crt),
+                                "keyFile": str(self.pki.client_key)}  # fmt: skip
         return config
 
-    def start_scheduler(self, extender_url: str, scheduler_name: str = SCHEDULER_NAME) -> Proc:
-        """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile."""
+    def start_scheduler(
+        self,
+        extender_url: str,
+        scheduler_name: str = SCHEDULER_NAME,
+        values: dict[str, Any] | None = None,
+        config_obj: dict[str, Any] | None = None,
+    ) -> Proc:
+        """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile
+        (or ``config_obj``, a KubeSchedulerConfiguration of the test's own)."""
         config = self.work / "scheduler-config.yaml"
-        config.write_text(yaml.safe_dump(self.scheduler_config(extender_url, scheduler_name)))
+        config.write_text(yaml.safe_dump(config_obj or self.scheduler_config(extender_url, scheduler_name, values)))
         port = free_port()
         sk = str(self.k8s_real / "scheduler.kubeconfig")
         argv = [
@@ -524,6 +536,7 @@ class ReadyProxy:
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}"  # TLS passes through: the scheduler talks to the replica itself
         self.ready: str | None = None
+        self.changes: list[tuple[float, str | None]] = []  # (monotonic time, the ready backend from then on)
         self.loop = asyncio.new_event_loop()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, daemon=True)
@@ -542,7 +555,11 @@ class ReadyProxy:
 
     def _probe(self) -> None:
         while not self._stop.is_set():
-            self.ready = next((url for probe, url in self.backends if http_ok(probe + "/readyz", 0.5)), None)
+            # 1 s: the kubelet's default readiness-probe timeout (a replica busy with a backlog may answer late)
+            ready = next((url for probe, url in self.backends if http_ok(probe + "/readyz", 1.0)), None)
+            if ready != self.ready:
+                self.changes.append((time.monotonic(), ready))
+            self.ready = ready
             time.sleep(0.25)
 
     def _main(self) -> None:

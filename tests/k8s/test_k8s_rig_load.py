@@ -15,6 +15,7 @@ from rig import (
     KUBECONFIG,
     LOAD_NODES,
     SKIP_REASON,
+    ExtenderProc,
     ReadyProxy,
     Rig,
     audit,
@@ -98,10 +99,31 @@ def test_two_replicas_the_leader_killed_mid_load_never_over_allocate(rig: Rig) -
         wait_for(lambda: sum(bool(p["spec"].get("nodeName")) for p in rig.pods(ns)) >= 5, "the first binds", 120)
         holder = rig.client.get(Lease, "sharegpu-extender", namespace=lease_ns).spec.holderIdentity
         leader, follower_url = (a, url_b) if holder == "replica-a" else (b, url_a)
+        follower = b if leader is a else a
         leader.kill()
         killed = time.monotonic()
-        wait_for(lambda: proxy.ready == follower_url, "the other replica to take over", 30)
+        try:
+            wait_for(lambda: proxy.ready == follower_url, "the other replica to take over", 30)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{takeover_report(rig, lease_ns, proxy, killed, follower)}") from None
         takeover_s = time.monotonic() - killed
-        assert takeover_s <= 15, takeover_s
+        assert takeover_s <= 15, (
+            f"took over after {takeover_s:.1f}s\n{takeover_report(rig, lease_ns, proxy, killed, follower)}"
+        )
         check(rig, ns, extender_killed=True)
-    assert "is now the leader" in (b if leader is a else a).text()
+    assert "is now the leader" in follower.text()
+
+
+def takeover_report(rig: Rig, lease_ns: str, proxy: ReadyProxy, killed: float, follower: ExtenderProc) -> str:
+    """What a failed takeover leaves to look at: the Lease, when the proxy saw readiness change, and what the
+    replica that should have taken over logged (without its per-request lines)."""
+    from lightkube.resources.coordination_v1 import Lease
+
+    spec = rig.client.get(Lease, "sharegpu-extender", namespace=lease_ns).spec
+    changes = ", ".join(f"{t - killed:+.1f}s: {url or 'none ready'}" for t, url in proxy.changes)
+    lines = [line for line in follower.text().splitlines() if "httpx" not in line and "HTTP Request" not in line]
+    return (
+        f"lease holder {spec.holderIdentity!r}, renewed {spec.renewTime}, transitions {spec.leaseTransitions}\n"
+        f"readiness changes (relative to the kill): {changes}\n"
+        f"follower alive: {follower.alive}; its log, last 40 lines:\n" + "\n".join(lines[-40:])
+    )

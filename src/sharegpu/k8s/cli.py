@@ -15,7 +15,7 @@ from rich.console import Console
 
 from sharegpu.k8s.api import ApiError, LightkubeClusterApi
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
-from sharegpu.k8s.kubeconfig import KubeconfigError
+from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials
 from sharegpu.k8s.pod_request import DEFAULT_SCHEDULER_NAME
 from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
@@ -105,6 +105,13 @@ def scheduler_extender(
     metrics_listen: str | None = typer.Option(
         None, "--metrics-listen", help="HOST:PORT to serve Prometheus /metrics on (its own port), e.g. 0.0.0.0:9403."
     ),
+    dra_steering: bool = typer.Option(
+        False,
+        "--dra-steering",
+        help="Follow ResourceSlices and ResourceClaims and serve /dra/filter, which leaves the kube-scheduler only "
+        "the node sharegpu picks for a pod whose GPUs come from sharegpu DRA claims (the chart's "
+        "scheduler.draSteering.enabled).",
+    ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.extender import run_extender
@@ -122,6 +129,7 @@ def scheduler_extender(
         view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
+        dra_client = load_credentials(kubeconfig).client("sharegpu-dra-steering") if dra_steering else None
     except (SetupError, UnknownPolicy, TlsError) as e:
         raise _fail(str(e)) from None
     except KubeconfigError as e:
@@ -146,6 +154,7 @@ def scheduler_extender(
                 max_request_bytes=max_request_mib * MIB,
                 elector=elector,
                 metrics_listen=metrics,
+                dra_client=dra_client,
             )
         )
     except OSError as e:

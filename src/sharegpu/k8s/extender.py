@@ -17,6 +17,8 @@ Protocol: k8s.io/kube-scheduler/extender/v1 (see :mod:`sharegpu.k8s.schema`), JS
   ``sharegpu.io/assignment`` annotation in one request, under the pod's UID and resourceVersion. A reservation is
   released only when the pod is known not to be bound: a lost answer is settled by reading the pod back.
 - preempt: keep only the nodes where evicting the proposed victims really frees room for the pod.
+- dra/filter (steering, when on): for a pod whose GPUs come from DRA claims, keep only the node the ``dra-steered``
+  policy picks (see :mod:`sharegpu.k8s.dra_steer`); a second extender entry of the scheduler profile, filter only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -40,6 +43,7 @@ from sharegpu.k8s.answers import FilterAnswer, Fragments, event_safe, first_each
 from sharegpu.k8s.api import ApiError, ClusterApi, Conflict, NotFound, Unavailable
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
+from sharegpu.k8s.dra_steer import DraState, follow_dra
 from sharegpu.k8s.leader import LeaderElector
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
 from sharegpu.k8s.schema import (
@@ -89,8 +93,10 @@ class Extender:
         is_leader: Callable[[], bool] = lambda: True,
         hold_s: float = HOLD_S,
         metrics: ClusterMetrics | None = None,  # issue 10
+        dra: DraState | None = None,
     ) -> None:
         self.view = view
+        self.dra = dra  # DRA steering's state (None: steering off, /dra/filter passes every node)
         self.metrics = metrics or ClusterMetrics(view)  # issue 10: recorded by the HTTP layer (make_app)
         self.api = api
         self.scheduler_name = scheduler_name  # /bind binds only pods of this scheduler that ask for sharegpu
@@ -180,6 +186,25 @@ class Extender:
     def _fragments(self) -> Fragments:
         self._frags = fragments_of(self._frags, self.view.ledger)
         return self._frags
+
+    # ----- DRA steering ------------------------------------------------------------------------------------------
+    def dra_filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
+        """The candidates a DRA pod keeps: the ``dra-steered`` pick, or all of them when steering cannot judge it.
+        Never binds or reserves: the kube-scheduler allocates the claims on the node left and its binder binds."""
+        names = _node_names(args)
+        if self.dra is None:
+            return self._filtered(args, names, {}, {})
+        # The DRA pods' own shapes (the claims seen), unless the operator fixed the workload.
+        s = self.dra.steer(args.Pod, names, self.view.fixed_workload)
+        if s.assignment is not None:
+            units = ", ".join(f"GPU {x.gpu_index}" for x in s.assignment.shares) or "no GPU"
+            log.info("steered DRA pod %s to %s (%s, first fit: %s)", args.Pod.key, s.keep[0], s.why, units)
+        elif args.Pod.spec.model_extra and args.Pod.spec.model_extra.get("resourceClaims"):
+            log.info("DRA pod %s not steered: %s", args.Pod.key, s.why)
+        keep = set(s.keep)
+        # Passed over, not failed: the scheduler's own filters found them able to host the pod.
+        failed = {n: f"sharegpu steers this DRA pod to {s.keep[0]}" for n in names if n not in keep} if s.keep else {}
+        return self._filtered(args, [n for n in names if n in keep], failed, {})
 
     # ----- prioritize ------------------------------------------------------------------------------------------
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:
@@ -585,6 +610,10 @@ def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> 
         assert isinstance(a, ExtenderBindingArgs)
         return await extender.bind(a)
 
+    async def do_dra_filter(a: BaseModel) -> BaseModel:
+        assert isinstance(a, ExtenderArgs)
+        return extender.dra_filter(a)
+
     async def do_preempt(a: BaseModel) -> BaseModel:
         assert isinstance(a, ExtenderPreemptionArgs)
         return extender.preempt(a)
@@ -606,6 +635,7 @@ def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> 
             verb("prioritize", ExtenderArgs, do_prioritize),
             verb("bind", ExtenderBindingArgs, do_bind),
             verb("preempt", ExtenderPreemptionArgs, do_preempt),
+            verb("dra/filter", ExtenderArgs, do_dra_filter),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
         ],
@@ -625,6 +655,7 @@ async def run_extender(
     health: tuple[str, int] | None = None,
     max_request_bytes: int = EXTENDER_MAX_BODY,
     metrics_listen: tuple[str, int] | None = None,  # issue 10
+    dra_client: Any = None,
 ) -> None:
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
@@ -632,12 +663,15 @@ async def run_extender(
     from sharegpu.k8s.serving import Listener, Site, probes_only, serve
 
     stop = stop or asyncio.Event()
-    extender = Extender(view, api, scheduler_name, is_leader=elector.is_leader if elector else lambda: True)
+    dra = DraState(view.catalog, view.seed) if dra_client is not None else None
+    extender = Extender(view, api, scheduler_name, is_leader=elector.is_leader if elector else lambda: True, dra=dra)
     app = make_app(extender, max_request_bytes)
     sites = [Site(app, Listener(host, port, tls), "scheduler extender")]
     if health is not None:
         sites.append(Site(probes_only(app), Listener(*health), "health probes"))
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
+    if dra is not None:
+        tasks.append(asyncio.ensure_future(follow_dra(dra, dra_client, stop)))
     if elector is not None:
 
         def changed(leader: bool) -> None:
@@ -658,3 +692,5 @@ async def run_extender(
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await api.close()
+        if dra_client is not None:
+            await dra_client.close()

@@ -209,6 +209,11 @@ class ClusterView:
         """The parsed sharegpu request of pod ``key`` (None: it asks for none, or it cannot be valid)."""
         return self._requests.get(key)
 
+    @property
+    def fixed_workload(self) -> Workload | None:
+        """The workload given at start (None: fragmentation is measured against the pods seen)."""
+        return self._fixed_workload
+
     def workload(self) -> Workload | None:
         """The task shapes fragmentation is measured against (the policy's): the fixed one, else the pods seen."""
         if self._fixed_workload is not None or not self._requests:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.dra_allocator import dra_default_policy
+from sharegpu.placement.dra_steer import dra_steered_policy
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Policy
 from sharegpu.placement.scorers import (
@@ -85,6 +86,7 @@ POLICIES: dict[str, Callable[[PolicyContext], Policy]] = {
     "fgd": _fgd,
     "sharegpu": _sharegpu,
     "dra-default": lambda ctx: dra_default_policy(),
+    "dra-steered": lambda ctx: dra_steered_policy(ctx.fragmentation("dra-steered").workload),
 }
 
 

@@ -1,0 +1,385 @@
+"""DRA steering through the real kube-scheduler (../shared/k8s-rig, v1.36 with DRA on): pods whose GPU comes from a
+``gpu.sharegpu.io`` claim are scheduled by the chart's profile with ``scheduler.draSteering.enabled``; the extender's
+``/dra/filter`` leaves the node sharegpu picks, the scheduler's DRA plugin allocates the claim there (first fit) and
+the default binder binds. The harness publishes the DRA nodes' ResourceSlices as the driver would (same builder).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+from rig import KUBECONFIG, SKIP_REASON, Rig, wait_for
+
+from sharegpu.k8s.dra_view import DEVICE_PATH_DRA, DEVICE_PATH_LABEL
+from sharegpu.node.backends.base import DeviceInfo
+from sharegpu.node.dra.classes import device_classes
+from sharegpu.node.dra.slices import build_slices, resource_slice
+
+pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
+
+STEERING = {"scheduler": {"draSteering": {"enabled": True}}}
+GIB = 1024
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    with Rig.open() as r:
+        try:
+            yield r
+        finally:
+            print(r.dump())
+
+
+def _dra_node(rig: Rig, suffix: str, gpus: int = 2) -> str:
+    """A kubelet-less DRA node with ``gpus`` A100-80GB published as the driver publishes them."""
+    from lightkube import codecs
+
+    name = rig.add_node(suffix, [], agent=False, labels={DEVICE_PATH_LABEL: DEVICE_PATH_DRA})
+    uid = rig.node(name)["metadata"]["uid"]
+    devices = [
+        DeviceInfo(i, f"GPU-{name}-{i}", "NVIDIA A100-SXM4-80GB", "A100-80GB", 80 * GIB, 108, False)
+        for i in range(gpus)
+    ]
+    specs = build_slices(name, devices)
+    for s in specs:
+        rig.client.create(codecs.from_dict(resource_slice(s, name, 1, len(specs), {"name": name, "uid": uid})))
+    return name
+
+
+def _classes(rig: Rig) -> None:
+    from lightkube import codecs
+    from lightkube.core.exceptions import ApiError
+
+    for cls in device_classes():
+        try:
+            rig.client.create(codecs.from_dict(cls))
+        except ApiError as e:
+            if e.status.code != 409:
+                raise
+
+
+def _claim_and_pod(
+    rig: Rig,
+    ns: str,
+    name: str,
+    memory: str,
+    compute: int,
+    scheduler: str = "sharegpu-scheduler",
+    extra: dict[str, str] | None = None,
+) -> None:
+    from lightkube import codecs
+
+    rig.client.create(
+        codecs.from_dict(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {
+                                "name": "gpu",
+                                "exactly": {
+                                    "deviceClassName": "gpu.sharegpu.io",
+                                    "capacity": {"requests": {"memory": memory, "compute": str(compute)}},
+                                },
+                            }
+                        ]
+                    }
+                },
+            }
+        )
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "schedulerName": scheduler,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "cuda",
+                    "resources": {
+                        "claims": [{"name": "gpu"}],
+                        "requests": {"cpu": "1", "memory": "1Gi", **(extra or {})},
+                        **({"limits": dict(extra)} if extra else {}),
+                    },
+                }
+            ],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+        },
+    }
+    rig.create_pods(ns, [pod])
+
+
+def _mig_claim_and_pod(rig: Rig, ns: str, name: str, profile: str) -> None:
+    from lightkube import codecs
+
+    sel = f'device.attributes["gpu.sharegpu.io"].profile == "{profile}"'
+    exact = {"deviceClassName": "mig.sharegpu.io", "selectors": [{"cel": {"expression": sel}}]}
+    rig.client.create(
+        codecs.from_dict(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exact}]}},
+            }
+        )
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "schedulerName": "sharegpu-scheduler",
+            "containers": [{"name": "main", "image": "cuda", "resources": {"claims": [{"name": "gpu"}]}}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+        },
+    }
+    rig.create_pods(ns, [pod])
+
+
+def _claims(rig: Rig, ns: str) -> dict[str, dict[str, Any]]:
+    from lightkube.resources.resource_v1 import ResourceClaim
+
+    return {c.metadata.name: c.to_dict() for c in rig.client.list(ResourceClaim, namespace=ns)}
+
+
+def _placed(rig: Rig, ns: str) -> dict[str, tuple[str, str]]:
+    """pod → (node, device) of its claim's allocation, for the bound pods."""
+    pods = rig.pods(ns)  # first: a pod seen bound has its claim allocated (PreBind comes before the bind)
+    claims = _claims(rig, ns)
+    out = {}
+    for p in pods:
+        node = p["spec"].get("nodeName")
+        if not node:
+            continue
+        (r,) = claims[p["metadata"]["name"]]["status"]["allocation"]["devices"]["results"]
+        assert r["pool"] == node, f"{p['metadata']['name']}: claim allocated on {r['pool']}, pod bound to {node}"
+        out[p["metadata"]["name"]] = (node, r["device"])
+    return out
+
+
+def _assert_where_said(log: str, placed: dict[str, tuple[str, str]], pods: set[str]) -> None:
+    """Every steered pod's claim is allocated exactly where the extender said first fit would put it (node and
+    GPU): the extender's model of the allocator holds on the real one."""
+    said = {
+        m.group(1).split("/")[1]: (m.group(2), f"gpu-{m.group(3)}")
+        for m in re.finditer(r"steered DRA pod (\S+) to (\S+) \(.*first fit: GPU (\d+)\)", log)
+    }
+    assert set(said) == pods
+    got = {p: (n, d.split("-mig-")[0]) for p, (n, d) in placed.items() if p in pods}
+    assert got == said
+
+
+def _assert_not_over_allocated(rig: Rig, ns: str) -> None:
+    used: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for c in _claims(rig, ns).values():
+        alloc = (c.get("status") or {}).get("allocation")
+        if not alloc:
+            continue
+        for r in alloc["devices"]["results"]:
+            if "consumedCapacity" not in r:
+                continue  # a MIG partition: its counters keep it apart (the API server checks them)
+            cc = r["consumedCapacity"]
+            mem = float(cc["memory"].removesuffix("Gi")) if cc["memory"].endswith("Gi") else 0.0
+            used[(r["pool"], r["device"])][0] += mem
+            used[(r["pool"], r["device"])][1] += float(cc["compute"])
+    for dev, (mem, compute) in used.items():
+        assert mem <= 80 and compute <= 100, f"{dev} over-allocated: {mem}Gi, compute {compute}"
+
+
+def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
+    _classes(rig)
+    nodes = [_dra_node(rig, s) for s in ("a", "b", "c")]
+    _, url = rig.start_extender(0, "--dra-steering")
+    rig.start_scheduler(url, values=STEERING)
+    ns = rig.namespace()
+    # Wait until the extender follows the slices: its log says so once it listed them.
+    ext = next(p for p in rig.procs if p.name == "extender")
+    wait_for(lambda: "DRA steering: following 3 DRA node(s)" in ext.text(), "the extender to follow the DRA nodes", 30)
+
+    # One at a time: six quarter-GPU shares. LeastAllocated (cpu and memory only) would put each on the emptiest
+    # node; sharegpu fills one GPU, then the node's next one.
+    for i in range(6):
+        _claim_and_pod(rig, ns, f"p{i}", "10Gi", 25)
+        wait_for(lambda i=i: f"p{i}" in _placed(rig, ns), f"pod p{i} bound", 60)
+    placed = _placed(rig, ns)
+    (node,) = {n for n, _ in placed.values()}
+    assert Counter(d for _, d in placed.values()) == {"gpu-0": 4, "gpu-1": 2}, placed
+    first = node
+    assert "steered DRA pod" in ext.text()
+
+    # A burst of six more at once: the extender holds each choice until its claim is seen allocated, so the
+    # pods still pack (first node's gpu-1 fills, then one GPU of a second node) and nothing is over-allocated.
+    for i in range(6, 12):
+        _claim_and_pod(rig, ns, f"p{i}", "10Gi", 25)
+    wait_for(lambda: len(_placed(rig, ns)) == 12, "the burst bound", 90)
+    placed = _placed(rig, ns)
+    _assert_not_over_allocated(rig, ns)
+    _assert_where_said(ext.text(), placed, {f"p{i}" for i in range(12)})
+    per_node = Counter(n for n, _ in placed.values())
+    assert per_node[first] == 8, per_node  # the first node is full before another is opened
+    assert len(per_node) == 2, per_node  # 12 quarter shares on 3 GPUs of two nodes, the third node untouched
+    assert len({(n, d) for n, d in placed.values()}) == 3, placed
+
+    # The binding extender entry (it has managedResources) is never called for them: the default binder binds,
+    # with no sharegpu assignment; the extender's bind would have refused ("asks for no sharegpu.io resource").
+    assert "cannot bind" not in ext.text()
+    assert not any("sharegpu.io/assignment" in (p["metadata"].get("annotations") or {}) for p in rig.pods(ns))
+
+    # Control: the rig's own default scheduler (no extender) places the same claim by cpu and memory alone and
+    # opens the untouched node.
+    _claim_and_pod(rig, ns, "control", "10Gi", 25, scheduler="default-scheduler")
+    wait_for(lambda: "control" in _placed(rig, ns), "the control pod bound", 60)
+    (untouched,) = set(nodes) - set(per_node)
+    assert _placed(rig, ns)["control"][0] == untouched
+
+    # A MIG partition: the first node's GPUs are shared (its partitions' counters are used up), the second node's
+    # GPU 1 is idle and the third node holds the control's share. Steered, it packs onto the second node's idle GPU.
+    _mig_claim_and_pod(rig, ns, "mig", "3g.40gb")
+    wait_for(lambda: "mig" in _placed(rig, ns), "the MIG pod bound", 60)
+    (second,) = set(per_node) - {first}
+    mig_node, mig_device = _placed(rig, ns)["mig"]
+    assert (mig_node, mig_device.split("-mig-")[0]) == (second, "gpu-1"), mig_device
+    assert mig_device.startswith("gpu-1-mig-3g40gb-")
+
+    _assert_where_said(ext.text(), _placed(rig, ns), {f"p{i}" for i in range(12)} | {"mig"})
+
+    _assert_not_over_allocated(rig, ns)
+
+
+def test_a_pod_steering_cannot_judge_is_placed_as_the_stock_scheduler_would(rig: Rig) -> None:
+    """A pod of the profile without claims and a claim of a class steering does not know pass every node."""
+    _classes(rig)
+    _dra_node(rig, "a")
+    _, url = rig.start_extender(0, "--dra-steering")
+    rig.start_scheduler(url, values=STEERING)
+    ns = rig.namespace()
+    rig.create_pods(
+        ns,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "plain"},
+                "spec": {"schedulerName": "sharegpu-scheduler", "containers": [{"name": "m", "image": "x"}]},
+            }
+        ],
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pods = rig.pods(ns)
+        if pods and pods[0]["spec"].get("nodeName"):
+            break
+        time.sleep(0.5)
+    assert rig.pods(ns)[0]["spec"].get("nodeName"), "a pod without claims must still be scheduled"
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """A bare extender that records what the kube-scheduler sends it: ``/main`` (managedResources, the binder) and
+    ``/dra`` (filter only, no managedResources: it keeps the last candidate by name)."""
+
+    calls: ClassVar[list[dict[str, Any]]] = []
+    rig: ClassVar[Rig]
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        from lightkube.resources.resource_v1 import ResourceClaim
+
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        pod = ((body.get("Pod") or {}).get("metadata") or {}).get("name") or body.get("PodName")
+        rec: dict[str, Any] = {"path": self.path, "pod": pod}
+        out: Any = {}
+        if self.path.endswith("/filter"):
+            names = body.get("NodeNames") or []
+            rec["kept"] = sorted(names)[-1:] if self.path.startswith("/dra") else names
+            out = {"NodeNames": rec["kept"]}
+        elif self.path.endswith("/prioritize"):
+            out = [{"Host": n, "Score": 0} for n in body.get("NodeNames") or []]
+        elif self.path.endswith("/bind"):
+            ns, name = body["PodNamespace"], body["PodName"]
+            status = self.rig.client.get(ResourceClaim, name, namespace=ns).to_dict().get("status") or {}
+            rec["claim_at_bind"] = status
+            rec["node"] = body["Node"]
+            binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                       "target": {"kind": "Node", "name": body["Node"]}}  # fmt: skip
+            subprocess.run(
+                ["kubectl", "--kubeconfig", str(self.rig.kubeconfig), "create", "--raw",
+                 f"/api/v1/namespaces/{ns}/pods/{name}/binding", "-f", "-"],
+                input=json.dumps(binding), text=True, check=True, capture_output=True,
+            )  # fmt: skip
+        self.calls.append(rec)
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_what_the_kube_scheduler_does_with_dra_pods_and_extenders(rig: Rig) -> None:
+    """The facts steering rests on (Kubernetes v1.36): an extender with managedResources is not called for a DRA pod
+    that asks none of them (the default binder binds it); one without managedResources is, and the claim is
+    allocated on the node its filter left; a binding extender that is called (the pod asks a managed resource) finds
+    the claim already allocated and reserved for the pod when its bind comes (the DRA plugin's PreBind ran)."""
+    _classes(rig)
+    _dra_node(rig, "a")
+    _dra_node(rig, "b")
+    _Recorder.calls = []
+    _Recorder.rig = rig
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    marker = "sharegpu.io/dra-marker"
+    config = {
+        "apiVersion": "kubescheduler.config.k8s.io/v1",
+        "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"kubeconfig": str(rig.k8s_real / "scheduler.kubeconfig")},
+        "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": "sharegpu-scheduler"}],
+        "extenders": [
+            {"urlPrefix": f"{url}/main", "filterVerb": "filter", "prioritizeVerb": "prioritize", "bindVerb": "bind",
+             "weight": 1, "nodeCacheCapable": True,
+             "managedResources": [{"name": "sharegpu.io/gpu", "ignoredByScheduler": False},
+                                  {"name": marker, "ignoredByScheduler": True}]},
+            {"urlPrefix": f"{url}/dra", "filterVerb": "filter", "weight": 1, "nodeCacheCapable": True,
+             "ignorable": True},
+        ],
+    }  # fmt: skip
+    try:
+        rig.start_scheduler(url, config_obj=config)
+        ns = rig.namespace()
+        _claim_and_pod(rig, ns, "plain", "10Gi", 25)
+        _claim_and_pod(rig, ns, "marked", "10Gi", 25, extra={marker: "1"})
+        wait_for(lambda: len(_placed(rig, ns)) == 2, "both pods bound", 60)
+    finally:
+        server.shutdown()
+    placed = _placed(rig, ns)  # also checks: each claim allocated on the node its pod is bound to
+    calls = _Recorder.calls
+    by = {(c["path"], c["pod"]) for c in calls}
+    # the plain DRA pod: only the entry without managedResources is called; the default binder binds it
+    assert ("/dra/filter", "plain") in by
+    assert not any(path.startswith("/main") for path, pod in by if pod == "plain")
+    kept = next(c["kept"] for c in calls if c["path"] == "/dra/filter" and c["pod"] == "plain")
+    assert [placed["plain"][0]] == kept  # allocated and bound where the filter left it
+    # the marked pod: the binder entry is called and its bind sees the allocation PreBind wrote
+    (bind,) = [c for c in calls if c["path"] == "/main/bind"]
+    assert bind["pod"] == "marked"
+    alloc = bind["claim_at_bind"]["allocation"]
+    assert [r["pool"] for r in alloc["devices"]["results"]] == [bind["node"]] == [placed["marked"][0]]
+    assert [r["name"] for r in bind["claim_at_bind"]["reservedFor"]] == ["marked"]
