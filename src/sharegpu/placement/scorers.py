@@ -327,10 +327,9 @@ class RefinedFgdScore:
     weights: FloatArray  # the refinement's: half task counts, half GPU demand, over all shapes
     name: str = "sharegpu"
     node_local: bool = True
-    # model names and GPU count per model → (models + 1,) pressures, the last (node without GPUs) 0: a memo
-    _pressures: dict[tuple[tuple[str, ...], tuple[float, ...]], FloatArray] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    # the last ledger asked about and its (models + 1,) pressures: a ledger's nodes and models never change, and
+    # one scorer serves one ledger at a time, so an identity check replaces an O(nodes) recount per decision
+    _pressures: list[tuple[Ledger, FloatArray]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, workload: Workload) -> RefinedFgdScore:
@@ -384,16 +383,14 @@ class RefinedFgdScore:
     def pressures(self, ledger: Ledger) -> FloatArray:
         """(models + 1,) :func:`model_pressure` of each of the ledger's GPU models, then 0 for nodes without GPUs
         (``node_model_id`` −1 reads the last entry)."""
+        if self._pressures and self._pressures[0][0] is ledger:
+            return self._pressures[0][1]
         has = ledger.node_model_id >= 0
-        names = tuple(ledger.model_names)
         capacity: FloatArray = np.bincount(
-            ledger.node_model_id[has], weights=ledger.gpu_count[has], minlength=len(names)
+            ledger.node_model_id[has], weights=ledger.gpu_count[has], minlength=len(ledger.model_names)
         ).astype(np.float64)
-        key = (names, tuple(capacity.tolist()))
-        out = self._pressures.get(key)
-        if out is None:
-            out = np.append(model_pressure(self.model.workload, list(names), capacity), 0.0)
-            self._pressures[key] = out
+        out = np.append(model_pressure(self.model.workload, list(ledger.model_names), capacity), 0.0)
+        self._pressures[:] = [(ledger, out)]
         return out
 
     def _combine(self, grow: IntArray, other: FloatArray, node_tight: IntArray, gpu_tight: IntArray) -> IntArray:
