@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -13,7 +14,7 @@ from sharegpu.model.assignment import Assignment
 from sharegpu.model.catalog import GIB
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.fragmentation import TaskShape, Workload
+from sharegpu.placement.fragmentation import TaskShape, Workload, fgd_score, model_pressure
 from sharegpu.placement.framework import CycleState, Decision, Scheduler
 from sharegpu.placement.mechanism import make_share
 from sharegpu.placement.policies import PolicyContext, make_policy
@@ -78,7 +79,54 @@ def test_a_share_takes_the_tightest_gpu_when_fgd_rates_them_alike() -> None:
     assert picks == {"fgd": [0], "sharegpu": [2]}
 
 
+def test_model_pressure_is_the_confined_demand_over_the_capacity_it_may_use() -> None:
+    # GPU demand: 10 × 0.5 unconstrained, 10 × 2 confined to V100, 5 × 1 confined to V100 or T4 (30 GPUs in all).
+    reqs = [share(f"s{i}", 500) for i in range(10)]
+    reqs += [dataclasses.replace(whole(f"v{i}", 2, 8000), allowed_models=frozenset({"V100-16GB"})) for i in range(10)]
+    reqs += [
+        dataclasses.replace(whole(f"t{i}", 1, 8000), allowed_models=frozenset({"V100-16GB", "T4"})) for i in range(5)
+    ]
+    wl = Workload.from_requests(reqs, coverage=1.0)
+    names = ["V100-16GB", "T4", "P100"]
+    capacity = np.array([4.0, 4.0, 8.0])  # GPUs of each model: V100 a quarter, V100 + T4 half the cluster
+    v100_only, either = 20 / 30, 5 / 30
+    np.testing.assert_allclose(
+        model_pressure(wl, names, capacity), [v100_only / 0.25 + either / 0.5, either / 0.5, 0.0]
+    )
+    # Without confined shapes no model is under pressure, so sharegpu decides as it did before the term existed.
+    free = Workload.from_requests([share(f"s{i}", 500) for i in range(10)] + [whole("w", 2, 8000)])
+    assert not model_pressure(free, names, capacity).any()
+
+
+def test_an_unconstrained_share_leaves_the_scarce_model_to_the_pods_confined_to_it() -> None:
+    # Two one-GPU nodes alike but for the model. The typical 2-GPU tasks confined to V100 fit neither node, so FGD
+    # and the fragmentation terms rate both nodes alike; most of the GPU demand may only run on V100, so the share
+    # that may run anywhere goes to the T4.
+    nodes = [node("a-v100", "V100-16GB", 1, cpu=64_000), node("b-t4", "T4", 1, cpu=64_000)]
+    reqs = [share(f"s{i}", 500) for i in range(10)]
+    reqs += [dataclasses.replace(whole(f"v{i}", 2, 8000), allowed_models=frozenset({"V100-16GB"})) for i in range(10)]
+    workload = Workload.from_requests(reqs)
+    picks = {}
+    for policy in ("fgd", "sharegpu"):
+        d = Scheduler(Ledger(nodes), make_policy(policy, PolicyContext(workload))).decide(share("p", 500))
+        assert isinstance(d, Decision)
+        picks[policy] = d.assignment.node
+    assert picks == {"fgd": "a-v100", "sharegpu": "b-t4"}  # FGD: a tie, to the first name
+
+
 MODELS = ["V100-16GB", "T4", "G2", "P100"]
+
+
+def fgd_reference(
+    model: FragmentationModel, ledger: Ledger, req: GpuRequest, usable: np.ndarray, nodes: np.ndarray
+) -> np.ndarray:
+    """FGD's integer score of each node, with its ΔF rounded to 10⁻⁶ milli-GPU first: FgdScore subtracts two
+    separately summed dot products, so a ΔF that is exactly 0 can come out a rounding error below (score 49
+    instead of 50) when the workload's shapes make the sums inexact."""
+    if req.gpu_count == 1 and req.milli < 1000:
+        per_gpu = fgd_score(np.zeros(1), model.share_delta(ledger, req, nodes).round(6))
+        return np.where(usable[nodes], per_gpu, -1).max(axis=1)
+    return fgd_score(np.zeros(1), (model.whole_after(ledger, req, nodes) - model.before(ledger, nodes)).round(6))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,6 +146,8 @@ def test_sharegpu_only_chooses_among_the_placements_fgd_rates_best(seed: int) ->
             reqs.append(share(f"s{i}", rnd.choice([100, 250, 500, 800]), cpu=rnd.choice([2000, 8000])))
         else:
             reqs.append(whole(f"w{i}", rnd.choice([1, 1, 2, 4, 8]), rnd.choice([4000, 12_000, 64_000])))
+        if kind >= 0.15 and rnd.random() < 0.3:  # confined to one or two models: the model pressure term at work
+            reqs[-1] = dataclasses.replace(reqs[-1], allowed_models=frozenset(rnd.sample(MODELS, rnd.choice([1, 2]))))
     workload = Workload.from_requests(reqs)
     sched = Scheduler(Ledger(nodes), make_policy("sharegpu", PolicyContext(workload)))
     fgd = FgdScore(FragmentationModel(workload))
@@ -109,7 +159,7 @@ def test_sharegpu_only_chooses_among_the_placements_fgd_rates_best(seed: int) ->
         if not isinstance(d, Decision):
             continue
         feasible = np.flatnonzero(ok).astype(np.int64)
-        fgd_scores = fgd.score(sched.ledger, CycleState(req, usable, np.random.default_rng(0)), feasible)
+        fgd_scores = fgd_reference(fgd.model, sched.ledger, req, usable, feasible)
         assert d.score // 10**15 == fgd_scores.max()  # FGD's best integer score, never overruled
         # The GPUs taken are the ones the node's score came from.
         keys = scorer.keys(sched.ledger, CycleState(req, usable, sched.rng), np.array([d.node_index]))

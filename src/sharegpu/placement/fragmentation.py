@@ -116,6 +116,32 @@ class Workload:
         return out
 
 
+def model_pressure(wl: Workload, model_names: list[str], capacity: FloatArray) -> FloatArray:
+    """(K,) how much of each GPU model's capacity the model-constrained shapes of ``wl`` are expected to claim.
+
+    A constrained shape (one that may run on some models but not all) brings its share of the GPU demand
+    (:meth:`Workload.demand_weights`) to the set S of models it allows; spread over S in proportion to capacity,
+    that is ``demand share / capacity share of S`` per unit of capacity of each model in S. Summed over the shapes,
+    a model's pressure is 0 when no shape is confined to it, about 1 when the constrained demand alone would fill
+    its share of the cluster, and above 1 when it would overflow it. ``capacity`` is the (K,) GPU count of each
+    model. Without constrained shapes every pressure is 0.
+    """
+    table = wl.access(model_names)  # (K, M)
+    total = float(capacity.sum())
+    out: FloatArray = np.zeros(len(model_names), dtype=np.float64)
+    if total <= 0:
+        return out
+    demand = wl.demand_weights()
+    for m in range(len(wl.shapes)):
+        allowed = table[:, m]
+        if allowed.all() or not allowed.any() or wl.milli[m] == 0:
+            continue
+        share = float(capacity[allowed].sum()) / total
+        if share > 0:
+            out[allowed] += demand[m] / share
+    return out
+
+
 def _demand(shape: TaskShape) -> int:
     return shape.gpu_milli * shape.gpu_count
 

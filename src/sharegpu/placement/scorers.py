@@ -17,6 +17,7 @@ from sharegpu.model.request import FULL_MILLI, GpuRequest
 from sharegpu.placement.fragmentation import (
     Workload,
     fgd_score,
+    model_pressure,
     node_fragmentation,
     shape_cpu,
     shape_fragmentation,
@@ -309,7 +310,10 @@ class RefinedFgdScore:
        e.g. 8-GPU tasks that only the CPU-richest nodes can host) counted too;
     2. plus the growth of stranded GPU: free GPUs that the node's free CPU cannot feed at the workload's typical
        CPU per GPU, which FGD sees only once a node crosses a task's CPU threshold;
-    3. then the tightest node (least GPU and CPU left), then the tightest GPU, so that idle nodes stay idle.
+    3. plus, where the workload confines some shapes to some GPU models, the GPU taken from a model in proportion
+       to that model's pressure (:func:`model_pressure`: how much of it the confined shapes are expected to claim),
+       so that a request that may run anywhere leaves the scarce models to the requests that may run only there;
+    4. then the tightest node (least GPU and CPU left), then the tightest GPU, so that idle nodes stay idle.
     Because FGD's score stays the primary key, the refinements can only choose among placements FGD itself
     would have rated best; they never overrule it.
 
@@ -323,6 +327,9 @@ class RefinedFgdScore:
     weights: FloatArray  # the refinement's: half task counts, half GPU demand, over all shapes
     name: str = "sharegpu"
     node_local: bool = True
+    # the last ledger asked about and its (models + 1,) pressures: a ledger's nodes and models never change, and
+    # one scorer serves one ledger at a time, so an identity check replaces an O(nodes) recount per decision
+    _pressures: list[tuple[Ledger, FloatArray]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, workload: Workload) -> RefinedFgdScore:
@@ -364,17 +371,32 @@ class RefinedFgdScore:
         before: IntArray = state.per_node(("sharegpu-fragmentation", self), nodes, fragmentation)
         gpu = free.sum(axis=1)
         stranding = model.stranded(gpu - req.total_milli, cpu - req.cpu_milli) - model.stranded(gpu, cpu)
+        waste = stranding + req.total_milli * self.pressures(ledger)[ledger.node_model_id[nodes]]
         node_tight = _tightness(ledger, req, nodes)
         if is_sharing(req):
             grow = share_shape_fragmentation(free, cpu, access, wl, req.milli, shape_cpu(req)) - before[:, None, :]
             gpu_tight = np.clip(FULL_MILLI - free, 0, TIE_SCALE - 1)
-            return self._combine(grow, stranding[:, None], node_tight[:, None], gpu_tight)
+            return self._combine(grow, waste[:, None], node_tight[:, None], gpu_tight)
         after = shape_fragmentation(model.after_whole(free, req), cpu - shape_cpu(req), access, wl)
-        return self._combine(after - before, stranding, node_tight, np.zeros_like(node_tight))
+        return self._combine(after - before, waste, node_tight, np.zeros_like(node_tight))
 
-    def _combine(self, grow: IntArray, stranding: FloatArray, node_tight: IntArray, gpu_tight: IntArray) -> IntArray:
+    def pressures(self, ledger: Ledger) -> FloatArray:
+        """(models + 1,) :func:`model_pressure` of each of the ledger's GPU models, then 0 for nodes without GPUs
+        (``node_model_id`` −1 reads the last entry)."""
+        if self._pressures and self._pressures[0][0] is ledger:
+            return self._pressures[0][1]
+        has = ledger.node_model_id >= 0
+        capacity: FloatArray = np.bincount(
+            ledger.node_model_id[has], weights=ledger.gpu_count[has], minlength=len(ledger.model_names)
+        ).astype(np.float64)
+        out = np.append(model_pressure(self.model.workload, list(ledger.model_names), capacity), 0.0)
+        self._pressures[:] = [(ledger, out)]
+        return out
+
+    def _combine(self, grow: IntArray, other: FloatArray, node_tight: IntArray, gpu_tight: IntArray) -> IntArray:
+        """``other``: the waste beyond fragmentation (stranded GPU, scarce-model GPU taken), in milli-GPU."""
         primary = fgd_score(np.zeros(1), (grow * self.fgd_weights).sum(axis=-1))
-        waste = np.round((grow * self.weights).sum(axis=-1) + stranding).astype(np.int64)
+        waste = np.round((grow * self.weights).sum(axis=-1) + other).astype(np.int64)
         refine = np.clip(_REFINE_SPAN // 2 - waste, 0, _REFINE_SPAN - 1)
         out: IntArray = primary * _PRIMARY + refine * _REFINE + node_tight * TIE_SCALE + gpu_tight
         return out
