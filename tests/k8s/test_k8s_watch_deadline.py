@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 from k8s_helpers import node_spec, pod_obj
 
+from sharegpu.k8s import view as view_module
 from sharegpu.k8s.api import LightkubeClusterApi
 from sharegpu.k8s.memory import MemoryClusterApi
+from sharegpu.k8s.schema import Pod
 from sharegpu.k8s.view import ClusterView
 
 
@@ -123,5 +127,60 @@ def test_lightkube_watches_ask_for_a_server_timeout_and_a_silent_one_is_relisted
         for line in state["lines"]:  # type: ignore[attr-defined]
             seconds = int(line.split("timeoutSeconds=")[1].split("&")[0].split(" ")[0])
             assert 240 <= seconds <= 300
+
+    asyncio.run(main())
+
+
+class _StubbornWatchApi(MemoryClusterApi):
+    """Its first pod watch absorbs cancellation and reads on, as a streaming HTTP read cancelled mid-line can (a
+    watch has no read timeout): only ``release`` ends the wait, and the watch then delivers one late event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stubborn = True
+        self.release = asyncio.Event()
+
+    async def watch_pods(
+        self, resource_version: str, timeout_s: int | None = None, scheduler_name: str | None = None
+    ) -> AsyncIterator[tuple[str, Pod]]:
+        if not self.stubborn:
+            async for event in super().watch_pods(resource_version, timeout_s, scheduler_name):
+                yield event
+            return
+        self.stubborn = False
+        while not self.release.is_set():
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                continue
+        yield "ADDED", Pod.model_validate(pod_obj("late", gpu=1))
+
+
+def test_a_watch_that_outlives_its_cancellation_does_not_keep_the_view_from_relisting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A replica that had just become the leader asked for a relist and never got back in sync: the view waited without
+    # bound for its cancelled pod watch to close.
+    monkeypatch.setattr(view_module, "WATCH_CLOSE_S", 0.2)
+
+    async def main() -> None:
+        api = _StubbornWatchApi()
+        api.put_node("node-a", node_spec("node-a", gpus=1))
+        view = ClusterView(policy="bestfit", watch_timeout_s=(40, 50), watch_idle_s=30)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
+        try:
+            await until(lambda: view.synced, "sync")
+            view.resync()
+            await until(lambda: view.synced, "the relist despite the watch that did not close", timeout=3)
+            api.put_pod(pod_obj("p", gpu=1))
+            await until(lambda: view.pod("default/p") is not None, "the new watch to follow")
+            api.release.set()  # the abandoned watch reads on: its late event is not applied
+            await asyncio.sleep(0.1)
+            assert view.pod("default/late") is None
+        finally:
+            api.release.set()
+            stop.set()
+            await asyncio.wait_for(task, 5)
 
     asyncio.run(main())

@@ -24,7 +24,7 @@ import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sharegpu.k8s.api import DELETED, ApiError, ClusterApi
 from sharegpu.k8s.dra_view import is_dra_node
@@ -46,6 +46,7 @@ FALLBACK_POLICY = "bestfit"  # needs no workload distribution
 WORKLOAD_DRIFT = 0.1
 WATCH_TIMEOUT_S = (240, 300)  # the server-side timeout of a watch, drawn at random in this range (as client-go)
 WATCH_IDLE_GRACE_S = 60.0  # how much longer than the server's timeout a watch may stay silent
+WATCH_CLOSE_S = 5.0  # how long a cancelled watch may take to close before the view relists without it
 MAX_TOMBSTONES = 4096  # deleted pods remembered, so that a late copy of one never brings it back  # rebuild the workload distribution when the pods seen grew or shrank by this fraction
 
 
@@ -132,6 +133,7 @@ class ClusterView:
         self.generation = 0  # bumped on every change of the ledger (cache key for per-cycle results)
         self.synced = False  # True while the view follows the API server (listed and watching)
         self._relist = asyncio.Event()  # set by resync(): end the watches and list afresh
+        self._abandoned: set[asyncio.Future[Any]] = set()  # watches that outlived their cancellation (kept referenced)
         self.active_policy = ""
         self.relists = 0  # issue 10: full lists taken from the API server (sharegpu_cluster_view_relists_total)
 
@@ -645,6 +647,7 @@ class ClusterView:
     async def _watch(self, api: ClusterApi, node_rv: str, pod_rv: str, stop: asyncio.Event) -> None:
         lo, hi = self.watch_timeout_s
         rng = random.Random()
+        current = [True]  # False once this pair of watches is given up: a late event of theirs is not applied
 
         async def stream(what: str, events: AsyncIterator[tuple[str, _T]], apply: Callable[[str, _T], None]) -> None:
             try:
@@ -655,6 +658,8 @@ class ClusterView:
                         raise WatchEnded(f"the {what} watch ended") from None
                     except TimeoutError:
                         raise WatchEnded(f"no {what} event for {self.watch_idle_s:g}s") from None
+                    if not current[0]:
+                        return
                     apply(event, obj)
             finally:
                 close = getattr(events, "aclose", None)
@@ -678,9 +683,18 @@ class ClusterView:
             for t in done:
                 t.result()  # re-raises a watch's ApiError (or WatchEnded)
         finally:
+            current[0] = False
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # A streaming read cancelled mid-line can outlive its cancellation (the HTTP stack may absorb it and read
+            # on; a watch has no read timeout). Waiting for it unbounded once kept a new leader out of sync for good,
+            # so a watch that has not closed in time is left to end by itself, its events no longer applied.
+            _, pending = await asyncio.wait(tasks, timeout=WATCH_CLOSE_S)
+            if pending:
+                log.warning("a cancelled watch did not close within %gs; relisting without it", WATCH_CLOSE_S)
+                self._abandoned.update(pending)
+                for t in pending:
+                    t.add_done_callback(self._abandoned.discard)
 
 
 def _holds_differently(before: Pod | None, now: Pod) -> bool:
