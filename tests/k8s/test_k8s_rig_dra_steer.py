@@ -12,7 +12,6 @@ import subprocess
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
@@ -28,15 +27,6 @@ pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
 
 STEERING = {"scheduler": {"draSteering": {"enabled": True}}}
 GIB = 1024
-
-
-@pytest.fixture
-def rig() -> Iterator[Rig]:
-    with Rig.open() as r:
-        try:
-            yield r
-        finally:
-            print(r.dump())
 
 
 def _dra_node(rig: Rig, suffix: str, gpus: int = 2) -> str:

@@ -8,7 +8,6 @@ Skipped unless SHAREGPU_TEST_KUBECONFIG names the rig's kubeconfig (.ci/run star
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from rig import (
@@ -28,15 +27,6 @@ from rig import (
 
 pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
 PODS = 300
-
-
-@pytest.fixture
-def rig() -> Iterator[Rig]:
-    with Rig.open() as r:
-        try:
-            yield r
-        finally:
-            print(r.dump())
 
 
 def saturated_cluster(rig: Rig) -> None:

@@ -7,7 +7,6 @@ Skipped unless SHAREGPU_TEST_KUBECONFIG names the rig's kubeconfig (.ci/run star
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,15 +24,6 @@ from rig import (
 )
 
 pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
-
-
-@pytest.fixture
-def rig() -> Iterator[Rig]:
-    with Rig.open() as r:
-        try:
-            yield r
-        finally:
-            print(r.dump())
 
 
 def rig_pod(name: str, **kw: Any) -> dict[str, Any]:
