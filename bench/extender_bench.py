@@ -75,6 +75,17 @@ def pod_json(req: GpuRequest, uid: str) -> dict[str, Any]:
     }
 
 
+def placed_pod_json(req: GpuRequest, a: Assignment, uid: str) -> dict[str, Any]:
+    """``req`` as a running pod bound to its assignment's node, carrying the assignment (pods live in ``bench``)."""
+    obj = pod_json(req, uid)
+    obj["metadata"]["annotations"]["sharegpu.io/assignment"] = a.to_json().replace(
+        f'"pod":"{a.pod}"', f'"pod":"bench/{a.pod}"'
+    )
+    obj["spec"]["nodeName"] = a.node
+    obj["status"]["phase"] = "Running"
+    return obj
+
+
 def node_json(spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -288,13 +299,7 @@ def main() -> int:
     fill_s = time.perf_counter() - started
     placed_pods: list[dict[str, Any]] = []
     for req, a in placed:
-        obj = pod_json(req, f"uid-placed-{len(placed_pods)}")
-        obj["metadata"]["annotations"]["sharegpu.io/assignment"] = a.to_json().replace(
-            f'"pod":"{a.pod}"', f'"pod":"bench/{a.pod}"'
-        )
-        obj["spec"]["nodeName"] = a.node
-        obj["status"]["phase"] = "Running"
-        placed_pods.append(obj)
+        placed_pods.append(placed_pod_json(req, a, f"uid-placed-{len(placed_pods)}"))
     node_objs = [node_json(s) for s in specs]
     view = ClusterView(policy=args.policy, workload=workload, seed=args.seed)
     started = time.perf_counter()

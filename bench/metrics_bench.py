@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from extender_bench import DATA, node_json, pod_json
+from extender_bench import DATA, node_json, placed_pod_json, pod_json
 from sharegpu.k8s.cluster_metrics import ClusterMetrics
 from sharegpu.k8s.schema import Node, Pod
 from sharegpu.k8s.status import status_report
@@ -60,14 +60,7 @@ def main() -> int:
         d = sched.decide(req)
         if isinstance(d, Decision):
             sched.ledger.place(d.assignment)
-            a = d.assignment
-            obj = pod_json(req, f"uid-placed-{len(objs)}")
-            obj["metadata"]["annotations"]["sharegpu.io/assignment"] = a.to_json().replace(
-                f'"pod":"{a.pod}"', f'"pod":"bench/{a.pod}"'
-            )
-            obj["spec"]["nodeName"] = a.node
-            obj["status"]["phase"] = "Running"
-            objs.append(obj)
+            objs.append(placed_pod_json(req, d.assignment, f"uid-placed-{len(objs)}"))
     placed = len(objs)
     objs += [pod_json(r, f"uid-pending-{i}") for i, r in enumerate(rest[: args.pending])]
     view = ClusterView(policy="sharegpu", seed=args.seed)
