@@ -7,7 +7,7 @@ Needs a running ../shared/k8s-rig (install.sh, start-all.sh) and SHAREGPU_TEST_K
     uv run python bench/k8s_throughput.py --openb              # 1,213 nodes with the openb node list's inventories
 
 Each round creates ``--pods`` pods at once (16 requests in flight) and times from the first create to the last
-pod bound (polled every 0.1 s); plain and sharegpu rounds alternate, medians are reported with their ratio. The
+pod bound (seen on a watch); plain and sharegpu rounds alternate, medians are reported with their ratio. The
 sharegpu pods are small MPS shares (2Gi, 5 %) that all fit; a bind refused (FailedScheduling) is counted.
 """
 
@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +73,72 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_round(rig: Rig, kind: str, n: int, extender_pid: int, scheduler_pids: dict[str, int]) -> dict[str, Any]:
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - idle) / hz, sum(fields) / hz
+
+
+class BoundWatch(threading.Thread):
+    """When each pod of namespace ``ns`` was first seen bound, from a watch (polling lists would cost the machine
+    CPU in proportion to a round's length, and so slow the slower path more); ``done`` is set at the n-th."""
+
+    def __init__(self, rig: Rig, ns: str, n: int) -> None:
+        super().__init__(daemon=True)
+        self.rig, self.ns, self.n = rig, ns, n
+        self.bound: dict[str, float] = {}
+        self.last = 0.0
+        self.error = ""
+        self.ready, self.done = threading.Event(), threading.Event()
+        self.start()
+        if not self.ready.wait(30):
+            raise SystemExit(f"cannot watch the pods of {ns}")
+
+    def run(self) -> None:
+        http = self.rig.client._client._client  # lightkube's own HTTP client: the rig's server and credentials
+        path = f"/api/v1/namespaces/{self.ns}/pods"
+        # From a listed version: a watch without one waits for the watch cache to be fresh (ERROR 504 after 3 s).
+        version = http.get(path).json()["metadata"]["resourceVersion"]
+        params = {"watch": "true", "resourceVersion": version}
+        with http.stream("GET", path, params=params, timeout=None) as response:
+            self.ready.set()
+            for line in response.iter_lines():
+                event = json.loads(line)
+                obj = event.get("object") or {}
+                if event.get("type") == "ERROR":
+                    self.error = f"the watch of {self.ns} broke: {obj.get('message')}"
+                    self.done.set()
+                    return
+                name = (obj.get("metadata") or {}).get("name")
+                if name and (obj.get("spec") or {}).get("nodeName") and name not in self.bound:
+                    self.last = self.bound[name] = time.perf_counter()
+                    if len(self.bound) == self.n:
+                        self.done.set()
+                        return
+
+
+def api_requests(rig: Rig) -> Counter[str]:
+    """The API server's request counts so far (apiserver_request_total), by client, verb, resource and code."""
+    http = rig.client._client._client  # lightkube's own HTTP client: the rig's server and credentials
+    text = http.get("/metrics").text
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            what = "/".join(x for x in (labels.get("resource"), labels.get("subresource")) if x)
+            out[f"{labels.get('system_client') or '?'} {labels['verb']} {what} {labels['code']}"] += int(
+                float(line.rsplit(" ", 1)[1])
+            )
+    return out
+
+
+def one_round(
+    rig: Rig, kind: str, n: int, extender_pid: int, scheduler_pids: dict[str, int], requests: bool = False
+) -> dict[str, Any]:
     ns = rig.namespace()
+    req0 = api_requests(rig) if requests else Counter()
     pods = [plain_pod(i) if kind == "plain" else share_pod(i) for i in range(n)]
     cpu0 = cpu_s(extender_pid)
     # The CPU of the kube-scheduler that schedules this round's pods: the rig's stock one for plain pods, the one
@@ -79,22 +146,25 @@ def one_round(rig: Rig, kind: str, n: int, extender_pid: int, scheduler_pids: di
     sched_pid = scheduler_pids[kind]
     sched0 = cpu_s(sched_pid)
     api0 = cpu_s(scheduler_pids["apiserver"])
+    watch = BoundWatch(rig, ns, n)
+    busy0, total0 = machine_cpu()
     started = time.perf_counter()
     rig.create_pods(ns, pods)
     created = time.perf_counter() - started
-    while True:
-        listed = rig.pods(ns)
-        bound = sum(bool(p["spec"].get("nodeName")) for p in listed)
-        if bound == n:
-            break
-        if time.perf_counter() - started > 300:
-            raise SystemExit(f"{kind}: only {bound}/{n} bound after 300 s")
-        time.sleep(0.1)
-    elapsed = time.perf_counter() - started
+    if not watch.done.wait(300):
+        raise SystemExit(f"{kind}: only {len(watch.bound)}/{n} bound after 300 s")
+    if watch.error:
+        raise SystemExit(watch.error)
+    elapsed = watch.last - started
+    busy1, total1 = machine_cpu()
     cpu = cpu_s(extender_pid) - cpu0
     sched_cpu = cpu_s(sched_pid) - sched0
     api_cpu = cpu_s(scheduler_pids["apiserver"]) - api0
     refused = sum(1 for e in rig.events(ns) if e.get("reason") == "FailedScheduling")
+    per_pod = {}
+    if requests:  # what the API server was asked during the round, per pod (the bench's own polls included)
+        diff = api_requests(rig) - req0
+        per_pod = {k: round(v / n, 2) for k, v in sorted(diff.items(), key=lambda kv: -kv[1]) if v >= n / 10}
     from lightkube.resources.core_v1 import Pod
 
     rig.client.deletecollection(Pod, namespace=ns, grace_period=0)
@@ -104,7 +174,10 @@ def one_round(rig: Rig, kind: str, n: int, extender_pid: int, scheduler_pids: di
             "pods_per_s": round(n / elapsed, 1), "failed_scheduling": refused,
             "extender_cpu_ms_per_pod": round(1000 * cpu / n, 2),
             "scheduler_cpu_ms_per_pod": round(1000 * sched_cpu / n, 2),
-            "apiserver_cpu_ms_per_pod": round(1000 * api_cpu / n, 2)}  # fmt: skip
+            "apiserver_cpu_ms_per_pod": round(1000 * api_cpu / n, 2),
+            "machine_cpu_ms_per_pod": round(1000 * (busy1 - busy0) / n, 2),
+            "machine_busy": round((busy1 - busy0) / max(total1 - total0, 1e-9), 2),
+            **({"api_requests_per_pod": per_pod} if requests else {})}  # fmt: skip
 
 
 def openb_nodes(rig: Rig, path: Path) -> int:
@@ -129,6 +202,7 @@ def main() -> int:
     ap.add_argument("--openb", action="store_true", help="1,213 nodes from the openb node list (no agents)")
     ap.add_argument("--nodes-csv", type=Path, default=DATA / "openb_node_list_gpu_node.csv")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--requests", action="store_true", help="per round, the API requests per pod by client and verb")
     args = ap.parse_args()
     if not KUBECONFIG:
         print("set SHAREGPU_TEST_KUBECONFIG to a running k8s-rig's kubeconfig (see ../shared/k8s-rig/README.md)")
@@ -153,7 +227,7 @@ def main() -> int:
         results = []
         for r in range(args.rounds):
             for kind in ("plain", "sharegpu") if r % 2 == 0 else ("sharegpu", "plain"):
-                res = one_round(rig, kind, args.pods, ext.p.pid, pids)
+                res = one_round(rig, kind, args.pods, ext.p.pid, pids, args.requests)
                 print(json.dumps(res))
                 results.append(res)
         rig_extender_log = next(p for p in rig.procs if p.name == "extender").text()

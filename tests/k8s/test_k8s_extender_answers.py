@@ -91,7 +91,8 @@ def test_answers_equal_answers_from_scratch(seed: int, policy: str, tiny_caches:
     view = ClusterView(policy=policy)
     view.reset(nodes([node_obj(s) for s in specs] + [node_obj(None, "cpu-only")]), [])
     view.synced = True
-    ext = Extender(view, MemoryClusterApi())  # with an API: prioritize holds its choice, so the ledger moves
+    # With an API prioritize holds its choice, so the ledger moves; not narrowed: every passed node is answered.
+    ext = Extender(view, MemoryClusterApi(), narrow=False)
     everyone = [s.name for s in specs] + ["cpu-only", "gone-node"]
     with pytest.MonkeyPatch.context() as mp:
         if tiny_caches:  # reasons forgotten and shapes evicted all the time: answers must not change
@@ -129,6 +130,41 @@ def test_answers_equal_answers_from_scratch(seed: int, policy: str, tiny_caches:
             elif rnd.random() < 0.2:
                 view.expire_holds(float("inf"))
     view.ledger.check_invariants()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["bestfit", "sharegpu", "fgd"]))
+def test_a_narrowed_filter_leaves_the_node_prioritize_would_rank_first(seed: int, policy: str) -> None:
+    """Narrowed (the default): filter leaves only the policy's pick and holds its share — the node the full path
+    (filter passes all that fit, prioritize gives 10 to one) would bind to, with the same share held."""
+    rnd = random.Random(seed)
+    specs = random_cluster(rnd, rnd.randint(1, 9))
+    views = [ClusterView(policy=policy) for _ in range(2)]
+    for v in views:
+        v.reset(nodes([node_obj(s) for s in specs] + [node_obj(None, "cpu-only")]), [])
+        v.synced = True
+    narrow, full = Extender(views[0], MemoryClusterApi()), Extender(views[1], MemoryClusterApi(), narrow=False)
+    everyone = [s.name for s in specs] + ["cpu-only", "gone-node"]
+    for i in range(30):
+        obj = random_pod(rnd, rnd.randrange(12))
+        obj["metadata"]["resourceVersion"] = str(2 + i)
+        names = rnd.sample(everyone, rnd.randint(0, len(everyone)))
+        args = ExtenderArgs.model_validate({"Pod": obj, "NodeNames": names})
+        got, expected = narrow.filter(args), full.filter(args)
+        try:
+            asks = pod_request(args.Pod, views[0].catalog) is not None
+        except InvalidRequest:
+            asks = False
+        if asks and expected.NodeNames:
+            prio = full.prioritize(ExtenderArgs.model_validate({"Pod": obj, "NodeNames": expected.NodeNames}))
+            assert got.NodeNames == [host for host, score in prio if score == MAX_EXTENDER_PRIORITY]
+            assert got.FailedNodes == {} and got.FailedAndUnresolvableNodes == {}
+        else:
+            assert got == expected  # nothing fits (every node explained) or no sharegpu request: as before
+        assert views[0].ledger.state() == views[1].ledger.state()  # the same share held (or none)
+        if rnd.random() < 0.3:
+            for v in views:
+                v.drop_holds()
 
 
 def test_nodes_mode_answers_equal_node_name_mode_answers() -> None:

@@ -65,8 +65,13 @@ def test_fewer_healthy_gpus_than_asked_is_unresolvable() -> None:
     view.reset([Node.model_validate(n) for n in api.nodes.values()], [])
     view.synced = True
     pod = pod_obj("p", gpu=2)
-    r = Extender(view, api).filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a", "node-b"]}))
-    assert r.NodeNames == ["node-b"]
+    ext = Extender(view, api)
+    assert ext.filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a", "node-b"]})).NodeNames == [
+        "node-b"
+    ]
+    # Reasons are given when no node fits (a narrowed answer names only the pick).
+    r = ext.filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a"]}))
+    assert r.NodeNames == []
     assert "1 healthy GPU(s) of an allowed model < 2 asked" in r.FailedAndUnresolvableNodes["node-a"]
     assert "node-a" not in r.FailedNodes
 

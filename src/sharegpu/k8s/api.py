@@ -7,6 +7,8 @@ tests and the benchmark use. Objects cross the interface as the pydantic models 
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
     from sharegpu.k8s.leader import LeaseRecord
 
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
+BINDS_IN_FLIGHT = 8
+LIST_CHUNK = 500  # objects per list page (the API server's watch cache serves pages of this size cheaply)
 
 
 class ApiError(Exception):
@@ -93,14 +97,16 @@ class LightkubeClusterApi:
         creds = load_credentials(kubeconfig)
         self.server, self.credentials_source = creds.server, creds.source
         self._client = creds.client(field_manager)
+        # Bindings in flight at once. Beyond the connection pool's keep-alive limit (20) each extra one opened a
+        # TLS connection, a full handshake on both sides, that was closed after its one request.
+        self._binds = asyncio.Semaphore(BINDS_IN_FLIGHT)
 
     async def list_nodes(self) -> tuple[list[Node], str]:
         from lightkube.resources.core_v1 import Node as KNode
 
         try:
-            it = self._client.list(KNode)
-            nodes = [Node.model_validate(n.to_dict()) async for n in it]
-            return nodes, self._version(it)
+            items, version = await self._list(KNode)
+            return [Node.model_validate(n) for n in items], version
         except Exception as e:
             raise _translate(e, "list nodes") from None
 
@@ -108,27 +114,75 @@ class LightkubeClusterApi:
         from lightkube.resources.core_v1 import Pod as KPod
 
         try:
-            it = self._client.list(KPod, namespace="*", fields=_of_scheduler(scheduler_name))
-            pods = [Pod.model_validate(p.to_dict()) async for p in it]
-            return pods, self._version(it)
+            items, version = await self._list(KPod, namespace="*", fields=_of_scheduler(scheduler_name))
+            return [Pod.model_validate(p) for p in items], version
         except Exception as e:
             raise _translate(e, "list pods") from None
 
-    @staticmethod
-    def _version(it: Any) -> str:
-        try:
-            return str(it.resourceVersion)
-        except Exception:  # lightkube's NotReadyError: the server sent no resourceVersion
-            return ""
+    # Lists and watches are requested through lightkube but read as plain JSON: its typed models cost more to
+    # decode (and to turn back into dicts) than the rest of the extender's work per watch event.
+    async def _list(
+        self, res: Any, namespace: str | None = None, fields: dict[str, Any] | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        """Every item of a (paginated) list, as JSON objects, and the list's resourceVersion."""
+        generic = self._client._client
+        params: dict[str, Any] = {"limit": LIST_CHUNK, "fieldSelector": _fields(fields)}
+        items: list[dict[str, Any]] = []
+        while True:
+            br = generic.prepare_request("list", res=res, namespace=namespace, params=params)
+            response = await generic.send(generic.build_adapter_request(br))  # type: ignore[no-untyped-call]
+            if response.status_code >= 400:
+                generic.handle_response("list", response, br)  # raises lightkube's ApiError with the Status
+            body = response.json()
+            items.extend(body.get("items") or [])
+            meta = body.get("metadata") or {}
+            if not meta.get("continue"):
+                return items, str(meta.get("resourceVersion") or "")
+            params["continue"] = meta["continue"]
+
+    async def _watch(
+        self,
+        res: Any,
+        resource_version: str,
+        timeout_s: int | None,
+        namespace: str | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """(type, object) of each watch event after ``resource_version``; a watch the server ends by itself is
+        resumed from the last version seen (as lightkube's own watch does); an ERROR event raises."""
+        from lightkube.core.exceptions import ApiError as LkApiError
+        from lightkube.models.meta_v1 import Status
+
+        generic = self._client._client
+        params = {"timeoutSeconds": timeout_s, "fieldSelector": _fields(fields)}
+        br = generic.prepare_request("list", res=res, namespace=namespace, watch=True, params=params)
+        version = resource_version or None
+        while True:
+            query = {k: v for k, v in br.params.items() if k != "resourceVersion"}
+            if version:
+                query["resourceVersion"] = version
+            request = generic._client.build_request(br.method, br.url, params=query, timeout=generic._watch_timeout)
+            response = await generic.send(request, stream=True)  # type: ignore[no-untyped-call]
+            try:
+                if response.status_code >= 400:
+                    await response.aread()
+                    generic.handle_response("list", response, br)
+                async for line in response.aiter_lines():
+                    event = json.loads(line)
+                    obj = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        raise LkApiError(status=cast(Status, Status.from_dict(obj)))
+                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                    yield event["type"], obj
+            finally:
+                await response.aclose()
 
     async def watch_nodes(self, resource_version: str, timeout_s: int | None = None) -> AsyncIterator[tuple[str, Node]]:
         from lightkube.resources.core_v1 import Node as KNode
 
         try:
-            async for kind, obj in self._client.watch(
-                KNode, resource_version=resource_version or None, server_timeout=timeout_s
-            ):
-                yield kind, Node.model_validate(obj.to_dict())
+            async for kind, obj in self._watch(KNode, resource_version, timeout_s):
+                yield kind, Node.model_validate(obj)
         except Exception as e:
             raise _translate(e, "watch nodes") from None
 
@@ -137,16 +191,11 @@ class LightkubeClusterApi:
     ) -> AsyncIterator[tuple[str, Pod]]:
         from lightkube.resources.core_v1 import Pod as KPod
 
-        # lightkube resumes a watch the server ended by itself (from the last resourceVersion it saw).
         try:
-            async for kind, obj in self._client.watch(
-                KPod,
-                namespace="*",
-                fields=_of_scheduler(scheduler_name),
-                resource_version=resource_version or None,
-                server_timeout=timeout_s,
+            async for kind, obj in self._watch(
+                KPod, resource_version, timeout_s, namespace="*", fields=_of_scheduler(scheduler_name)
             ):
-                yield kind, Pod.model_validate(obj.to_dict())
+                yield kind, Pod.model_validate(obj)
         except Exception as e:
             raise _translate(e, "watch pods") from None
 
@@ -206,7 +255,8 @@ class LightkubeClusterApi:
         try:
             request = generic.prepare_request("post", obj=binding, name=name, namespace=namespace)
             request.response_type = None
-            response = await generic.send(generic.build_adapter_request(request))  # type: ignore[no-untyped-call]
+            async with self._binds:
+                response = await generic.send(generic.build_adapter_request(request))  # type: ignore[no-untyped-call]
             generic.handle_response("post", response, request)
         except Exception as e:
             raise _translate(e, f"bind pod {namespace}/{name} to {node}") from None
@@ -279,6 +329,12 @@ def _lease_record(d: Mapping[str, Any]) -> LeaseRecord:
         transitions=int(spec.get("leaseTransitions") or 0),
         resource_version=str((d.get("metadata") or {}).get("resourceVersion") or ""),
     )
+
+
+def _fields(fields: dict[str, Any] | None) -> str | None:
+    from lightkube.core.selector import build_selector
+
+    return build_selector(fields, for_fields=True) if fields else None
 
 
 def _of_scheduler(name: str | None) -> dict[str, Any] | None:

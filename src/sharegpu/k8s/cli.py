@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import typer
+import uvloop
 from rich.console import Console
 
 from sharegpu.k8s.api import ApiError, LightkubeClusterApi
@@ -142,7 +143,7 @@ def scheduler_extender(
         elector = LeaderElector(api, ns, lease_name, me)
         log.info("leader election on lease %s/%s as %s", ns, lease_name, me)
     try:
-        asyncio.run(
+        uvloop.run(
             run_extender(
                 view,
                 api,

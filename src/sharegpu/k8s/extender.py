@@ -77,6 +77,10 @@ READ_BACK_BACKOFF_S = 0.2
 FENCE_ANNOTATION = "sharegpu.io/bind-fence"
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+_NO_REJECTS = (_NONE, np.zeros(0, dtype=np.int32), _NONE, np.zeros(0, dtype=np.int32))
+
+
 @dataclass(frozen=True, slots=True)
 class _Feasible:
     request: GpuRequest
@@ -94,8 +98,10 @@ class Extender:
         hold_s: float = HOLD_S,
         metrics: ClusterMetrics | None = None,  # issue 10
         dra: DraState | None = None,
+        narrow: bool = True,
     ) -> None:
         self.view = view
+        self.narrow = narrow  # filter leaves only the policy's pick (see _narrowed)
         self.dra = dra  # DRA steering's state (None: steering off, /dra/filter passes every node)
         self.metrics = metrics or ClusterMetrics(view)  # issue 10: recorded by the HTTP layer (make_app)
         self.api = api
@@ -138,6 +144,8 @@ class Extender:
         fits = np.zeros(len(names), dtype=bool)
         fits[known] = f.ok[idx[known]]
         passed_idx = idx[fits]
+        if self.narrow and len(passed_idx):
+            return self._narrowed(args, req, f, passed_idx)
         passed: list[str] = frags.names[passed_idx].tolist()
         self._passed = (self.view.ledger, passed, passed_idx)
         others = {names[i]: self.view.node_problem(names[i]) for i in np.flatnonzero(~known).tolist()}
@@ -151,6 +159,26 @@ class Extender:
         failed = {frags.names[n]: frags.text(r) for n, r in zip(rejected.tolist(), ids.tolist(), strict=True)}
         unresolvable = others | {n: failed.pop(n) for n in frags.names[rejected[never]].tolist()}
         return FilterAnswer.of(self._filtered(args, passed, failed, unresolvable))
+
+    def _narrowed(self, args: ExtenderArgs, req: GpuRequest, f: _Feasible, passed_idx: IntArray) -> FilterAnswer:
+        """Only the node the policy picks among those that fit, its share held for the bind. With one node left the
+        kube-scheduler skips scoring (its own plugins and the prioritize call): with the extender's weight dominant
+        it would pick that node anyway. Rejected nodes need no reason here: nobody reads them when the pod fits."""
+        best = self._choose(args.Pod, req, f, first_each(passed_idx, len(self.view.ledger.nodes)))[2]
+        frags = self._fragments()
+        if args.NodeNames is not None:
+            return FilterAnswer(frags.filter_body(np.array([best]), *_NO_REJECTS, {}), 1)
+        return FilterAnswer.of(self._filtered(args, [frags.names[best]], {}, {}))
+
+    def _choose(self, pod: Pod, req: GpuRequest, f: _Feasible, cand: IntArray) -> tuple[IntArray, IntArray, int]:
+        """The policy's scores of candidate nodes ``cand`` (ledger indices, each once) and its pick, which is held
+        for the pod's bind: (cand, scores, pick)."""
+        sched = self.view.scheduler()
+        scores = sched.scores(CycleState(req, f.usable, sched.rng), cand)
+        best = sched.pick(cand, scores)
+        self._hold(pod, req, best)
+        self._remember(pod)
+        return cand, scores, best
 
     @staticmethod
     def _filtered(
@@ -227,6 +255,8 @@ class Extender:
         idx = self._indices(names)
         if req is None or not self.view.synced:
             return names, idx, np.zeros(len(names), dtype=np.int64)
+        # What a narrowed filter held for the pod must not count against it: prioritize decides again.
+        self.view.drop_hold(args.Pod.key)
         f = self._feasibility(args.Pod, req)
         sched = self.view.scheduler()
         known = idx >= 0
@@ -235,8 +265,7 @@ class Extender:
         out = np.zeros(len(names), dtype=np.int64)
         cand = first_each(idx[fits], len(sched.ledger.nodes))  # node order, each node once (a name may repeat)
         if len(cand):
-            scores = sched.scores(CycleState(req, f.usable, sched.rng), cand)
-            best = sched.pick(cand, scores)
+            _, scores, best = self._choose(args.Pod, req, f, cand)
             lo, hi = int(scores.min()), int(scores.max())
             top = MAX_EXTENDER_PRIORITY - 1
             # Others share 0..9 by score; only the policy's own pick gets 10.
@@ -245,8 +274,6 @@ class Extender:
             by_node = np.zeros(len(sched.ledger.nodes), dtype=np.int64)
             by_node[cand] = scaled
             out[fits] = by_node[idx[fits]]
-            self._hold(args.Pod, req, best)
-            self._remember(args.Pod)
         return names, idx, out
 
     def _remember(self, pod: Pod) -> None:
