@@ -4,14 +4,16 @@ Protocol: k8s.io/kube-scheduler/extender/v1 (see :mod:`sharegpu.k8s.schema`), JS
 ``<urlPrefix>/<verb>``. Works with ``nodeCacheCapable: true`` (node names in, node names out) and ``false``
 (whole Node objects in, the passing ones out, unchanged).
 
-- filter: every rejected node gets a reason a user can act on ("largest free share 12Gi < 20Gi asked"); the
-  kube-scheduler puts them in the pod's FailedScheduling event.
-- prioritize: the policy's scores of the candidates, scaled to 0–10. The node the policy itself would pick (best
-  score, its tie-break) gets 10 and every other node at most 9, so that with a dominant extender weight the
-  kube-scheduler binds where ``sharegpu sim`` would.
-  Prioritize also *holds* the share it chose for the pod (the ledger accounts it) until the pod's bind or a few
-  seconds: the kube-scheduler schedules the next pod while this one's bind is still on its way, and without the
-  hold the next pod would be filtered onto the same share and its bind refused.
+- filter: of the nodes with room, only the one the policy picks (best score, its tie-break) is left, and its share
+  is *held* for the pod (the ledger accounts it) until the pod's bind or a few seconds: the kube-scheduler schedules
+  the next pod while this one's bind is still on its way, and without the hold the next pod would be filtered onto
+  the same share and its bind refused. With one node left the kube-scheduler skips scoring (its plugins and the
+  prioritize call). When no node has room, every node gets a reason a user can act on ("largest free share 12Gi <
+  20Gi asked"); the kube-scheduler puts them in the pod's FailedScheduling event.
+- prioritize (when a filter left several nodes: ``narrow=False``, or another extender's configuration): the
+  policy's scores of the candidates, scaled to 0–10. The node the policy itself would pick gets 10 and every other
+  node at most 9, so that with a dominant extender weight the kube-scheduler binds where ``sharegpu sim`` would;
+  it decides and holds afresh.
 - bind: take the held share (or decide on the chosen node), reserve it in the ledger (synchronously, so a
   concurrent bind sees the reservation), then create the Binding, which writes ``spec.nodeName`` and the
   ``sharegpu.io/assignment`` annotation in one request, under the pod's UID and resourceVersion. A reservation is
