@@ -166,21 +166,21 @@ class Extender:
         """Only the node the policy picks among those that fit, its share held for the bind. With one node left the
         kube-scheduler skips scoring (its own plugins and the prioritize call): with the extender's weight dominant
         it would pick that node anyway. Rejected nodes need no reason here: nobody reads them when the pod fits."""
-        best = self._choose(args.Pod, req, f, first_each(passed_idx, len(self.view.ledger.nodes)))[2]
+        _, best = self._choose(args.Pod, req, f, first_each(passed_idx, len(self.view.ledger.nodes)))
         frags = self._fragments()
         if args.NodeNames is not None:
             return FilterAnswer(frags.filter_body(np.array([best]), *_NO_REJECTS, {}), 1)
         return FilterAnswer.of(self._filtered(args, [frags.names[best]], {}, {}))
 
-    def _choose(self, pod: Pod, req: GpuRequest, f: _Feasible, cand: IntArray) -> tuple[IntArray, IntArray, int]:
+    def _choose(self, pod: Pod, req: GpuRequest, f: _Feasible, cand: IntArray) -> tuple[IntArray, int]:
         """The policy's scores of candidate nodes ``cand`` (ledger indices, each once) and its pick, which is held
-        for the pod's bind: (cand, scores, pick)."""
+        for the pod's bind."""
         sched = self.view.scheduler()
         scores = sched.scores(CycleState(req, f.usable, sched.rng), cand)
         best = sched.pick(cand, scores)
         self._hold(pod, req, best)
         self._remember(pod)
-        return cand, scores, best
+        return scores, best
 
     @staticmethod
     def _filtered(
@@ -267,7 +267,7 @@ class Extender:
         out = np.zeros(len(names), dtype=np.int64)
         cand = first_each(idx[fits], len(sched.ledger.nodes))  # node order, each node once (a name may repeat)
         if len(cand):
-            _, scores, best = self._choose(args.Pod, req, f, cand)
+            scores, best = self._choose(args.Pod, req, f, cand)
             lo, hi = int(scores.min()), int(scores.max())
             top = MAX_EXTENDER_PRIORITY - 1
             # Others share 0..9 by score; only the policy's own pick gets 10.
