@@ -147,14 +147,13 @@ class ModelPressure:
         return cls(table[:, confined].T.copy(), demand[confined].astype(np.float64))
 
     def __call__(self, capacity: FloatArray) -> FloatArray:
-        out: FloatArray = np.zeros(self.allowed.shape[1], dtype=np.float64)
         total = float(capacity.sum())
-        if total <= 0:
-            return out
-        for allowed, demand in zip(self.allowed, self.demand, strict=True):
-            share = float(capacity[allowed].sum()) / total
-            if share > 0:
-                out[allowed] += demand / share
+        if total <= 0 or not len(self.demand):
+            return np.zeros(self.allowed.shape[1], dtype=np.float64)
+        share = np.where(self.allowed, capacity[None, :], 0.0).sum(axis=1) / total  # (S,) share of each S
+        per = np.divide(self.demand, share, out=np.zeros_like(share), where=share > 0)
+        # summed over the shapes in order (a reduction over the first axis adds row after row), as a loop would
+        out: FloatArray = np.where(self.allowed, per[:, None], 0.0).sum(axis=0)
         return out
 
 
