@@ -1,4 +1,5 @@
-"""The sharegpu policy: FGD's decision with its ties settled by exact fragmentation, stranded GPU and best fit."""
+"""The sharegpu policy: FGD's decision less the model pressure cost, with its ties settled by exact fragmentation,
+stranded GPU and best fit."""
 
 from __future__ import annotations
 
@@ -114,6 +115,48 @@ def test_an_unconstrained_share_leaves_the_scarce_model_to_the_pods_confined_to_
     assert picks == {"fgd": "a-v100", "sharegpu": "b-t4"}  # FGD: a tie, to the first name
 
 
+def test_an_unconstrained_share_leaves_the_scarce_model_even_where_fgd_prefers_it() -> None:
+    # The share fills the V100's half-used GPU, which FGD rates clearly better (it closes a 500-milli gap that the
+    # typical 800-milli shares cannot use) than opening the idle T4. But most of the GPU demand is confined to V100
+    # and the V100 left is a third of the free GPU: its pressure (2.1) costs the share 26 of FGD's score points,
+    # more than FGD's gain (5), so sharegpu opens the T4. Before the pressure moved into the primary key it only
+    # settled FGD's ties, and this share went to the V100.
+    nodes = [node("a-v100", "V100-16GB", 1, cpu=64_000), node("b-t4", "T4", 1, cpu=64_000)]
+    reqs = [share(f"s{i}", 500) for i in range(10)] + [share(f"l{i}", 800) for i in range(5)]
+    reqs += [dataclasses.replace(whole(f"v{i}", 2, 8000), allowed_models=frozenset({"V100-16GB"})) for i in range(10)]
+    workload = Workload.from_requests(reqs)
+    picks = {}
+    for policy in ("fgd", "sharegpu"):
+        ledger = Ledger(nodes)
+        first = share("x", 500)
+        ledger.place(Assignment("x", "a-v100", (make_share(ledger, 0, 0, first),), first.cpu_milli, 0))
+        sched = Scheduler(ledger, make_policy(policy, PolicyContext(workload)))
+        d = sched.decide(share("p", 500))
+        assert isinstance(d, Decision)
+        picks[policy] = d.assignment.node
+        if policy == "fgd":
+            _, usable = sched.feasible(share("p", 500))
+            fgd_scores = fgd_reference(FragmentationModel(workload), ledger, share("p", 500), usable, np.arange(2))
+            assert fgd_scores[0] > fgd_scores[1]  # FGD's own preference, not a tie
+    assert picks == {"fgd": "a-v100", "sharegpu": "b-t4"}
+
+
+def test_the_model_pressure_follows_the_free_capacity() -> None:
+    # Half the GPU demand is confined to V100, which is half the cluster: pressure 1 on an empty cluster. Once the
+    # V100 GPUs are half taken, what is left of them is a third of the free GPU and the pressure rises to 1.5.
+    nodes = [node("a-v100", "V100-16GB", 2, cpu=64_000), node("b-t4", "T4", 2, cpu=64_000)]
+    reqs = [share(f"s{i}", 500) for i in range(10)]
+    reqs += [dataclasses.replace(share(f"v{i}", 500), allowed_models=frozenset({"V100-16GB"})) for i in range(10)]
+    scorer = RefinedFgdScore.of(Workload.from_requests(reqs, coverage=1.0))
+    ledger = Ledger(nodes)
+    v100 = ledger.model_names.index("V100-16GB")
+    assert scorer.pressures(ledger)[v100] == 1.0
+    req = whole("w", 1, 4000)
+    ledger.place(Assignment("w", "a-v100", (make_share(ledger, 0, 0, req),), req.cpu_milli, 0))
+    assert scorer.pressures(ledger)[v100] == 1.5
+    assert scorer.pressures(ledger)[ledger.model_names.index("T4")] == 0.0
+
+
 MODELS = ["V100-16GB", "T4", "G2", "P100"]
 
 
@@ -130,8 +173,10 @@ def fgd_reference(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2**32 - 1))
-def test_sharegpu_only_chooses_among_the_placements_fgd_rates_best(seed: int) -> None:
+@given(st.integers(0, 2**32 - 1), st.booleans())
+def test_sharegpu_only_chooses_among_the_placements_fgd_rates_best(seed: int, confine: bool) -> None:
+    """Without confined shapes FGD's best integer score is never overruled; with them (the model pressure at work)
+    the decisions stay consistent: the GPUs taken are those the node's key came from, and the ledger stays valid."""
     rnd = random.Random(seed)
     nodes = [
         node(f"n{i}", rnd.choice(MODELS), rnd.choice([1, 2, 4, 8]), cpu=rnd.choice([16_000, 64_000, 96_000]))
@@ -146,7 +191,7 @@ def test_sharegpu_only_chooses_among_the_placements_fgd_rates_best(seed: int) ->
             reqs.append(share(f"s{i}", rnd.choice([100, 250, 500, 800]), cpu=rnd.choice([2000, 8000])))
         else:
             reqs.append(whole(f"w{i}", rnd.choice([1, 1, 2, 4, 8]), rnd.choice([4000, 12_000, 64_000])))
-        if kind >= 0.15 and rnd.random() < 0.3:  # confined to one or two models: the model pressure term at work
+        if confine and kind >= 0.15 and rnd.random() < 0.3:  # confined to one or two models
             reqs[-1] = dataclasses.replace(reqs[-1], allowed_models=frozenset(rnd.sample(MODELS, rnd.choice([1, 2]))))
     workload = Workload.from_requests(reqs)
     sched = Scheduler(Ledger(nodes), make_policy("sharegpu", PolicyContext(workload)))
@@ -158,9 +203,11 @@ def test_sharegpu_only_chooses_among_the_placements_fgd_rates_best(seed: int) ->
         d = sched.decide(req)
         if not isinstance(d, Decision):
             continue
-        feasible = np.flatnonzero(ok).astype(np.int64)
-        fgd_scores = fgd_reference(fgd.model, sched.ledger, req, usable, feasible)
-        assert d.score // 10**15 == fgd_scores.max()  # FGD's best integer score, never overruled
+        if not confine:
+            assert not scorer.pressures(sched.ledger).any()
+            feasible = np.flatnonzero(ok).astype(np.int64)
+            fgd_scores = fgd_reference(fgd.model, sched.ledger, req, usable, feasible)
+            assert d.score // 10**15 == fgd_scores.max()  # FGD's best integer score, never overruled
         # The GPUs taken are the ones the node's score came from.
         keys = scorer.keys(sched.ledger, CycleState(req, usable, sched.rng), np.array([d.node_index]))
         if keys.ndim == 2:

@@ -37,7 +37,11 @@ class FirstFitSharegpuScore:
 
     inner: RefinedFgdScore
     name: str = "sharegpu-first-fit"
-    node_local: bool = True
+
+    @property
+    def node_local(self) -> bool:
+        """As sharegpu's key: not where the model pressure follows the whole cluster's free capacity."""
+        return self.inner.node_local
 
     def score(self, ledger: Ledger, state: CycleState, nodes: IntArray) -> IntArray:
         keys = self.inner.keys(ledger, state, nodes)

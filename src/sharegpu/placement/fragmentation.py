@@ -123,23 +123,38 @@ def model_pressure(wl: Workload, model_names: list[str], capacity: FloatArray) -
     (:meth:`Workload.demand_weights`) to the set S of models it allows; spread over S in proportion to capacity,
     that is ``demand share / capacity share of S`` per unit of capacity of each model in S. Summed over the shapes,
     a model's pressure is 0 when no shape is confined to it, about 1 when the constrained demand alone would fill
-    its share of the cluster, and above 1 when it would overflow it. ``capacity`` is the (K,) GPU count of each
-    model. Without constrained shapes every pressure is 0.
+    its share of the cluster, and above 1 when it would overflow it. ``capacity`` is the (K,) capacity of each
+    model (its GPU count, or its free GPU now). Without constrained shapes every pressure is 0.
     """
-    table = wl.access(model_names)  # (K, M)
-    total = float(capacity.sum())
-    out: FloatArray = np.zeros(len(model_names), dtype=np.float64)
-    if total <= 0:
+    return ModelPressure.of(wl, model_names)(capacity)
+
+
+@dataclass(frozen=True)
+class ModelPressure:
+    """:func:`model_pressure` for one workload and one list of models, with the constrained shapes found once, so
+    that it can follow a capacity that changes with every placement."""
+
+    allowed: BoolArray  # (S, K): may constrained shape s run on model k
+    demand: FloatArray  # (S,) each constrained shape's share of the GPU demand
+
+    @classmethod
+    def of(cls, wl: Workload, model_names: list[str]) -> ModelPressure:
+        table = wl.access(model_names)  # (K, M)
+        demand = wl.demand_weights()
+        confined = [
+            m for m in range(len(wl.shapes)) if not table[:, m].all() and table[:, m].any() and wl.milli[m] != 0
+        ]
+        return cls(table[:, confined].T.copy(), demand[confined].astype(np.float64))
+
+    def __call__(self, capacity: FloatArray) -> FloatArray:
+        total = float(capacity.sum())
+        if total <= 0 or not len(self.demand):
+            return np.zeros(self.allowed.shape[1], dtype=np.float64)
+        share = np.where(self.allowed, capacity[None, :], 0.0).sum(axis=1) / total  # (S,) share of each S
+        per = np.divide(self.demand, share, out=np.zeros_like(share), where=share > 0)
+        # summed over the shapes in order (a reduction over the first axis adds row after row), as a loop would
+        out: FloatArray = np.where(self.allowed, per[:, None], 0.0).sum(axis=0)
         return out
-    demand = wl.demand_weights()
-    for m in range(len(wl.shapes)):
-        allowed = table[:, m]
-        if allowed.all() or not allowed.any() or wl.milli[m] == 0:
-            continue
-        share = float(capacity[allowed].sum()) / total
-        if share > 0:
-            out[allowed] += demand[m] / share
-    return out
 
 
 def _demand(shape: TaskShape) -> int:

@@ -73,7 +73,8 @@ def _sharegpu(ctx: PolicyContext) -> Policy:
         "sharegpu",
         ((scorer, 1),),
         RefinedFgdGpus(scorer),
-        description="FGD's choice, ties settled by exact fragmentation, CPU-stranded GPU and best fit",
+        description="FGD's choice less the cost of claiming GPU models that confined pods need, ties settled by exact "
+        "fragmentation, CPU-stranded GPU and best fit",
     )
 
 
