@@ -222,21 +222,24 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
     node = (await rig.c.get(Node, rig.node)).to_dict()
     assert node["metadata"]["labels"][DEVICE_PATH_LABEL] == "dra"
 
-    # 2. The docs' shared-GPU example: two MPS claims share the GPU, allocated by the real kube-scheduler.
+    # 2. The docs' shared-GPU example: two MPS claims share the GPU, allocated by the real kube-scheduler. One at a
+    # time: created together, the third was once left unallocated for over 30 s in a full-suite run (the stock
+    # scheduler had set its pod aside as unschedulable while the others' allocations were in flight).
     await rig.make_claim_and_pod(
         "infer-a", {"deviceClassName": SHARED_CLASS, "capacity": {"requests": {"memory": "10Gi", "compute": "30"}}}
     )
+    await until(lambda: rig.allocated("infer-a"), "infer-a allocated")
     await rig.make_claim_and_pod(
         "infer-b", {"deviceClassName": SHARED_CLASS, "capacity": {"requests": {"memory": "20Gi", "compute": "50"}}}
     )
+    await until(lambda: rig.allocated("infer-b"), "infer-b allocated")
     # A claim whose config is wrong is allocated all the same (the API server does not read opaque configs).
     await rig.make_claim_and_pod(
         "bad-config",
         {"deviceClassName": SHARED_CLASS, "capacity": {"requests": {"memory": "1Gi", "compute": "5"}}},
         {"apiVersion": "gpu.sharegpu.io/v1alpha1", "kind": "GpuConfig", "sharing": "Turbo"},
     )
-    for name in ("infer-a", "infer-b", "bad-config"):
-        await until(lambda n=name: rig.allocated(n), f"{name} allocated")  # type: ignore[misc]
+    await until(lambda: rig.allocated("bad-config"), "bad-config allocated")
     a, b, bad = [await rig.claim(n) for n in ("infer-a", "infer-b", "bad-config")]
     ra, rb = a["status"]["allocation"]["devices"]["results"][0], b["status"]["allocation"]["devices"]["results"][0]
     assert ra["device"] == rb["device"] == "gpu-0"
