@@ -20,7 +20,10 @@ import argparse
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -74,6 +77,38 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu() -> dict[int, tuple[str, float]]:
+    """Every process's (role, CPU seconds so far): where a round's machine CPU went, the bench's own included."""
+    out: dict[int, tuple[str, float]] = {}
+    hz = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone since listed
+            continue
+        out[int(entry)] = (_role(cmd), (int(fields[11]) + int(fields[12])) / hz)
+    return out
+
+
+def _role(cmd: str) -> str:
+    if "kube-scheduler" in cmd:
+        return "kube-scheduler (chart)" if "scheduler-config" in cmd else "kube-scheduler (stock)"
+    for role in ("kube-apiserver", "kube-controller-manager", "etcd", "node-agent", "scheduler-extender"):
+        if role in cmd:
+            return role
+    return "bench" if "k8s_throughput" in cmd else "other"
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], n: int) -> dict[str, float]:
+    spent: Counter[str] = Counter()
+    for pid, (role, cpu) in after.items():
+        spent[role] += cpu - before.get(pid, (role, 0.0))[1]
+    return {role: round(1000 * cpu / n, 2) for role, cpu in spent.most_common() if cpu > 0}
 
 
 def machine_cpu() -> tuple[float, float]:
@@ -138,7 +173,13 @@ def api_requests(rig: Rig) -> Counter[str]:
 
 
 def one_round(
-    rig: Rig, kind: str, n: int, extender_pid: int, scheduler_pids: dict[str, int], requests: bool = False
+    rig: Rig,
+    kind: str,
+    n: int,
+    extender_pid: int,
+    scheduler_pids: dict[str, int],
+    requests: bool = False,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     ns = rig.namespace()
     req0 = api_requests(rig) if requests else Counter()
@@ -151,15 +192,26 @@ def one_round(
     api0 = cpu_s(scheduler_pids["apiserver"])
     watch = BoundWatch(rig, ns, n)
     busy0, total0 = machine_cpu()
+    procs0 = process_cpu()
+    spy = _profile(extender_pid, profile, ns) if profile and kind == "sharegpu" else None
     started = time.perf_counter()
     rig.create_pods(ns, pods)
     created = time.perf_counter() - started
     if not watch.done.wait(300):
-        raise SystemExit(f"{kind}: only {len(watch.bound)}/{n} bound after 300 s")
+        reasons = Counter(str(e.get("message")) for e in rig.events(ns) if e.get("reason") == "FailedScheduling")
+        ext_log = next(p for p in rig.procs if p.name == "extender").text()[-3000:]
+        raise SystemExit(
+            f"{kind}: only {len(watch.bound)}/{n} bound after 300 s; FailedScheduling: {dict(reasons)}\n"
+            f"extender log (end):\n{ext_log}"
+        )
     if watch.error:
         raise SystemExit(watch.error)
     elapsed = watch.last - started
     busy1, total1 = machine_cpu()
+    by_role = cpu_by_role(procs0, process_cpu(), n)
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
     cpu = cpu_s(extender_pid) - cpu0
     sched_cpu = cpu_s(sched_pid) - sched0
     api_cpu = cpu_s(scheduler_pids["apiserver"]) - api0
@@ -180,7 +232,18 @@ def one_round(
             "apiserver_cpu_ms_per_pod": round(1000 * api_cpu / n, 2),
             "machine_cpu_ms_per_pod": round(1000 * (busy1 - busy0) / n, 2),
             "machine_busy": round((busy1 - busy0) / max(total1 - total0, 1e-9), 2),
+            "cpu_ms_per_pod_by_process": by_role,
             **({"api_requests_per_pod": per_pod} if requests else {})}  # fmt: skip
+
+
+def _profile(pid: int, folder: Path, ns: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling the extender for one round (stopped with SIGINT, it writes what it sampled so far)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{ns}.folded"
+    argv = ["py-spy", "record", "-p", str(pid), "-r", "250", "-f", "raw", "-o", str(out), "--nonblocking"]
+    spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the first pod is created
+    return spy
 
 
 def openb_nodes(rig: Rig, path: Path) -> int:
@@ -206,7 +269,16 @@ def main() -> int:
     ap.add_argument("--nodes-csv", type=Path, default=DATA / "openb_node_list_gpu_node.csv")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--requests", action="store_true", help="per round, the API requests per pod by client and verb")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="sample the extender with py-spy during each sharegpu round (DIR/<namespace>.folded)",
+    )
     args = ap.parse_args()
+    if args.profile and shutil.which("py-spy") is None:
+        print("--profile needs py-spy on PATH (pip install py-spy)")
+        return 2
     if not KUBECONFIG:
         print("set SHAREGPU_TEST_KUBECONFIG to a running k8s-rig's kubeconfig (see ../shared/k8s-rig/README.md)")
         return 2
@@ -230,7 +302,7 @@ def main() -> int:
         results = []
         for r in range(args.rounds):
             for kind in ("plain", "sharegpu") if r % 2 == 0 else ("sharegpu", "plain"):
-                res = one_round(rig, kind, args.pods, ext.p.pid, pids, args.requests)
+                res = one_round(rig, kind, args.pods, ext.p.pid, pids, args.requests, args.profile)
                 print(json.dumps(res))
                 results.append(res)
         rig_extender_log = next(p for p in rig.procs if p.name == "extender").text()
