@@ -23,7 +23,6 @@ import math
 import multiprocessing
 import pstats
 import random
-import signal
 import socket
 import statistics
 import sys
@@ -33,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import uvicorn
 
 from sharegpu.k8s.extender import Extender, make_app
 from sharegpu.k8s.schema import Node, Pod
+from sharegpu.k8s.serving import Listener, Site, serve_bound
 from sharegpu.k8s.view import ClusterView
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
@@ -199,30 +198,20 @@ class Server:
 
     def __init__(self, app: Any, profile: Path | None = None) -> None:
         self.profile = profile  # cProfile the server process into this file (dumped when it stops)
-        # proto=IPPROTO_TCP: only then does asyncio set TCP_NODELAY on accepted connections (else Nagle and delayed
-        # ACKs add 40 ms to every response, whose headers and body uvicorn writes separately).
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(128)
+        self.site = Site(app, Listener("127.0.0.1", 0), "scheduler extender")
+        self.sock = self.site.listener.bind()
         self.port = self.sock.getsockname()[1]
         self.app = app
         self.proc = multiprocessing.get_context("fork").Process(target=self._serve, daemon=True)
 
     def _serve(self) -> None:
-        server = uvicorn.Server(uvicorn.Config(self.app, log_level="error", access_log=False, lifespan="off"))
-        if self.profile:
-            profiler = cProfile.Profile()
-
-            def dump(*_: object) -> None:
-                profiler.disable()
-                profiler.dump_stats(str(self.profile))
-                sys.exit(0)
-
-            # uvicorn stops on SIGTERM, then raises it again under the handler that was there before: this one.
-            signal.signal(signal.SIGTERM, dump)
+        profiler = cProfile.Profile() if self.profile else None
+        if profiler is not None:
             profiler.enable()
-        asyncio.run(server.serve(sockets=[self.sock]))
+        asyncio.run(serve_bound([(self.site, self.sock)]))  # until SIGTERM
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(str(self.profile))
 
     def __enter__(self) -> Server:
         self.proc.start()

@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import uvicorn
 from starlette.applications import Starlette
 
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION
 from sharegpu.k8s.schema import Node, Pod
+from sharegpu.k8s.serving import Listener, Site, serve_bound
 from sharegpu.model.inventory import INVENTORY_ANNOTATION, NodeSpec, sim_gpus
 
 T = TypeVar("T")
@@ -118,7 +117,8 @@ def nodes(objs: list[dict[str, Any]]) -> list[Node]:
 
 
 class LoopbackServer:
-    """An ASGI app served by uvicorn on 127.0.0.1 in a thread with its own event loop.
+    """An ASGI app served as sharegpu serves its own (:mod:`sharegpu.k8s.serving`) on 127.0.0.1, in a thread with its
+    own event loop.
 
     Everything that touches the app's state (the view, the in-memory API) runs on that loop through :meth:`call`
     or :meth:`run`, so tests never race the server.
@@ -126,33 +126,32 @@ class LoopbackServer:
 
     def __init__(self, app: Starlette) -> None:
         self.loop = asyncio.new_event_loop()
-        # proto=IPPROTO_TCP: only then does asyncio set TCP_NODELAY on accepted connections (else Nagle and delayed
-        # ACKs add 40 ms to every response, whose headers and body uvicorn writes separately).
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.site = Site(app, Listener("127.0.0.1", 0), "test server")
+        self.sock = self.site.listener.bind()  # listening already: a connection made before serving waits
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="off")
-        self.server = uvicorn.Server(config)
+        self.stop: asyncio.Event | None = None
         self.thread = threading.Thread(target=self._main, daemon=True)
         self._started = threading.Event()
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(self._started.set)
-        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+
+        async def main() -> None:
+            self.stop = asyncio.Event()
+            self._started.set()
+            await serve_bound([(self.site, self.sock)], self.stop, signals=False)
+
+        self.loop.run_until_complete(main())
 
     def __enter__(self) -> LoopbackServer:
         self.thread.start()
         self._started.wait(10)
-        for _ in range(500):
-            if self.server.started:
-                break
-            threading.Event().wait(0.01)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
+        stop = self.stop
+        if stop is not None:
+            self.loop.call_soon_threadsafe(stop.set)
         self.thread.join(10)
         self.sock.close()
 

@@ -16,11 +16,8 @@ ledger between two events, never in the middle of one.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from enum import StrEnum
 from importlib.metadata import PackageNotFoundError, version
 
@@ -299,7 +296,6 @@ class ClusterMetrics:
             for code in ("400", "500"):
                 self.errors.labels(v, code)
         r.register(ClusterCollector(view))
-        self.port = 0  # set by serve()
 
     # ----- what the extender calls ---------------------------------------------------------------------------
     def bind(self, outcome: BindOutcome) -> None:
@@ -334,44 +330,3 @@ class ClusterMetrics:
             return Response(self.render(), media_type=CONTENT_TYPE_LATEST)
 
         return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
-
-    def listen(self, host: str, port: int) -> socket.socket:
-        """The listening socket of ``/metrics``; raises OSError at once when the address cannot be bound."""
-        sock = bound_socket(host, port)
-        self.port = sock.getsockname()[1]  # the real one when 0 asked for any
-        return sock
-
-    async def serve(self, sock: socket.socket, stop: asyncio.Event) -> None:
-        """Serve ``GET /metrics`` on ``sock`` (from :meth:`listen`) until ``stop``, on the running event loop."""
-        import uvicorn
-
-        class QuietServer(uvicorn.Server):
-            # Signals are the extender's server's to handle (it stops, then ``stop`` is set): two servers capturing
-            # them on one loop would leave one of them deaf to SIGTERM.
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                yield
-
-        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
-        server = QuietServer(config)
-        task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        try:
-            await stop.wait()
-        finally:
-            server.should_exit = True
-            await task
-            sock.close()
-
-
-def bound_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` for uvicorn to serve on; raises OSError (address in use, no such
-    address) here, where the caller can say so, instead of inside uvicorn, which exits the process."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock

@@ -698,6 +698,8 @@ async def run_extender(
     sites = [Site(app, Listener(host, port, tls), "scheduler extender")]
     if health is not None:
         sites.append(Site(probes_only(app), Listener(*health), "health probes"))
+    if metrics_listen:  # issue 10: /metrics on its own port (a busy port fails the start with an OSError)
+        sites.append(Site(extender.metrics.app(), Listener(*metrics_listen), "metrics"))
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
     if dra is not None:
         tasks.append(asyncio.ensure_future(follow_dra(dra, dra_client, stop)))
@@ -712,9 +714,6 @@ async def run_extender(
 
         elector.on_change = changed
         tasks.append(asyncio.ensure_future(elector.run(stop)))
-    # issue 10: /metrics on its own port, bound first (a busy port fails the start with an OSError)
-    if metrics_listen:
-        tasks.append(asyncio.ensure_future(extender.metrics.serve(extender.metrics.listen(*metrics_listen), stop)))
     try:
         await serve(sites, stop)
     finally:

@@ -26,7 +26,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from sharegpu.k8s.api import ClusterApi
-from sharegpu.k8s.cluster_metrics import bound_socket
 from sharegpu.k8s.status import REASON_CLASSES, FollowedStatus, StatusSnapshot, summary_line
 from sharegpu.placement.framework import fmt_mib
 
@@ -281,18 +280,15 @@ async def serve_page(
     refresh_s: float = DEFAULT_REFRESH_S,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Follow the API server and serve the page until ``stop`` (or SIGTERM/SIGINT, handled by uvicorn)."""
-    import uvicorn
+    """Follow the API server and serve the page until ``stop`` (or SIGTERM/SIGINT); raises OSError when the address
+    cannot be bound."""
+    from sharegpu.k8s.serving import Listener, Site, serve
 
     stop = stop or asyncio.Event()
-    sock = bound_socket(host, port)  # a busy port fails here, with an OSError the command reports
     app = make_page_app(followed.snapshot, refresh_s)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    asyncio.ensure_future(stop.wait()).add_done_callback(lambda _: setattr(server, "should_exit", True))
     follow = asyncio.ensure_future(followed.run(api, stop))
     try:
-        await server.serve(sockets=[sock])
+        await serve([Site(app, Listener(host, port), "status page")], stop)
     finally:
         stop.set()
         await follow
-        sock.close()

@@ -1,8 +1,13 @@
-"""Serving sharegpu's HTTP apps (the extender, its probe port, the webhook) with uvicorn on sockets bound up front.
+"""Serving sharegpu's HTTP apps (the extender, its probe port, the webhook, metrics, the status page) with hypercorn
+on sockets bound up front.
 
-Binding first makes a port that is taken an error the command reports with its address (uvicorn alone logs it and
-calls ``sys.exit``), and lets "listening on ..." be logged when it is true. Several apps are served side by side
-(the extender's mTLS port and its plain-HTTP probe port); SIGTERM and SIGINT stop them all, gracefully.
+Binding first makes a port that is taken an error the command reports with its address, and lets "listening on
+..." be logged when it is true. Several apps are served side by side (the extender's mTLS port and its plain-HTTP
+probe port); SIGTERM and SIGINT stop them all, gracefully.
+
+HTTPS ports offer HTTP/2 (ALPN ``h2``), which the kube-scheduler and the API server use when offered: their Go
+clients keep only two idle HTTP/1.1 connections per host, so concurrent binds opened (and closed) a new TLS
+connection for most pods, a full handshake on both sides; over HTTP/2 every call shares one connection.
 """
 
 from __future__ import annotations
@@ -12,11 +17,16 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import uvicorn
+from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.config import Config
+from hypercorn.typing import AppWrapper
+from hypercorn.utils import wrap_app
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
@@ -24,9 +34,14 @@ from starlette.types import ASGIApp
 from sharegpu.k8s.tls import ServerTls
 
 log = logging.getLogger(__name__)
+# hypercorn's own log: its errors (an app that raised, a broken connection) at WARNING and above; its "Running on"
+# lines would repeat this module's "listening on".
+_server_log = logging.getLogger(f"{__name__}.hypercorn")
+_server_log.setLevel(logging.WARNING)
 
 PROBE_PATHS = ("/healthz", "/readyz")
 GRACE_S = 5
+ALPN = ["h2", "http/1.1"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +58,7 @@ class Listener:
     def bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         # proto=IPPROTO_TCP: only then does asyncio set TCP_NODELAY on the accepted connections. Without it Nagle's
-        # algorithm and the client's delayed ACK hold every response (uvicorn writes headers and body apart) for
+        # algorithm and the client's delayed ACK hold every response (headers and body are written apart) for
         # 40 ms: two extender calls per pod made the scheduler 7 times slower.
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
@@ -53,6 +68,7 @@ class Listener:
         except OSError as e:
             sock.close()
             raise OSError(e.errno, f"cannot listen on {self.host}:{self.port}: {e.strerror or e}") from None
+        sock.setblocking(False)
         return sock
 
 
@@ -70,66 +86,116 @@ def probes_only(app: Starlette) -> Starlette:
     return Starlette(routes=routes)
 
 
-async def serve(sites: Sequence[Site], stop: asyncio.Event | None = None) -> None:
-    """Serve every site until SIGTERM/SIGINT (in the main thread), ``stop``, or until one of them stops; raises
-    OSError when a port cannot be bound (before anything is served)."""
+class _Config(Config):
+    """hypercorn's configuration with the TLS context built by :class:`ServerTls` (the files checked there, by name),
+    offering HTTP/2."""
+
+    def __init__(self, tls: ServerTls | None) -> None:
+        super().__init__()
+        self._tls = tls
+        self.accesslog = None
+        self.errorlog = _server_log
+        # An idle keep-alive connection would hold a stop; requests in flight get this long to finish.
+        self.graceful_timeout = GRACE_S
+        if tls is not None:
+            # hypercorn reads TLS as enabled when both are set; the context itself comes from create_ssl_context.
+            self.certfile, self.keyfile = str(tls.cert), str(tls.key)
+
+    def create_ssl_context(self) -> ssl.SSLContext | None:
+        if self._tls is None:
+            return None
+        ctx = self._tls.context()
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # HTTP/2 requires TLS 1.2 or later (RFC 9113, 9.2)
+        ctx.options |= ssl.OP_NO_COMPRESSION
+        ctx.set_alpn_protocols(ALPN)
+        return ctx
+
+
+async def serve(sites: Sequence[Site], stop: asyncio.Event | None = None, signals: bool = True) -> None:
+    """Serve every site until ``stop``, SIGTERM/SIGINT (in the main thread, with ``signals``), or until one of them
+    stops; raises OSError when a port cannot be bound (before anything is served)."""
     socks: list[socket.socket] = []
     try:
         for site in sites:
             socks.append(site.listener.bind())
-        servers: list[_Server] = []
-        for site in sites:
-            tls = site.listener.tls
-            config = uvicorn.Config(
-                site.app,
-                log_level="warning",
-                access_log=False,
-                lifespan="off",
-                # An idle keep-alive TLS connection (the kube-scheduler keeps one) would hold a stop for the 30 s of
-                # asyncio's TLS shutdown; requests in flight get this long to finish.
-                timeout_graceful_shutdown=GRACE_S,
-                **(tls.uvicorn_options() if tls else {}),
-            )
-            servers.append(_Server(config))
-            how = tls.describe() if tls else "plain HTTP"
-            log.info("%s listening on %s (%s)", site.what, site.listener.url, how)
-        tasks = [asyncio.ensure_future(s.serve(sockets=[sock])) for s, sock in zip(servers, socks, strict=True)]
-
-        def stop_all() -> None:
-            for s in servers:
-                s.should_exit = True
-
-        def on_signal() -> None:
-            log.info("stopping: signal received")
-            stop_all()
-
-        stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
-        with _on_signals(on_signal):
-            try:
-                await asyncio.wait([*tasks, *([stopped] if stopped else [])], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                stop_all()
-                if stopped is not None:
-                    stopped.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-        for t in tasks:
-            t.result()  # a server that failed (not one that was stopped) is the caller's error
+        await serve_bound(list(zip(sites, socks, strict=True)), stop, signals)
     finally:
         for sock in socks:
             sock.close()
 
 
-class _Server(uvicorn.Server):
-    """uvicorn.Server without its own signal handling: :func:`serve` stops every server on one signal."""
+async def serve_bound(
+    bound: Sequence[tuple[Site, socket.socket]], stop: asyncio.Event | None = None, signals: bool = True
+) -> None:
+    """:func:`serve` on sockets the caller bound (``Listener.bind``) and closes."""
+    stopping = asyncio.Event()
+    tasks = []
+    for site, sock in bound:
+        tasks.append(asyncio.ensure_future(_serve_site(site, sock, stopping)))
+        tls = site.listener.tls
+        how = tls.describe() + " (HTTP/2 or HTTP/1.1)" if tls else "plain HTTP"
+        url = Listener(site.listener.host, sock.getsockname()[1], tls).url  # the port given, or the one 0 got
+        log.info("%s listening on %s (%s)", site.what, url, how)
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+    def on_signal() -> None:
+        log.info("stopping: signal received")
+        stopping.set()
+
+    stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    with _on_signals(on_signal, signals):
+        try:
+            await asyncio.wait([*tasks, *([stopped] if stopped else [])], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.set()
+            if stopped is not None:
+                stopped.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        t.result()  # a server that failed (not one that was stopped) is the caller's error
+
+
+async def _serve_site(site: Site, sock: socket.socket, stopping: asyncio.Event) -> None:
+    """Accept connections on ``sock`` for hypercorn's connection handler (HTTP/1.1, or HTTP/2 where ALPN chose it)
+    until ``stopping``; then requests in flight get GRACE_S and every connection is closed.
+
+    The accept loop is this module's, not ``hypercorn.asyncio.serve``'s, for one setting: the TLS shutdown timeout.
+    asyncio waits 30 s for a peer's close_notify, and an idle keep-alive client (the kube-scheduler keeps one) sends
+    none, so every stop took 30 s."""
+    loop = asyncio.get_running_loop()
+    config = _Config(site.listener.tls)
+    app: AppWrapper = wrap_app(site.app, 0, "asgi")  # type: ignore[arg-type]  # an ASGI 3 app
+    context = WorkerContext(None)
+    connections: set[asyncio.Task[None]] = set()
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            connections.add(task)
+            task.add_done_callback(connections.discard)
+        try:
+            await TCPServer(app, loop, config, context, {}, reader, writer)
+        except (TimeoutError, ConnectionError, ssl.SSLError) as e:
+            # The peer's side of a close: no close_notify in time (an idle client at a stop), a reset, bad TLS.
+            log.debug("%s: a connection ended uncleanly: %s", site.what, e)
+
+    ssl_ctx = config.create_ssl_context()
+    tls_options = {"ssl_handshake_timeout": GRACE_S, "ssl_shutdown_timeout": GRACE_S} if ssl_ctx else {}
+    server = await asyncio.start_server(accepted, sock=sock, ssl=ssl_ctx, **tls_options)  # type: ignore[arg-type]
+    try:
+        await stopping.wait()
+    finally:
+        server.close()
+        await context.terminated.set()  # connections finish what they serve and close
+        if connections:
+            _, late = await asyncio.wait(set(connections), timeout=GRACE_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
 
 @contextlib.contextmanager
-def _on_signals(handler: Callable[[], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
+def _on_signals(handler: Callable[[], None], wanted: bool) -> Iterator[None]:
+    if not wanted or threading.current_thread() is not threading.main_thread():
         yield
         return
     loop = asyncio.get_running_loop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 CERT_BLOCK = b"-----BEGIN CERTIFICATE-----"
 KEY_MARK = b"PRIVATE KEY-----"
@@ -27,7 +26,7 @@ class ServerTls:
     client_ca: Path | None = None  # PEM CA(s) whose certificates clients must present; None: no client certificates
 
     def context(self) -> ssl.SSLContext:
-        """The server's SSL context, built from the files exactly as uvicorn builds it; raises :class:`TlsError`."""
+        """The server's SSL context, built from the files; raises :class:`TlsError`."""
         cert_pem = _read(self.cert, "--tls-cert")
         key_pem = _read(self.key, "--tls-key")
         if CERT_BLOCK not in cert_pem:
@@ -72,13 +71,6 @@ class ServerTls:
             ctx.load_verify_locations(str(self.client_ca))
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
-
-    def uvicorn_options(self) -> dict[str, Any]:
-        """uvicorn.Config's keyword arguments for this TLS setup (call :meth:`context` first to check the files)."""
-        options: dict[str, Any] = {"ssl_certfile": str(self.cert), "ssl_keyfile": str(self.key)}
-        if self.client_ca is not None:
-            options |= {"ssl_ca_certs": str(self.client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        return options
 
     def describe(self) -> str:
         if self.client_ca is None:
