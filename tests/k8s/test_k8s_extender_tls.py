@@ -112,3 +112,42 @@ def test_the_probe_port_serves_the_probes_and_nothing_else(extender: tuple[int, 
 def test_plain_http_only_when_asked(flags: list[str], message: str) -> None:
     result = CliRunner().invoke(app, ["scheduler-extender", *flags])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_http2_is_offered_to_the_scheduler(extender: tuple[int, int], pki: Pki) -> None:
+    """ALPN offers h2 and a request over HTTP/2 is answered: the kube-scheduler's Go client then sends every call on
+    one connection, where over HTTP/1.1 it kept two idle ones and opened (and closed) a TLS connection per extra
+    concurrent bind."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    ctx.load_cert_chain(str(pki.client_crt), str(pki.client_key))
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    with (
+        socket.create_connection(("127.0.0.1", extender[0]), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        assert tls.selected_alpn_protocol() == "h2"
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        headers = [(":method", "GET"), (":path", "/healthz"), (":scheme", "https"), (":authority", "127.0.0.1")]
+        conn.send_headers(1, headers, end_stream=True)
+        tls.sendall(conn.data_to_send())
+        status, body, ended = "", b"", False
+        while not ended:
+            data = tls.recv(65536)
+            assert data, "the extender closed the HTTP/2 connection without answering"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    status = dict(event.headers)[b":status"].decode()
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended = True
+            tls.sendall(conn.data_to_send())
+    assert (status, body) == ("200", b"ok\n")
