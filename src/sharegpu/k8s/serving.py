@@ -160,7 +160,8 @@ async def _serve_site(site: Site, sock: socket.socket, stopping: asyncio.Event) 
 
     The accept loop is this module's, not ``hypercorn.asyncio.serve``'s, for one setting: the TLS shutdown timeout.
     asyncio waits 30 s for a peer's close_notify, and an idle keep-alive client (the kube-scheduler keeps one) sends
-    none, so every stop took 30 s."""
+    none, so every stop took 30 s. TCPServer and WorkerContext are hypercorn's own building blocks, not its documented
+    API: the lock file pins the version they were written against, and the TLS and serving tests exercise them."""
     loop = asyncio.get_running_loop()
     config = _Config(site.listener.tls)
     app: AppWrapper = wrap_app(site.app, 0, "asgi")  # type: ignore[arg-type]  # an ASGI 3 app
