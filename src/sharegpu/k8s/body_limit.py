@@ -50,7 +50,7 @@ class BodyLimit:
         for name, value in scope["headers"]:
             # The server (h11/httptools) has already refused a Content-Length that is not a number.
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._refuse(scope, send, receive, f"declares {int(value)} bytes")
+                await self._refuse(send, receive, f"declares {int(value)} bytes")
                 return
         received = 0
         started = False
@@ -74,17 +74,23 @@ class BodyLimit:
         except _TooLarge:
             if started:  # the app answered before it read the whole body: nothing more can be said
                 return
-            await self._refuse(scope, send, receive, f"sent more than {self.max_bytes} bytes")
+            await self._refuse(send, receive, f"sent more than {self.max_bytes} bytes")
 
-    async def _refuse(self, scope: Scope, send: Send, receive: Receive, why: str) -> None:
+    async def _refuse(self, send: Send, receive: Receive, why: str) -> None:
         cap = f"{self.max_bytes // MIB} MiB" if self.max_bytes % MIB == 0 else f"{self.max_bytes} bytes"
         body = json.dumps({"error": f"request body too large: this {self.what} {why}; the cap is {cap}"}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if scope.get("http_version", "1.1").startswith("1"):
-            # The rest of the body is not read: the connection cannot be reused for another request. (HTTP/2 has no
-            # such header: the server resets the one stream.)
-            headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                # The rest of the body is not read: the connection cannot be reused for another request.
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body, "more_body": True})
         await _linger(receive)
         await send({"type": "http.response.body", "body": b""})  # the server closes the connection now
