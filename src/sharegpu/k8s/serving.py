@@ -86,29 +86,21 @@ def probes_only(app: Starlette) -> Starlette:
     return Starlette(routes=routes)
 
 
-class _Config(Config):
-    """hypercorn's configuration with the TLS context built by :class:`ServerTls` (the files checked there, by name),
-    offering HTTP/2."""
+def _config() -> Config:
+    """hypercorn's settings for a connection: no access log, its errors into this module's logger."""
+    config = Config()
+    config.accesslog = None
+    config.errorlog = _server_log
+    return config
 
-    def __init__(self, tls: ServerTls | None) -> None:
-        super().__init__()
-        self._tls = tls
-        self.accesslog = None
-        self.errorlog = _server_log
-        # An idle keep-alive connection would hold a stop; requests in flight get this long to finish.
-        self.graceful_timeout = GRACE_S
-        if tls is not None:
-            # hypercorn reads TLS as enabled when both are set; the context itself comes from create_ssl_context.
-            self.certfile, self.keyfile = str(tls.cert), str(tls.key)
 
-    def create_ssl_context(self) -> ssl.SSLContext | None:
-        if self._tls is None:
-            return None
-        ctx = self._tls.context()
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # HTTP/2 requires TLS 1.2 or later (RFC 9113, 9.2)
-        ctx.options |= ssl.OP_NO_COMPRESSION
-        ctx.set_alpn_protocols(ALPN)
-        return ctx
+def _ssl_context(tls: ServerTls) -> ssl.SSLContext:
+    """The context :class:`ServerTls` builds (the files checked there, by name), offering HTTP/2."""
+    ctx = tls.context()
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # HTTP/2 requires TLS 1.2 or later (RFC 9113, 9.2)
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    ctx.set_alpn_protocols(ALPN)
+    return ctx
 
 
 async def serve(sites: Sequence[Site], stop: asyncio.Event | None = None, signals: bool = True) -> None:
@@ -163,7 +155,7 @@ async def _serve_site(site: Site, sock: socket.socket, stopping: asyncio.Event) 
     none, so every stop took 30 s. TCPServer and WorkerContext are hypercorn's own building blocks, not its documented
     API: the lock file pins the version they were written against, and the TLS and serving tests exercise them."""
     loop = asyncio.get_running_loop()
-    config = _Config(site.listener.tls)
+    config = _config()
     app: AppWrapper = wrap_app(site.app, 0, "asgi")  # type: ignore[arg-type]  # an ASGI 3 app
     context = WorkerContext(None)
     connections: set[asyncio.Task[None]] = set()
@@ -179,9 +171,13 @@ async def _serve_site(site: Site, sock: socket.socket, stopping: asyncio.Event) 
             # The peer's side of a close: no close_notify in time (an idle client at a stop), a reset, bad TLS.
             log.debug("%s: a connection ended uncleanly: %s", site.what, e)
 
-    ssl_ctx = config.create_ssl_context()
-    tls_options = {"ssl_handshake_timeout": GRACE_S, "ssl_shutdown_timeout": GRACE_S} if ssl_ctx else {}
-    server = await asyncio.start_server(accepted, sock=sock, ssl=ssl_ctx, **tls_options)  # type: ignore[arg-type]
+    tls = site.listener.tls
+    if tls is None:
+        server = await asyncio.start_server(accepted, sock=sock)
+    else:
+        server = await asyncio.start_server(
+            accepted, sock=sock, ssl=_ssl_context(tls), ssl_handshake_timeout=GRACE_S, ssl_shutdown_timeout=GRACE_S
+        )
     try:
         await stopping.wait()
     finally:
