@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from proc_helpers import Proc, free_port, kubeconfig
 from sharegpu.cli import app
+from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY
 
 FILTER = {"Pod": pod_obj("p", memory="10Gi"), "NodeNames": ["node-a"]}
 
@@ -114,10 +115,9 @@ def test_plain_http_only_when_asked(flags: list[str], message: str) -> None:
     assert result.exit_code == 2 and message in result.output
 
 
-def test_http2_is_offered_to_the_scheduler(extender: tuple[int, int], pki: Pki) -> None:
-    """ALPN offers h2 and a request over HTTP/2 is answered: the kube-scheduler's Go client then sends every call on
-    one connection, where over HTTP/1.1 it kept two idle ones and opened (and closed) a TLS connection per extra
-    concurrent bind."""
+def _h2(port: int, pki: Pki, method: str, path: str, extra: list[tuple[str, str]] | None = None) -> tuple[str, bytes]:
+    """One request over HTTP/2 (ALPN must choose h2) with the scheduler's certificate: (status, body). A request
+    with ``extra`` headers sends those and no body (its stream left open, as a client still uploading)."""
     import socket
 
     import h2.config
@@ -128,14 +128,14 @@ def test_http2_is_offered_to_the_scheduler(extender: tuple[int, int], pki: Pki) 
     ctx.load_cert_chain(str(pki.client_crt), str(pki.client_key))
     ctx.set_alpn_protocols(["h2", "http/1.1"])
     with (
-        socket.create_connection(("127.0.0.1", extender[0]), timeout=10) as raw,
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
         ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
     ):
         assert tls.selected_alpn_protocol() == "h2"
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
-        headers = [(":method", "GET"), (":path", "/healthz"), (":scheme", "https"), (":authority", "127.0.0.1")]
-        conn.send_headers(1, headers, end_stream=True)
+        headers = [(":method", method), (":path", path), (":scheme", "https"), (":authority", "127.0.0.1")]
+        conn.send_headers(1, headers + (extra or []), end_stream=extra is None)
         tls.sendall(conn.data_to_send())
         status, body, ended = "", b"", False
         while not ended:
@@ -147,7 +147,22 @@ def test_http2_is_offered_to_the_scheduler(extender: tuple[int, int], pki: Pki) 
                 elif isinstance(event, h2.events.DataReceived):
                     body += event.data
                     conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                elif isinstance(event, h2.events.StreamEnded):
+                elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
                     ended = True
             tls.sendall(conn.data_to_send())
-    assert (status, body) == ("200", b"ok\n")
+    return status, body
+
+
+def test_http2_is_offered_to_the_scheduler(extender: tuple[int, int], pki: Pki) -> None:
+    """ALPN offers h2 and a request over HTTP/2 is answered: the kube-scheduler's Go client then sends every call on
+    one connection, where over HTTP/1.1 it kept two idle ones and opened (and closed) a TLS connection per extra
+    concurrent bind."""
+    assert _h2(extender[0], pki, "GET", "/healthz") == ("200", b"ok\n")
+
+
+def test_an_oversized_body_is_refused_over_http2_too(extender: tuple[int, int], pki: Pki) -> None:
+    """The body cap holds over HTTP/2 as over HTTP/1.1: a declared length over the cap gets the 413 with its reason
+    (the answer's HTTP/1.1 ``connection: close`` is dropped by the h2 stack, which strips connection headers)."""
+    declared = [("content-type", "application/json"), ("content-length", str(EXTENDER_MAX_BODY + 1))]
+    status, body = _h2(extender[0], pki, "POST", "/filter", declared)
+    assert status == "413" and b"request body too large" in body
