@@ -42,6 +42,7 @@ from scipy.optimize import linprog
 
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import FULL_MILLI, GpuRequest
+from sharegpu.placement.scorers import is_sharing
 from sharegpu.sim.bound import BoundError, node_types, shapes
 
 FloatArray = npt.NDArray[np.float64]
@@ -110,9 +111,9 @@ def least_idle(
     ≤ capacity, Σ_p x_p · (count of s in p) ≥ y_s, lo ≤ y ≤ hi, 0 ≤ u ≤ ``whole_milli``. Solved exactly by column
     generation over the patterns, priced by an unbounded knapsack over the sizes; the capacity row has a slack at a
     prohibitive cost, so that the restricted LP stays feasible while patterns are still missing."""
-    sizes = sorted({s for s, c in hi.items() if c} | {s for s, c in lo.items() if c})
-    pool = pool or PatternPool(sizes)
-    for s in sizes:
+    asked = sorted({s for s, c in hi.items() if c} | {s for s, c in lo.items() if c})
+    pool = pool or PatternPool(asked)
+    for s in asked:
         if s not in pool.sizes:
             raise BoundError(f"shares of {s} milli are not among the pool's sizes")
         if lo.get(s, 0) > hi.get(s, 0):
@@ -176,10 +177,6 @@ def _knapsack(sizes: Sequence[int], price: FloatArray, capacity: int, step: int)
     return float(best[cap]), counts
 
 
-def _is_share(r: GpuRequest) -> bool:
-    return r.gpu_count == 1 and r.milli < FULL_MILLI
-
-
 def work_conserving_floor(nodes: Sequence[NodeSpec], prefix: Sequence[GpuRequest]) -> Floor:
     """The floor (module doc) for the arrivals ``prefix`` on ``nodes``."""
     types = node_types(nodes)  # refuses what the argument does not cover: unhealthy GPUs, mixed models
@@ -193,7 +190,7 @@ def work_conserving_floor(nodes: Sequence[NodeSpec], prefix: Sequence[GpuRequest
     demand = np.asarray([prefix[i].total_milli for i in gpu], dtype=np.float64)
     cpu = np.asarray([prefix[i].cpu_milli for i in gpu], dtype=np.int64)
     mem = np.asarray([prefix[i].host_memory_mib for i in gpu], dtype=np.int64)
-    share = np.asarray([_is_share(prefix[i]) for i in gpu], dtype=bool)
+    share = np.asarray([is_sharing(prefix[i]) for i in gpu], dtype=bool)
     models = [prefix[i].allowed_models or all_models for i in gpu]
     sizes = sorted({int(m) for m in milli[share]})
     col = {s: j for j, s in enumerate(sizes)}
