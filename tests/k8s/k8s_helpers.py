@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION
 from sharegpu.k8s.schema import Node, Pod
 from sharegpu.k8s.serving import Listener, Site, serve_bound
+from sharegpu.k8s.tls import ServerTls
 from sharegpu.model.inventory import INVENTORY_ANNOTATION, NodeSpec, sim_gpus
 
 T = TypeVar("T")
@@ -124,9 +125,9 @@ class LoopbackServer:
     or :meth:`run`, so tests never race the server.
     """
 
-    def __init__(self, app: Starlette) -> None:
+    def __init__(self, app: Starlette, tls: ServerTls | None = None) -> None:
         self.loop = asyncio.new_event_loop()
-        self.site = Site(app, Listener("127.0.0.1", 0), "test server")
+        self.site = Site(app, Listener("127.0.0.1", 0, tls), "test server")
         self.sock = self.site.listener.bind()  # listening already: a connection made before serving waits
         self.port = self.sock.getsockname()[1]
         self.stop: asyncio.Event | None = None

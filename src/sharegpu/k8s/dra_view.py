@@ -107,12 +107,12 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
 
 async def load_dra_status(kubeconfig: Path | None) -> list[dict[str, Any]]:
     """Read the driver's ResourceSlices and every ResourceClaim; a cluster without DRA shows nothing."""
-    from lightkube import AsyncClient, KubeConfig
     from lightkube.core.exceptions import ApiError
     from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
-    config = KubeConfig.from_file(kubeconfig) if kubeconfig is not None else KubeConfig.from_env()
-    client = AsyncClient(config=config)
+    from sharegpu.k8s.kubeconfig import load_credentials
+
+    client = load_credentials(kubeconfig).client("sharegpu-status")
     try:
         slices = [s.to_dict() async for s in client.list(ResourceSlice, fields={"spec.driver": DRIVER})]
         claims = [c.to_dict() async for c in client.list(ResourceClaim, namespace="*")]

@@ -40,12 +40,25 @@ class Credentials:
         return str(self.config.cluster.server)
 
     def client(self, field_manager: str) -> AsyncClient:
-        """A lightkube client; certificate and key files the credentials name are read (and checked) here."""
+        """A lightkube client whose requests travel over aiohttp (:mod:`sharegpu.k8s.transport`); certificate and key
+        files the credentials name are read (and checked) here."""
         from lightkube import AsyncClient
+        from lightkube.config.client_adapter import verify_cluster
         from lightkube.core.exceptions import ConfigError
 
+        from sharegpu.k8s.transport import AiohttpTransport
+
+        config = self.config
         try:
-            return AsyncClient(config=self.config, field_manager=field_manager)
+            assert config.user is not None  # every SingleConfig this module builds has one
+            # With a transport of its own httpx no longer builds the TLS context: the one lightkube would build
+            # (the cluster's CA or insecure-skip-tls-verify, the user's client certificate) goes to the transport.
+            tls = (
+                verify_cluster(config.cluster, config.user, config.abs_file)
+                if self.server.startswith("https")
+                else None
+            )
+            return AsyncClient(config=config, field_manager=field_manager, transport=AiohttpTransport(tls))
         except (ConfigError, OSError, ValueError) as e:  # ssl.SSLError is an OSError
             raise KubeconfigError(f"cannot use the credentials of {self.source}: {_reason(e)}") from None
 

@@ -36,15 +36,12 @@ class DraKube(Protocol):
 
 class LightkubeDraApi:
     def __init__(self, kubeconfig: Path | None = None) -> None:
-        from lightkube import AsyncClient, KubeConfig
-        from lightkube.core.exceptions import ConfigError
+        from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials
 
         try:
-            config = KubeConfig.from_file(kubeconfig) if kubeconfig is not None else KubeConfig.from_env()
-        except (ConfigError, OSError) as e:
-            where = f"kubeconfig {kubeconfig}" if kubeconfig else "in-cluster service account or $KUBECONFIG"
-            raise KubeError(f"cannot load Kubernetes credentials from {where}: {e}") from None
-        self._client = AsyncClient(config=config, field_manager=FIELD_MANAGER)
+            self._client = load_credentials(kubeconfig).client(FIELD_MANAGER)
+        except KubeconfigError as e:
+            raise KubeError(f"cannot load Kubernetes credentials: {e}") from None
 
     async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         from lightkube.resources.resource_v1 import ResourceClaim

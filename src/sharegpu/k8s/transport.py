@@ -1,0 +1,118 @@
+"""lightkube's HTTP requests carried by aiohttp: an httpx transport (lightkube builds on ``httpx2``).
+
+httpx's own transport runs TLS through anyio's stream, which encrypts and decrypts in Python around an ``ssl``
+memory BIO; aiohttp hands the socket to the event loop's TLS transport (C under uvloop) and parses HTTP in C. On
+the rig a Binding cost the extender 1.3–1.8 ms of CPU through httpx's transport and 0.3 ms through aiohttp's
+(BENCHMARKS.md, "Throughput through the real kube-scheduler"); a scheduler binds every pod, and its watches carry
+every pod event. lightkube keeps building the requests, authenticating them (httpx ``Auth``: tokens, exec
+plugins) and reading the answers; only the bytes on the wire move here.
+
+httpx decodes ``Content-Encoding`` itself, so aiohttp hands the body over as it came. Errors are raised as the
+httpx exceptions lightkube's callers already handle (:func:`sharegpu.k8s.kubeconfig.request_server` reads the
+request from them to name the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import httpx2
+
+# Connections kept per API server: a scheduler's binds in flight (api.BINDS_IN_FLIGHT), its watches (one stream
+# each, held for minutes), reads and lease renewals, with room to spare.
+POOL = 32
+
+
+class AiohttpTransport(httpx2.AsyncBaseTransport):
+    """An ``httpx2.AsyncBaseTransport`` over one aiohttp session (created on the first request, in the loop that
+    makes it: aiohttp's connections belong to one event loop)."""
+
+    def __init__(self, ssl_context: ssl.SSLContext | None) -> None:
+        self._ssl = ssl_context
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else False, limit=POOL)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,  # httpx decodes by the answer's Content-Encoding
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            )
+        return self._session
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        body = await request.aread()
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+        headers = [(k, v) for k, v in headers if k.lower() not in ("host", "content-length", "transfer-encoding")]
+        try:
+            response = await self._open().request(
+                request.method,
+                str(request.url),
+                headers=headers,
+                data=body or None,
+                timeout=_timeout(request.extensions.get("timeout")),
+                allow_redirects=False,  # httpx follows (or not) by its own setting
+            )
+        except Exception as e:
+            raise _as_httpx(e, request, connecting=True) from e
+        return httpx2.Response(
+            status_code=response.status,
+            headers=[(k, v) for k, v in response.raw_headers],
+            stream=_Body(response, request),
+            extensions={"http_version": f"HTTP/{response.version.major}.{response.version.minor}".encode()}
+            if response.version
+            else {},
+            request=request,
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _Body(httpx2.AsyncByteStream):
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx2.Request) -> None:
+        self._response, self._request = response, request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except Exception as e:
+            raise _as_httpx(e, self._request, connecting=False) from e
+
+    async def aclose(self) -> None:
+        # A body not read to its end (a watch given up) closes its connection rather than waiting for the rest.
+        self._response.release()
+
+
+def _timeout(t: Any) -> aiohttp.ClientTimeout:
+    """httpx's per-request timeouts (connect, read, pool; None = none) as aiohttp's: read is per socket read, so a
+    watch with no read timeout waits for events as long as the server keeps it open."""
+    t = t or {}
+    return aiohttp.ClientTimeout(
+        total=None, connect=t.get("pool"), sock_connect=t.get("connect"), sock_read=t.get("read")
+    )
+
+
+def _as_httpx(e: Exception, request: httpx2.Request, connecting: bool) -> Exception:
+    """The httpx exception that stands for aiohttp's ``e`` (with the request, whose URL names the server)."""
+    why = str(e) or type(e).__name__
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        return httpx2.ConnectTimeout(why, request=request)
+    if isinstance(e, asyncio.TimeoutError):  # aiohttp's read timeouts are TimeoutErrors too
+        return httpx2.ReadTimeout(why, request=request)
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return httpx2.ConnectError(why, request=request)
+    if isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return httpx2.RemoteProtocolError(why, request=request)
+    if isinstance(e, aiohttp.ClientError | OSError):
+        return (httpx2.ConnectError if connecting else httpx2.ReadError)(why, request=request)
+    return e
