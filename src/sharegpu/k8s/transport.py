@@ -22,9 +22,9 @@ from typing import Any
 import aiohttp
 import httpx2
 
-# Connections kept per API server: a scheduler's binds in flight (api.BINDS_IN_FLIGHT), its watches (one stream
-# each, held for minutes), reads and lease renewals, with room to spare.
-POOL = 32
+# Connections open at once (watches hold one each for minutes): httpx's own default, so that nothing waits for a
+# connection that did not wait before.
+POOL = 100
 
 
 class AiohttpTransport(httpx2.AsyncBaseTransport):
@@ -95,7 +95,8 @@ class _Body(httpx2.AsyncByteStream):
 
 def _timeout(t: Any) -> aiohttp.ClientTimeout:
     """httpx's per-request timeouts (connect, read, pool; None = none) as aiohttp's: read is per socket read, so a
-    watch with no read timeout waits for events as long as the server keeps it open."""
+    watch with no read timeout waits for events as long as the server keeps it open. httpx's write timeout has no
+    counterpart: what sharegpu sends (a Binding, a patch, a Lease) fits in the socket's buffer at once."""
     t = t or {}
     return aiohttp.ClientTimeout(
         total=None, connect=t.get("pool"), sock_connect=t.get("connect"), sock_read=t.get("read")
