@@ -51,8 +51,8 @@ class Credentials:
         config = self.config
         try:
             assert config.user is not None  # every SingleConfig this module builds has one
-            # With a transport of its own httpx no longer builds the TLS context: the one lightkube would build
-            # (the cluster's CA or insecure-skip-tls-verify, the user's client certificate) goes to the transport.
+            # httpx hands its TLS context only to its own transport; the transport gets the context lightkube
+            # builds (the cluster's CA or insecure-skip-tls-verify, the user's client certificate).
             tls = (
                 verify_cluster(config.cluster, config.user, config.abs_file)
                 if self.server.startswith("https")

@@ -2,9 +2,9 @@
 
 httpx's own transport runs TLS through anyio's stream, which encrypts and decrypts in Python around an ``ssl``
 memory BIO; aiohttp hands the socket to the event loop's TLS transport (C under uvloop) and parses HTTP in C. On
-the rig a Binding cost the extender 1.3–1.8 ms of CPU through httpx's transport and 0.3 ms through aiohttp's
-(BENCHMARKS.md, "Throughput through the real kube-scheduler"); a scheduler binds every pod, and its watches carry
-every pod event. lightkube keeps building the requests, authenticating them (httpx ``Auth``: tokens, exec
+the rig a Binding through lightkube cost 1.38 ms of CPU on httpx's transport and 0.95 ms on this one
+(``bench/k8s_bind_cpu.py``; BENCHMARKS.md, "Throughput through the real kube-scheduler"); a scheduler binds every
+pod, and its watches carry every pod event. lightkube keeps building the requests, authenticating them (httpx ``Auth``: tokens, exec
 plugins) and reading the answers; only the bytes on the wire move here.
 
 httpx decodes ``Content-Encoding`` itself, so aiohttp hands the body over as it came. Errors are raised as the
@@ -60,7 +60,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
                 allow_redirects=False,  # httpx follows (or not) by its own setting
             )
         except Exception as e:
-            raise _as_httpx(e, request, connecting=True) from e
+            raise _as_httpx(e, request) from e
         return httpx2.Response(
             status_code=response.status,
             headers=[(k, v) for k, v in response.raw_headers],
@@ -86,7 +86,7 @@ class _Body(httpx2.AsyncByteStream):
             async for chunk in self._response.content.iter_any():
                 yield chunk
         except Exception as e:
-            raise _as_httpx(e, self._request, connecting=False) from e
+            raise _as_httpx(e, self._request) from e
 
     async def aclose(self) -> None:
         # A body not read to its end (a watch given up) closes its connection rather than waiting for the rest.
@@ -103,7 +103,7 @@ def _timeout(t: Any) -> aiohttp.ClientTimeout:
     )
 
 
-def _as_httpx(e: Exception, request: httpx2.Request, connecting: bool) -> Exception:
+def _as_httpx(e: Exception, request: httpx2.Request) -> Exception:
     """The httpx exception that stands for aiohttp's ``e`` (with the request, whose URL names the server)."""
     why = str(e) or type(e).__name__
     if isinstance(e, aiohttp.ConnectionTimeoutError):
@@ -114,6 +114,6 @@ def _as_httpx(e: Exception, request: httpx2.Request, connecting: bool) -> Except
         return httpx2.ConnectError(why, request=request)
     if isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
         return httpx2.RemoteProtocolError(why, request=request)
-    if isinstance(e, aiohttp.ClientError | OSError):
-        return (httpx2.ConnectError if connecting else httpx2.ReadError)(why, request=request)
+    if isinstance(e, aiohttp.ClientError | OSError):  # a reset or a failed write or read: sent or not, unknown
+        return httpx2.NetworkError(why, request=request)
     return e
