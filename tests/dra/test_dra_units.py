@@ -20,7 +20,7 @@ from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup
-from sharegpu.node.dra.cdi import CdiWriter
+from sharegpu.node.cdi import CdiWriter
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
 from sharegpu.node.dra.claims import ClaimError, Mechanism, plan_claim
 from sharegpu.node.dra.config import ConfigError, Isolation, Sharing, configs_for_request, parse_config

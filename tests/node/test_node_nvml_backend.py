@@ -82,6 +82,9 @@ class FakeNvml:
     def sm_count(self, h: FakeGpu) -> int | None:
         return None
 
+    def minor_number(self, h: FakeGpu) -> int:
+        return 10 + next(i for i, g in enumerate(self.gpus) if g is h)  # minors need not follow indices
+
     def mig_mode(self, h: FakeGpu) -> tuple[bool, bool]:
         if "T4" in h.name:
             raise NvmlCallError("not_supported", "no MIG")
@@ -226,3 +229,14 @@ def test_model_resolution_and_cgroup_parsing() -> None:
         "0a1b2c3d-0000-1111-2222-333344445555"
     )
     assert pod_uid_from_cgroup("0::/user.slice") is None
+
+
+def test_device_nodes_name_only_nodes_the_host_has(tmp_path: Path) -> None:
+    """A CDI spec that names a missing device node fails the container (containerd stats each one)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia11"):
+        (dev / name).touch()
+    backend = NvmlBackend(FakeNvml(FakeGpu("NVIDIA H100 80GB HBM3"), FakeGpu("NVIDIA H100 80GB HBM3")), dev_root=dev)
+    assert backend.device_nodes(1) == ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia11")
+    assert backend.device_nodes(0) == ("/dev/nvidiactl", "/dev/nvidia-uvm")  # no /dev/nvidia10 here

@@ -168,7 +168,7 @@ def dra_driver(
     interval_s: float = typer.Option(10.0, "--interval", help="Seconds between ResourceSlice and cleanup passes."),
 ) -> None:
     """Run the sharegpu DRA driver (gpu.sharegpu.io): ResourceSlices, kubelet plugin, MIG/MPS enforcement."""
-    from sharegpu.node.dra.cdi import CdiError
+    from sharegpu.node.cdi import CdiError
     from sharegpu.node.dra.checkpoint import CheckpointError
     from sharegpu.node.dra.plugin import PluginSocketError
 
@@ -213,7 +213,7 @@ def build_dra_service(
     interval_s: float = 10.0,
     kube: DraKube | None = None,
 ) -> DraDriverService:
-    from sharegpu.node.dra.cdi import CdiWriter
+    from sharegpu.node.cdi import CdiWriter
     from sharegpu.node.dra.checkpoint import Checkpoint
     from sharegpu.node.dra.driver import DraDriver, NvidiaSmiTimeSlicer, SimTimeSlicer, TimeSlicer
     from sharegpu.node.dra.plugin import DraPluginServer, SocketPaths

@@ -161,6 +161,13 @@ class GpuBackend(Protocol):
         """The Kubernetes pod UID a process belongs to, or None for processes outside any pod."""
         ...
 
+    def device_nodes(self, gpu_index: int) -> tuple[str, ...]:
+        """The host device nodes a container needs for this GPU (or any MIG instance on it), only those that exist.
+
+        They go into CDI specs, and the container runtime fails a container whose spec names a missing node.
+        """
+        ...
+
     def close(self) -> None: ...
 
 

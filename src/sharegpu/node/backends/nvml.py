@@ -96,7 +96,11 @@ class NvmlApi(Protocol):
     def processes(self, h: Any) -> list[NvmlProcess]: ...
     def utilization(self, h: Any) -> tuple[int, int]: ...
     def process_utilization(self, h: Any) -> dict[int, int]: ...
+    def minor_number(self, h: Any) -> int: ...  # N of the GPU's /dev/nvidiaN
 
+
+# The driver's control nodes every CUDA container needs beside its GPU's own /dev/nvidiaN.
+NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 _ERRORS: dict[str, type[BackendError]] = {
     "insufficient": InsufficientResources,
@@ -132,10 +136,17 @@ def pod_uid_from_cgroup(text: str) -> str | None:
 
 
 class NvmlBackend:
-    def __init__(self, api: NvmlApi, catalog: Catalog = DEFAULT_CATALOG, proc_root: Path = Path("/proc")) -> None:
+    def __init__(
+        self,
+        api: NvmlApi,
+        catalog: Catalog = DEFAULT_CATALOG,
+        proc_root: Path = Path("/proc"),
+        dev_root: Path = Path("/dev"),
+    ) -> None:
         self._api = api
         self._catalog = catalog
         self._proc = proc_root
+        self._dev = dev_root
         try:
             api.init()
         except NvmlCallError as e:
@@ -363,6 +374,17 @@ class NvmlBackend:
         except OSError:
             return None
 
+    def device_nodes(self, gpu_index: int) -> tuple[str, ...]:
+        h = self._handle(gpu_index)
+        try:
+            minor = self._api.minor_number(h)
+        except NvmlCallError as e:
+            raise _err(e, f"GPU {gpu_index}: reading its device minor number") from None
+        # MIG instances are reached through the GPU's node and the nvidia-caps capabilities, which the NVIDIA
+        # container runtime adds from NVIDIA_VISIBLE_DEVICES; only nodes present here are named.
+        wanted = (*NVIDIA_CONTROL_NODES, f"/dev/nvidia{minor}")
+        return tuple(p for p in wanted if (self._dev / p.removeprefix("/dev/")).exists())
+
     def close(self) -> None:
         with contextlib.suppress(NvmlCallError):
             self._api.shutdown()
@@ -446,6 +468,9 @@ class PynvmlApi:
 
     def handle(self, index: int) -> Any:
         return self._call("nvmlDeviceGetHandleByIndex", index)
+
+    def minor_number(self, h: Any) -> int:
+        return int(self._call("nvmlDeviceGetMinorNumber", h))
 
     def uuid(self, h: Any) -> str:
         return _text(self._call("nvmlDeviceGetUUID", h))

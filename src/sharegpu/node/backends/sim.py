@@ -192,6 +192,11 @@ class SimBackend:
         p = self._procs.get(pid)
         return p.pod_uid if p else None
 
+    def device_nodes(self, gpu_index: int) -> tuple[str, ...]:
+        # A simulated GPU has no device node: containers get its environment and mounts only.
+        self._gpu(gpu_index)
+        return ()
+
     def close(self) -> None:
         pass
 

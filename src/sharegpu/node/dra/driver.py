@@ -19,7 +19,7 @@ from sharegpu.model.assignment import MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER
 from sharegpu.node.backends.base import BackendError, GpuBackend
-from sharegpu.node.dra.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, cdi_name
+from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, cdi_name
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
 from sharegpu.node.dra.claims import ClaimError, ClaimPlan, Mechanism, plan_claim
 from sharegpu.node.dra.config import TimeSlice
@@ -27,8 +27,6 @@ from sharegpu.node.mig import MigError, MigManager, MigNeed
 from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
 
 log = logging.getLogger(__name__)
-
-NVIDIA_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 
 class ClaimSource(Protocol):
@@ -244,7 +242,7 @@ class DraDriver:
                 env.append(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(d.compute_percent)))
                 env.append(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", f"0={d.memory_mib}M"))
                 mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
-            nodes = (*NVIDIA_CONTROL_NODES, f"/dev/nvidia{d.gpu_index}")
+            nodes = self.backend.device_nodes(d.gpu_index)  # only nodes the host has: the runtime stats each one
             out.append(CdiDevice(cdi_name(plan.uid, d.request, d.device), tuple(env), nodes, tuple(mounts)))
         return tuple(out)
 

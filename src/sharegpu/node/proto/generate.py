@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 
 PROTO = Path(__file__).with_name("deviceplugin.proto")
-# The device plugin API, the plugin-registration API and the DRA plugin API (both versions the kubelet speaks).
+# The device plugin API, the plugin-registration API, the DRA plugin API (both versions the kubelet speaks), the
+# DRA health API and the pod-resources API.
 PROTOS = (
     PROTO,
     PROTO.with_name("pluginregistration.proto"),
     PROTO.with_name("dra_v1.proto"),
     PROTO.with_name("dra_v1beta1.proto"),
+    PROTO.with_name("dra_health_v1alpha1.proto"),
+    PROTO.with_name("podresources_v1.proto"),
 )
 
 

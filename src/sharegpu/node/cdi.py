@@ -1,17 +1,24 @@
-"""CDI specs: what the container runtime adds to a container that uses a prepared claim.
+"""CDI specs: what the container runtime adds to a container that uses a sharegpu GPU, on both ways in.
 
-One spec file per claim (``<cdi dir>/sharegpu.io-gpu_<claim UID>.json``), one CDI device per allocated device of
-the claim, named after the claim UID, its request and its device, so that two claims sharing one GPU never clash.
-The kubelet passes the fully qualified IDs (``sharegpu.io/gpu=<name>``) to the runtime, which applies the edits:
-the environment (the visible unit and, for MPS, the daemon's pipe and the share's limits), the device nodes and
-the MPS pipe directory's mount. Files are written atomically, so a runtime never reads half a spec.
+The kubelet passes fully qualified CDI device IDs (``sharegpu.io/gpu=<name>``) to the runtime, which applies their
+edits: the environment (the visible unit and, for MPS, the daemon's pipe and the share's limits), the device nodes
+and the MPS pipe directory's mount. A runtime stats every device node, so a spec names only nodes that exist on the
+host (the backend says which). Files are written atomically, so a runtime never reads half a spec.
+
+- DRA: one file per prepared claim (``sharegpu.io-gpu_<claim UID>.json``), one CDI device per allocated device of the
+  claim, named after the claim UID, its request and its device, so that two claims sharing one GPU never clash.
+- Device plugin: one file per container allocation (``sharegpu.io-dp_<name>.json``), named after the device IDs
+  the kubelet allocated (:func:`allocation_name`); written at PreStartContainer, once the kubelet has said whose
+  container it is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +26,9 @@ from typing import Any
 CDI_VERSION = "0.6.0"
 CDI_KIND = "sharegpu.io/gpu"
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
-_FILE_PREFIX = "sharegpu.io-gpu_"
+_FILE_PREFIX = "sharegpu.io-gpu_"  # DRA claims
+_DP_FILE_PREFIX = "sharegpu.io-dp_"  # device-plugin allocations
+_DP_NAME_PREFIX = "dp-"
 
 
 class CdiError(Exception):
@@ -50,6 +59,16 @@ def cdi_name(claim_uid: str, request: str, device: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.:-]", "_", f"{claim_uid}-{request}-{device}")
 
 
+def allocation_name(device_ids: Iterable[str]) -> str:
+    """The CDI device name of one device-plugin allocation: a digest of its device IDs (order-free).
+
+    The kubelet gives a device ID to one pod at a time, so while a pod runs the name is its alone; Allocate can name
+    it before anyone knows the pod, and PreStartContainer writes its spec.
+    """
+    digest = hashlib.sha256("\n".join(sorted(device_ids)).encode()).hexdigest()[:24]
+    return f"{_DP_NAME_PREFIX}{digest}"
+
+
 class CdiWriter:
     def __init__(self, directory: Path = DEFAULT_CDI_DIR) -> None:
         self.directory = directory
@@ -60,6 +79,26 @@ class CdiWriter:
         return self.directory / f"{_FILE_PREFIX}{claim_uid}.json"
 
     def write(self, claim_uid: str, devices: tuple[CdiDevice, ...]) -> Path:
+        return self._write(self.path(claim_uid), devices)
+
+    def allocation_path(self, name: str) -> Path:
+        if not re.fullmatch(rf"{_DP_NAME_PREFIX}[0-9a-f]+", name):
+            raise CdiError(f"{name!r} is not a device-plugin allocation name")
+        return self.directory / f"{_DP_FILE_PREFIX}{name}.json"
+
+    def write_allocation(self, device: CdiDevice) -> Path:
+        """The spec of one device-plugin allocation (``device.name`` from :func:`allocation_name`)."""
+        return self._write(self.allocation_path(device.name), (device,))
+
+    def remove_allocation(self, name: str) -> None:
+        self._remove(self.allocation_path(name))
+
+    def allocation_names(self) -> set[str]:
+        if not self.directory.is_dir():
+            return set()
+        return {p.name[len(_DP_FILE_PREFIX) : -len(".json")] for p in self.directory.glob(f"{_DP_FILE_PREFIX}*.json")}
+
+    def _write(self, path: Path, devices: tuple[CdiDevice, ...]) -> Path:
         spec: dict[str, Any] = {
             "cdiVersion": CDI_VERSION,
             "kind": CDI_KIND,
@@ -82,7 +121,6 @@ class CdiWriter:
                 for d in devices
             ],
         }
-        path = self.path(claim_uid)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -93,7 +131,9 @@ class CdiWriter:
         return path
 
     def remove(self, claim_uid: str) -> None:
-        path = self.path(claim_uid)
+        self._remove(self.path(claim_uid))
+
+    def _remove(self, path: Path) -> None:
         try:
             path.unlink(missing_ok=True)
         except OSError as e:

@@ -1,0 +1,171 @@
+"""The real node of ../shared/k8s-rig (kubelet v1.36 + containerd 2.3): what tests that run real pods need to know.
+
+`.ci/run` starts it beside the rig's control plane (``install-node.sh``, ``kubelet-node.sh start``); by hand, see the
+README ("Integration tests on a real control plane"). A test that uses it takes :data:`LOCK` for its whole run: the
+kubelet's device-plugin directory is one per machine (``/var/lib/kubelet/device-plugins``), so two tests (or a test
+run beside CI) that each started a node agent there would register over each other.
+
+Pods print what they were given (``env``) and the test reads it back with the API's log endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LOCK = Path("/tmp/sharegpu-real-node.lock")
+DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+BUSYBOX = "k8s-rig/busybox:1.35"
+REAL_NODE_LABEL = "k8s-rig/real-node"
+
+
+@dataclass(frozen=True)
+class RealNode:
+    name: str
+    k8s_real: Path
+    kubeconfig: Path
+    port_offset: int
+
+    @property
+    def kubelet_dir(self) -> Path:
+        return self.k8s_real / "node" / "kubelet"
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.k8s_real / "node" / "cdi"
+
+    @property
+    def plugin_dir(self) -> Path:
+        return DEVICE_PLUGIN_DIR
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        return self.kubelet_dir / "pod-resources" / "kubelet.sock"
+
+    @property
+    def kubelet_log(self) -> Path:
+        return self.k8s_real / "logs" / "kubelet.log"
+
+    def script(self, *args: str, timeout: float = 120) -> str:
+        """``$K8S_REAL/kubelet-node.sh ARGS`` with this rig's folder and port offset."""
+        env = {**os.environ, "K8S_REAL": str(self.k8s_real), "K8S_RIG_PORT_OFFSET": str(self.port_offset)}
+        out = subprocess.run(
+            [str(self.k8s_real / "kubelet-node.sh"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if out.returncode != 0:
+            raise AssertionError(
+                f"kubelet-node.sh {' '.join(args)} failed ({out.returncode}):\n{out.stdout}{out.stderr}"
+            )
+        return out.stdout
+
+    def restart_kubelet(self) -> None:
+        self.script("restart-kubelet")
+
+    def kubectl(self, *args: str, timeout: float = 60, check: bool = True) -> str:
+        out = subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.kubeconfig), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and out.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {out.stderr}")
+        return out.stdout
+
+
+def _kubelet_alive(k8s_real: Path) -> bool:
+    pid_file = k8s_real / "pids" / "kubelet.pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def find_real_node(kubeconfig: Path, k8s_real: Path) -> tuple[RealNode | None, str]:
+    """The rig's running real node, or None and why not (the skip reason)."""
+    if not (k8s_real / "kubelet-node.sh").exists():
+        return None, f"{k8s_real} has no kubelet-node.sh (run ../shared/k8s-rig/install-node.sh)"
+    if not _kubelet_alive(k8s_real):
+        return None, f"no real node runs in {k8s_real} (start it: K8S_REAL={k8s_real} {k8s_real}/kubelet-node.sh start)"
+    config = (k8s_real / "node" / "kubelet-config.yaml").read_text()
+    port = re.search(r"^port:\s*(\d+)", config, re.M)
+    offset = int(port.group(1)) - 10250 if port else int(os.environ.get("K8S_RIG_PORT_OFFSET", "0"))
+    out = subprocess.run(
+        ["kubectl", "--kubeconfig", str(kubeconfig), "get", "nodes", "-l", f"{REAL_NODE_LABEL}=true", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if out.returncode != 0:
+        return None, f"cannot list the rig's nodes: {out.stderr.strip()}"
+    names = [n["metadata"]["name"] for n in json.loads(out.stdout)["items"]]
+    if len(names) != 1:
+        return None, f"expected one node labelled {REAL_NODE_LABEL}=true, found {names}"
+    return RealNode(names[0], k8s_real, kubeconfig, offset), ""
+
+
+@contextlib.contextmanager
+def exclusive(timeout: float = 1800) -> Iterator[None]:
+    """Hold the machine-wide real-node lock (one test at a time on the device-plugin directory)."""
+    LOCK.touch(exist_ok=True)
+    with LOCK.open("r+") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"another test held {LOCK} for {timeout:g}s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def wait_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(every)
+
+
+def busybox(name: str, command: str, limits: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """A container of the rig's shipped busybox image (nothing can be pulled on the real node)."""
+    c: dict[str, Any] = {"name": name, "image": BUSYBOX, "imagePullPolicy": "Never", "command": ["sh", "-c", command]}
+    if limits:
+        c["resources"] = {"limits": limits}
+    return c | extra
+
+
+def env_lines(log: str, prefixes: tuple[str, ...] = ("NVIDIA_", "CUDA_", "SHAREGPU_")) -> dict[str, str]:
+    """``env`` output → the variables with these prefixes."""
+    out: dict[str, str] = {}
+    for line in log.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.startswith(prefixes):
+            out[key] = value
+    return out
