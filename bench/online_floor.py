@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path("../shared/data/openb"))
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--seeds", default="42-51")
-    ap.add_argument("--level", type=int, default=100, help="arrived level, % of GPU capacity")
+    ap.add_argument("--level", type=int, default=100, help="arrived level, %% of GPU capacity")
     ap.add_argument("--report", type=Path, action="append", default=[], help="`sharegpu sim` JSON report(s)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path("../shared/data/openb"))
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--level", type=int, default=100, help="arrived level, % of GPU capacity")
+    ap.add_argument("--level", type=int, default=100, help="arrived level, %% of GPU capacity")
     ap.add_argument("--gpuspec-level", type=int, default=130, help="also bound gpuspec traces at this level (0: no)")
     ap.add_argument("--report", type=Path, action="append", default=[], help="`sharegpu sim` JSON report(s)")
     ap.add_argument("--json", type=Path, help="write the results here too")
