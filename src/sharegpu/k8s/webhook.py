@@ -3,14 +3,20 @@
 ``/mutate`` (a MutatingWebhookConfiguration) and ``/validate`` (a ValidatingWebhookConfiguration, which sees the
 pod after every mutating webhook) apply the same rules; only ``/mutate`` changes the pod:
 
-- a request that can never be valid is rejected with the core's own message (:class:`GpuRequest` validation);
-- ``schedulerName`` is set to the sharegpu scheduler (mutate) or must be it (validate);
+- a request that can never be valid is rejected with the core's own message (:class:`GpuRequest` validation), and so
+  is GPU memory below :data:`MIN_GPU_MEMORY_MIB` (a forgotten unit: ``"10"`` is 10 bytes);
+- an unknown ``sharegpu.io/`` annotation (a typo would silently leave the default in force) is refused with the
+  closest known one, and so is a pod that asks for ``nvidia.com/`` GPUs besides sharegpu's;
+- ``schedulerName`` is set to the sharegpu scheduler (mutate) or must be it (validate). Only ``default-scheduler``
+  is replaced: the API server writes it into every pod that sets none before any webhook sees the pod, so it cannot
+  be told from an explicit one; any other scheduler's name is refused (a third scheduler would never bind it);
 - a container asking for GPU memory or compute without ``sharegpu.io/gpu`` gets ``sharegpu.io/gpu: 1`` (mutate),
   because the kubelet hands devices only to containers that ask for ``sharegpu.io/gpu``;
 - nothing a pod sets itself may widen its limits: ``CUDA_MPS_*``, ``CUDA_VISIBLE_DEVICES`` and
   ``NVIDIA_VISIBLE_DEVICES`` in a container's env (value or valueFrom), any ``envFrom`` (the webhook cannot see what
   a ConfigMap or Secret holds), a ``sharegpu.io/assignment`` of its own, or a ``nodeName`` that skips the scheduler
-  are refused; on UPDATE only trusted users (the extender) may change the assignment.
+  are refused, and so is a ``sharegpu.io/bind-fence`` of its own; on UPDATE only trusted users (the extender) may
+  change the assignment or the fence, and nobody may change the request annotations (they decided the placement).
 
 Pods that ask for nothing of sharegpu's pass untouched.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import difflib
 import json
 import logging
 from collections.abc import Sequence
@@ -34,23 +41,41 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.body_limit import WEBHOOK_MAX_BODY, BodyLimit
+from sharegpu.k8s.extender import FENCE_ANNOTATION
 from sharegpu.k8s.pod_request import (
     ASSIGNMENT_ANNOTATION,
     DEFAULT_SCHEDULER_NAME,
     GPU_RESOURCE,
+    MEMORY_RESOURCE,
     REQUEST_ANNOTATIONS,
+    RESOURCES,
+    _resource,
     asks_for_sharegpu,
     containers_missing_gpu_count,
     pod_request,
 )
 from sharegpu.k8s.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
-from sharegpu.model.request import InvalidRequest
+from sharegpu.model.request import GpuRequest, InvalidRequest
+from sharegpu.placement.framework import fmt_mib
 
 log = logging.getLogger(__name__)
 
 FORBIDDEN_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 FORBIDDEN_ENV_PREFIX = "CUDA_MPS_"
+# Written on a pod by the extender alone: the assignment, and the fence that moves a pod past a lost Binding's
+# resourceVersion.
+SYSTEM_ANNOTATIONS = (ASSIGNMENT_ANNOTATION, FENCE_ANNOTATION)
+ANNOTATION_PREFIX = "sharegpu.io/"
+# GPU memory below this is a forgotten unit ("10" is 10 bytes, bound as 1Mi), not a request: a CUDA context alone
+# takes about 300-500 MiB of GPU memory.
+MIN_GPU_MEMORY_MIB = 256
+# The NVIDIA device plugin's resources: a pod that asks for them beside sharegpu.io/gpu needs a node that offers
+# both, which a sharegpu node does not (its GPUs are offered as sharegpu.io/gpu), so it would stay Pending for ever.
+NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
+# The scheduler name the API server writes into every pod that sets none, before admission: it cannot be told from
+# one a user wrote, so it alone is replaced.
+KUBE_DEFAULT_SCHEDULER = "default-scheduler"
 
 
 @dataclass(frozen=True)
@@ -129,9 +154,9 @@ def admit_pod(
         return Verdict(False, f"sharegpu cannot read this pod: {e.errors()[0]['msg']}")
     if operation == "UPDATE":
         return _admit_update(pod, old, username, cfg)
+    if problems := _annotation_problems(pod.metadata.annotations):
+        return Verdict(False, "; ".join(problems))
     if not asks_for_sharegpu(pod):
-        if ASSIGNMENT_ANNOTATION in pod.metadata.annotations:
-            return Verdict(False, f"remove the {ASSIGNMENT_ANNOTATION} annotation: only the sharegpu scheduler sets it")
         stray = sorted(k for k in pod.metadata.annotations if k in REQUEST_ANNOTATIONS)
         if stray:
             return Verdict(
@@ -139,11 +164,16 @@ def admit_pod(
                 warnings=(f"{', '.join(stray)} has no effect: the pod asks for no {GPU_RESOURCE} resources",),
             )
         return Verdict(True)
-    problems = _env_offenders(pod)
+    problems = _env_offenders(pod) + _nvidia_offenders(pod)
     if problems:
         return Verdict(False, "; ".join(problems))
-    if ASSIGNMENT_ANNOTATION in pod.metadata.annotations:
-        return Verdict(False, f"remove the {ASSIGNMENT_ANNOTATION} annotation: only the sharegpu scheduler sets it")
+    if pod.spec.scheduler_name not in ("", KUBE_DEFAULT_SCHEDULER, cfg.scheduler_name):
+        return Verdict(
+            False,
+            f"spec.schedulerName is {pod.spec.scheduler_name}: pods that ask for {GPU_RESOURCE} resources are placed "
+            f"by the {cfg.scheduler_name} scheduler (no other scheduler can bind them); remove spec.schedulerName "
+            f"or set it to {cfg.scheduler_name}",
+        )
     if pod.spec.node_name:
         return Verdict(
             False,
@@ -156,9 +186,11 @@ def admit_pod(
         if ops:
             pod = Pod.model_validate(raw)
     try:
-        pod_request(pod, cfg.catalog)
+        req = pod_request(pod, cfg.catalog)
     except InvalidRequest as e:
         return Verdict(False, str(e))
+    if req is not None and (small := _too_little_memory(pod, req)):
+        return Verdict(False, small)
     if pod.spec.scheduler_name != cfg.scheduler_name:
         if not mutate:
             return Verdict(
@@ -178,14 +210,101 @@ def _admit_update(pod: Pod, old: dict[str, Any] | None, username: str, cfg: Webh
         problems = _env_offenders(pod, [c for c in _ephemeral(pod.spec.model_extra) if c.name not in had])
         if problems:
             return Verdict(False, "; ".join(problems))
-    before = ((old or {}).get("metadata") or {}).get("annotations") or {}
+    raw_before = ((old or {}).get("metadata") or {}).get("annotations") or {}
+    before: dict[str, Any] = raw_before if isinstance(raw_before, dict) else {}
     after = pod.metadata.annotations
-    if before.get(ASSIGNMENT_ANNOTATION) != after.get(ASSIGNMENT_ANNOTATION) and username not in cfg.trusted_users:
-        return Verdict(
-            False,
-            f"{ASSIGNMENT_ANNOTATION} is written by the sharegpu scheduler only; {username or 'you'} may not change it",
-        )
+    for key in SYSTEM_ANNOTATIONS:
+        if before.get(key) != after.get(key) and username not in cfg.trusted_users:
+            return Verdict(
+                False, f"{key} is written by the sharegpu scheduler only; {username or 'you'} may not change it"
+            )
+    # Only the keys this UPDATE adds are judged: a pod admitted before this rule must stay editable.
+    added = {k: v for k, v in after.items() if k not in before}
+    if problems := _annotation_problems(added, system_ok=True):
+        return Verdict(False, "; ".join(problems))
+    old_pod = _pod_or_none(old)
+    if old_pod is not None and (asks_for_sharegpu(old_pod) or ASSIGNMENT_ANNOTATION in before):
+        changed = [k for k in REQUEST_ANNOTATIONS if before.get(k) != after.get(k)]
+        if changed:
+            what = ", ".join(f"{k} ({_shown(before.get(k))} → {_shown(after.get(k))})" for k in changed)
+            return Verdict(
+                False,
+                f"{what}: a pod's request annotations cannot change after it is created (they decided where and how "
+                "it was placed, and the node agent enforces that placement); delete the pod and create it again "
+                "with the new annotations",
+            )
     return Verdict(True)
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else repr(value)
+
+
+def _pod_or_none(raw: dict[str, Any] | None) -> Pod | None:
+    if raw is None:
+        return None
+    try:
+        return Pod.model_validate(raw)
+    except ValidationError:
+        return None
+
+
+def _annotation_problems(annotations: dict[str, str], system_ok: bool = False) -> list[str]:
+    """The ``sharegpu.io/`` annotations a pod may not carry: the scheduler's own (unless ``system_ok``: checked as
+    changes instead), and unknown ones, each named with the closest known one (a typo such as
+    ``sharegpu.io/isolaton`` would otherwise leave the default isolation in force without a word)."""
+    out = []
+    for key in sorted(annotations):
+        if not key.startswith(ANNOTATION_PREFIX):
+            continue
+        if key in SYSTEM_ANNOTATIONS:
+            if not system_ok:
+                out.append(f"remove the {key} annotation: only the sharegpu scheduler sets it")
+        elif key in RESOURCES:
+            out.append(
+                f"{key} is a container resource, not an annotation: set it in the container's resources.limits "
+                f"(e.g. {key}: {_EXAMPLES[key]}) and remove the annotation"
+            )
+        elif key not in REQUEST_ANNOTATIONS:
+            close = difflib.get_close_matches(key, [*REQUEST_ANNOTATIONS, *RESOURCES], n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            out.append(
+                f"unknown annotation {key}: {hint}the annotations a pod may set are {', '.join(REQUEST_ANNOTATIONS)}"
+            )
+    return out
+
+
+_EXAMPLES = {GPU_RESOURCE: "1", MEMORY_RESOURCE: "10Gi", "sharegpu.io/gpu-compute": "30"}
+
+
+def _nvidia_offenders(pod: Pod) -> list[str]:
+    found = []
+    for c in (*pod.spec.init_containers, *pod.spec.containers):
+        names = sorted(
+            {r for r in (*c.resources.limits, *c.resources.requests) if r.startswith(NVIDIA_RESOURCE_PREFIX)}
+        )
+        if names:
+            found.append(
+                f"container {c.name!r} asks for {', '.join(names)} in a pod that asks for {GPU_RESOURCE}: sharegpu "
+                f"nodes offer their GPUs as {GPU_RESOURCE} only, so no node could host the pod; ask for "
+                f"{GPU_RESOURCE} alone (with sharegpu.io/gpu-memory or sharegpu.io/gpu-compute for a share)"
+            )
+    return found
+
+
+def _too_little_memory(pod: Pod, req: GpuRequest) -> str:
+    """Why the pod's GPU memory is too small to be meant ("" when it is not): a plain number is bytes."""
+    if req.memory_mib is None or req.memory_mib >= MIN_GPU_MEMORY_MIB:
+        return ""
+    texts = [t for c in (*pod.spec.init_containers, *pod.spec.containers) if (t := _resource(c, MEMORY_RESOURCE))]
+    text = texts[0] if texts else f"{req.memory_mib}Mi"
+    bare = text.strip().isdigit()
+    meant = f"{text.strip()}Gi" if bare else "10Gi"
+    return (
+        f"{MEMORY_RESOURCE} {text!r} is {'only ' + text.strip() + ' bytes' if bare else fmt_mib(req.memory_mib)}, "
+        f"less than the {MIN_GPU_MEMORY_MIB}Mi a GPU workload needs at the least (a CUDA context alone takes about "
+        f"300 MiB): a number without a unit is bytes; write the unit, e.g. {MEMORY_RESOURCE}: {meant}"
+    )
 
 
 def review(body: AdmissionReview, mutate: bool, cfg: WebhookConfig) -> AdmissionReview:
