@@ -92,3 +92,21 @@ def test_non_positive_memory_is_reported_in_mib(text: str, shown: str) -> None:
     with pytest.raises(InvalidRequest, match="must be positive") as e:
         pod_request(Pod.model_validate(pod_obj("p", memory=text)))
     assert shown in str(e.value)
+
+
+def test_a_native_sidecar_counts_beside_the_app_containers() -> None:
+    """An init container with restartPolicy: Always runs for the pod's whole life: its GPU is not handed on."""
+    pod = with_init(pod_obj("p", gpu=1, memory="10Gi"), 1)
+    pod["spec"]["initContainers"][0]["restartPolicy"] = "Always"
+    request = pod_request(Pod.model_validate(pod))
+    assert request is not None and request.gpu_count == 2
+    # An ordinary init container after the sidecar runs beside it too.
+    pod["spec"]["initContainers"].append(
+        {
+            "name": "late",
+            "image": "x",
+            "resources": {"limits": {"sharegpu.io/gpu": "2", "sharegpu.io/gpu-memory": "10Gi"}},
+        }
+    )
+    request = pod_request(Pod.model_validate(pod))
+    assert request is not None and request.gpu_count == 3

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import socket
 import uuid
 from pathlib import Path
@@ -34,6 +35,27 @@ def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise SetupError(f"{flag} {text!r} must be HOST:PORT, e.g. 0.0.0.0:8888")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+# A Kubernetes object name of the DNS-1123 subdomain kind (what spec.schedulerName and a scheduler profile's
+# schedulerName must be): lowercase alphanumerics, '-' and '.', starting and ending alphanumeric, at most 253.
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def check_scheduler_name(name: str) -> str:
+    """``name`` when it can be a pod's ``spec.schedulerName``; a name the API server would never accept in a pod
+    would leave the extender with no pod to bind (and the webhook sending every pod nowhere)."""
+    if not name:
+        raise SetupError(
+            "--scheduler-name is empty; give the sharegpu scheduler profile's name, e.g. sharegpu-scheduler"
+        )
+    if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise SetupError(
+            f"--scheduler-name {name!r} is not a valid scheduler name: it must be a DNS-1123 subdomain (lowercase "
+            "letters, digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters), "
+            "e.g. sharegpu-scheduler"
+        )
+    return name
 
 
 def _service_account_namespace() -> str:
@@ -121,6 +143,7 @@ def scheduler_extender(
 
     _logging()
     try:
+        check_scheduler_name(scheduler_name)
         host, port = parse_listen(listen)
         health = parse_listen(health_listen, "--health-listen") if health_listen else None
         tls = _extender_tls(tls_cert, tls_key, client_ca, plain_http)
@@ -196,6 +219,7 @@ def webhook(
     """Serve the admission webhook: /mutate and /validate (AdmissionReview v1) over HTTPS."""
     _logging()
     try:
+        check_scheduler_name(scheduler_name)
         host, port = parse_listen(listen)
     except SetupError as e:
         raise _fail(str(e)) from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -18,6 +18,7 @@ from lightkube.utils.quantity import parse_quantity
 
 from sharegpu.k8s.schema import Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
+from sharegpu.model.demand import ContainerDemand, pod_demand
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
 
@@ -143,8 +144,19 @@ def containers_missing_gpu_count(pod: Pod) -> list[tuple[str, int]]:
     return out
 
 
+def _demands(pod: Pod, amount: Callable[[Container], int]) -> list[ContainerDemand]:
+    return [
+        *(
+            ContainerDemand(c.name, amount(c), init=True, sidecar=c.restart_policy == "Always")
+            for c in pod.spec.init_containers
+        ),
+        *(ContainerDemand(c.name, amount(c)) for c in pod.spec.containers),
+    ]
+
+
 def _cpu_and_memory(pod: Pod) -> tuple[int, int]:
-    """The pod's effective CPU (milli) and memory (MiB) requests: sum of containers, at least any init container."""
+    """The pod's effective CPU (milli) and memory (MiB) requests, as the kube-scheduler counts them (native sidecars
+    beside the app containers, each init container beside the sidecars started before it)."""
 
     def one(c: Container) -> tuple[int, int]:
         res = {**c.resources.limits, **c.resources.requests}  # requests default to limits
@@ -155,17 +167,12 @@ def _cpu_and_memory(pod: Pod) -> tuple[int, int]:
             mem = math.ceil(_quantity(str(res["memory"]), f"container {c.name!r}: memory") / MIB)
         return max(cpu, 0), max(mem, 0)
 
-    app = [one(c) for c in pod.spec.containers]
-    init = [one(c) for c in pod.spec.init_containers]
-    cpu = max([sum(a[0] for a in app), *(i[0] for i in init)], default=0)
-    mem = max([sum(a[1] for a in app), *(i[1] for i in init)], default=0)
-    return cpu, mem
+    return pod_demand(_demands(pod, lambda c: one(c)[0])), pod_demand(_demands(pod, lambda c: one(c)[1]))
 
 
-def _effective_gpus(init: list[_ContainerAsk], app: list[_ContainerAsk]) -> int:
-    """The pod's effective GPU count, as the kube-scheduler and the kubelet count it: init containers run one at a
-    time before the app containers (whose GPUs they reuse), so the pod needs max(sum(app), max(init))."""
-    return max([sum(a.gpus or 0 for a in app), *(a.gpus or 0 for a in init)], default=0)
+def _effective_gpus(pod: Pod) -> int:
+    """The pod's GPU count, as the kube-scheduler and the kubelet's device manager count it (model.demand)."""
+    return pod_demand(_demands(pod, lambda c: _container_ask(c).gpus or 0))
 
 
 def _models(text: str, catalog: Catalog) -> frozenset[str]:
@@ -220,7 +227,7 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
     mig = ann.get(MIG_PROFILE_ANNOTATION)
     return GpuRequest(
         name=pod.key,
-        gpu_count=_effective_gpus(init_asks, app_asks),
+        gpu_count=_effective_gpus(pod),
         compute_milli=compute,
         memory_mib=memory,
         isolation=ann.get(ISOLATION_ANNOTATION, "none").strip(),  # type: ignore[arg-type]  # parsed by GpuRequest

@@ -46,6 +46,8 @@ class Container(K8sModel):
     name: str = ""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     env: list[EnvVar] = Field(default_factory=list)
+    # "Always" on an init container makes it a native sidecar: it runs beside the app containers.
+    restart_policy: str = Field(default="", alias="restartPolicy")
 
 
 class PodSpec(K8sModel):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sharegpu.k8s.api import DELETED, ApiError, ClusterApi
-from sharegpu.k8s.dra_view import is_dra_node
+from sharegpu.k8s.dra_view import DEVICE_PATH_DRA, DEVICE_PATH_LABEL, DRIVER, is_dra_node
 from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, asks_for_sharegpu, pod_request
 from sharegpu.k8s.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerConflict, LedgerError
@@ -119,6 +119,10 @@ class ClusterView:
         self._specs: dict[str, NodeSpec] = {}
         self._parsed: dict[str, tuple[str, NodeSpec]] = {}  # node → (its inventory text, that text parsed)
         self._node_problems: dict[str, str] = {}
+        # Every node listed, and those on the DRA path: why a node is not in the ledger (node_problem) differs for a
+        # name the cluster lacks, a DRA node and a node without the agent, and each asks the user something else.
+        self._node_names: set[str] = set()
+        self._dra_nodes: set[str] = set()
         self._pods: dict[str, Pod] = {}
         self._requests: dict[str, GpuRequest] = {}
         self._pod_problems: dict[str, str] = {}
@@ -188,10 +192,16 @@ class ClusterView:
 
     def node_problem(self, name: str) -> str:
         """Why node ``name`` is not in the ledger."""
-        return self._node_problems.get(
-            name,
-            f"node {name} has no {INVENTORY_ANNOTATION} annotation (is the sharegpu node agent running there?)",
-        )
+        if name in self._node_problems:
+            return self._node_problems[name]
+        if name in self._dra_nodes:
+            return (
+                f"node {name} is on the DRA path ({DEVICE_PATH_LABEL}={DEVICE_PATH_DRA}): its GPUs are handed out "
+                f"through ResourceClaims of the {DRIVER} driver, never as sharegpu.io/gpu"
+            )
+        if name not in self._node_names:
+            return f"node {name} does not exist (the API server lists no node of that name)"
+        return f"node {name} has no {INVENTORY_ANNOTATION} annotation (is the sharegpu node agent running there?)"
 
     @property
     def problems(self) -> list[Problem]:
@@ -237,6 +247,8 @@ class ClusterView:
         problems_before = bool(self._pod_problems)
         self._specs.clear()
         self._node_problems.clear()
+        self._node_names.clear()
+        self._dra_nodes.clear()
         self._pods.clear()
         self._requests.clear()
         self._pod_problems.clear()
@@ -296,6 +308,8 @@ class ClusterView:
             self._specs.pop(name, None)
             self._parsed.pop(name, None)
             self._node_problems.pop(name, None)
+            self._node_names.discard(name)
+            self._dra_nodes.discard(name)
         else:
             self._ingest_node(node)
         if (self._specs.get(name), self._node_problems.get(name)) != before:
@@ -339,7 +353,10 @@ class ClusterView:
         name = node.metadata.name
         self._specs.pop(name, None)
         self._node_problems.pop(name, None)
+        self._node_names.add(name)
+        self._dra_nodes.discard(name)
         if is_dra_node(node.metadata.labels):
+            self._dra_nodes.add(name)
             return  # its GPUs are handed out through DRA only (see sharegpu.k8s.dra_view): never counted here
         text = node.metadata.annotations.get(INVENTORY_ANNOTATION)
         if text is None:

@@ -17,9 +17,11 @@ from pathlib import Path
 from sharegpu.model.assignment import Assignment, InvalidAssignment, Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.node.allocation import Allocator
+from sharegpu.node.attribution import CHECKPOINT_FILE, DEFAULT_POD_RESOURCES_SOCKET, Attributor, PodResourcesClient
 from sharegpu.node.backends.base import BackendError, GpuBackend
+from sharegpu.node.cdi import DEFAULT_CDI_DIR, CdiError, CdiWriter
 from sharegpu.node.device_plugin import TOKENS_PER_GPU, DevicePluginServer, device_tokens
-from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, KubeApi, KubeError, PodInfo
+from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, KubeApi, KubeError, PodInfo
 from sharegpu.node.metrics import (
     GpuSample,
     MetricsServer,
@@ -48,7 +50,9 @@ class AgentConfig:
     interval_s: float = 10.0
     tokens_per_gpu: int = TOKENS_PER_GPU
     allocate_wait_s: float = 15.0
-    grant_grace_s: float = 120.0  # how long a fresh Allocate's grant counts as needed whatever a pod list says
+    grant_grace_s: float = 120.0  # how long a fresh grant counts as needed whatever a pod list says
+    pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET  # the kubelet's record of whose container starts
+    cdi_dir: Path = DEFAULT_CDI_DIR  # where PreStartContainer writes each container's CDI spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,9 @@ class NodeAgent:
         self.state = AgentState(config.state_dir / STATE_FILE)
         self.mig = MigManager(backend, self.state, catalog)
         self.mps = MpsManager(config.state_dir / "mps", mps_daemon)
+        attributor = Attributor(
+            GPU_RESOURCE, PodResourcesClient(config.pod_resources_socket), config.plugin_dir / CHECKPOINT_FILE
+        )
         self.allocator = Allocator(
             config.node_name,
             backend,
@@ -91,6 +98,8 @@ class NodeAgent:
             self.mig,
             self.mps,
             self.state,
+            attributor,
+            CdiWriter(config.cdi_dir),
             wait_s=config.allocate_wait_s,
             grant_grace_s=config.grant_grace_s,
         )
@@ -127,6 +136,7 @@ class NodeAgent:
     async def reconcile_once(self) -> ReconcileResult:
         if not self._recovered:
             await self.mps.recover()
+            await self._drop_orphan_specs()
             self._recovered = True
         devices = self.backend.devices()
         await self.plugin.set_devices(device_tokens(devices, self.config.tokens_per_gpu))
@@ -182,10 +192,25 @@ class NodeAgent:
         # Forget a pod's allocations only when two lists in a row lack it and no recent grant is its: a list
         # that predates the pod (or lags behind it) must not make its containers allocatable again.
         keep = {p.uid for p in pods} | {g.pod_uid for g in recent}
-        absent = set(self.state.allocations) - keep
-        self.state.forget_pods(absent & self._absent_before)
+        absent = self.state.known_pods() - keep
+        for name in self.state.forget_pods(absent & self._absent_before):
+            try:
+                self.allocator.cdi.remove_allocation(name)
+            except CdiError as e:
+                errors.append(str(e))
         self._absent_before = absent
         return errors
+
+    async def _drop_orphan_specs(self) -> None:
+        """CDI specs of device-plugin allocations that the state does not know (a pod gone while the agent was down,
+        or a state moved away) are removed; a running container keeps what was applied to it."""
+        async with self.allocator.lock:
+            cdi = self.allocator.cdi
+            for name in cdi.allocation_names() - self.state.all_cdi_specs():
+                try:
+                    cdi.remove_allocation(name)
+                except CdiError as e:
+                    log.warning("%s", e)
 
     def _assignments(self, pods: list[PodInfo]) -> tuple[list[Assignment], list[str]]:
         out: list[Assignment] = []

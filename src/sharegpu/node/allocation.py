@@ -1,9 +1,20 @@
-"""Allocate: find the container that the kubelet is starting and turn its assignment into what enforces it.
+"""Allocate and PreStartContainer: give each container exactly its own pod's share, or refuse it with a reason.
 
-The kubelet's Allocate call names only device IDs, never the pod. sharegpu's device IDs are interchangeable
-tokens, so the pod is found the way other GPU-sharing plugins do it: the oldest pending pod bound to this node
-whose next not-yet-allocated container asks for as many ``sharegpu.io/gpu`` as the kubelet passed. Its
-``sharegpu.io/assignment`` then decides everything: which GPU or MIG instance, and which limits.
+The kubelet's device plugin calls name device IDs, never the pod. sharegpu's device IDs are interchangeable tokens,
+so the work is split in two, and nothing is ever guessed:
+
+- **Allocate** (pod admission) answers with one CDI device, named after the device IDs (:func:`allocation_name`), and
+  ``NVIDIA_VISIBLE_DEVICES=void``, so a container whose runtime never applied the CDI device sees no GPU at all.
+- **PreStartContainer** (right before the kubelet creates the container; the plugin asks for it) finds the pod that
+  holds these device IDs in the kubelet's own records (:mod:`sharegpu.node.attribution`), reads its
+  ``sharegpu.io/assignment``, makes the share ready (MIG instance, MPS daemon and its limits) and writes the CDI
+  spec that the runtime then applies: the visible unit, the limits and the MPS pipe.
+
+Which share a container gets: the kubelet gives a pod exactly as many device IDs as the kube-scheduler counts GPUs
+for it (:mod:`sharegpu.model.demand`), handing an init container's IDs on to later containers. So each device ID of a
+pod is tied to one share of its assignment the first time it is seen, for the pod's life (recorded in the agent's
+state): containers running at once hold distinct IDs and so distinct shares, and a container that takes over an init
+container's IDs takes over its shares.
 """
 
 from __future__ import annotations
@@ -11,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sharegpu.model.assignment import Assignment, GpuShare, InvalidAssignment, Mechanism
+from sharegpu.node.attribution import AttributionError, Attributor, Owner
 from sharegpu.node.backends.base import BackendError, GpuBackend
-from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, ContainerInfo, KubeApi, KubeError, PodInfo
+from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, allocation_name
+from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, KubeApi, KubeError, PodInfo
 from sharegpu.node.mig import MigError, MigInvalid, MigManager, MigNeed
 from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
 from sharegpu.node.state import AgentState
@@ -25,12 +37,11 @@ from sharegpu.node.state import AgentState
 log = logging.getLogger(__name__)
 
 MPS_PIPE_IN_CONTAINER = "/run/sharegpu/mps"
-REFUSED_TTL_S = 600.0  # the kubelet marks a refused pod Failed long before this; the API may lag behind it
-REFUSED_MAX = 1024
+NO_GPU = "void"  # NVIDIA_VISIBLE_DEVICES value under which the NVIDIA runtime exposes no GPU
 
 
 class AllocationError(Exception):
-    """Allocate cannot serve a container; the message goes to the kubelet and the pod's events."""
+    """Allocate or PreStartContainer cannot serve a container; the message goes to the kubelet and the pod's events."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,24 +52,35 @@ class MountSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class AllocateAnswer:
+    """What Allocate returns for one container: the CDI device that PreStartContainer fills in, and an environment
+    that hides every GPU should the runtime not apply it."""
+
+    cdi_device: str  # fully qualified: sharegpu.io/gpu=dp-…
+    envs: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class ContainerGrant:
     """What one container gets: the devices it may see and the limits that hold it to its share."""
 
     pod: str
     pod_uid: str
     container: str
-    units: tuple[str, ...]  # GPU-… or MIG-… UUIDs, in the assignment's order
+    units: tuple[str, ...]  # GPU-… or MIG-… UUIDs, in the order of the container's shares
     envs: Mapping[str, str] = field(default_factory=dict)
     mounts: tuple[MountSpec, ...] = ()
+    device_nodes: tuple[str, ...] = ()
+    cdi_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class RecentGrant:
-    """What one Allocate just handed out, for a reconcile whose pod list may predate it.
+    """What one PreStartContainer just handed out, for a reconcile whose pod list may predate it.
 
-    The reconcile loop lists pods, then acts; an Allocate that runs in between is not in that list. Until the
-    grant is older than the allocator's grace period, reconcile treats its MIG instances, MPS daemon (with its
-    limits) and GPUs as needed and its pod's allocations as live.
+    The reconcile loop lists pods, then acts; a grant made in between is not in that list. Until the grant is older
+    than the allocator's grace period, reconcile treats its MIG instances, MPS daemon (with its limits) and GPUs as
+    needed and its pod's allocations as live.
     """
 
     pod_uid: str
@@ -77,6 +99,8 @@ class Allocator:
         mig: MigManager,
         mps: MpsManager,
         state: AgentState,
+        attributor: Attributor,
+        cdi: CdiWriter,
         wait_s: float = 15.0,
         poll_s: float = 0.5,
         grant_grace_s: float = 120.0,
@@ -87,33 +111,57 @@ class Allocator:
         self._mig = mig
         self._mps = mps
         self._state = state
+        self._attributor = attributor
+        self.cdi = cdi
         self._wait_s = wait_s
         self._poll_s = poll_s
         self._grace_s = grant_grace_s
         self._recent: list[RecentGrant] = []
-        # Pods Allocate refused (or failed on): the kubelet rejects such a pod for good, but its Failed status can
-        # reach the API after the next Allocate, which must not pick it again. Bounded, and each entry expires.
-        self._refused: OrderedDict[str, float] = OrderedDict()  # pod UID → monotonic expiry
-        # One container at a time (two calls must never pick the same container); the reconcile loop takes it too
-        # around everything that destroys, stops or forgets, so it never acts between an Allocate's steps.
+        # One container at a time (two calls must never tie one device ID to two shares); the reconcile loop takes it
+        # too around everything that destroys, stops or forgets, so it never acts between a grant's steps.
         self.lock = asyncio.Lock()
 
-    async def allocate(self, device_count: int) -> ContainerGrant:
-        if device_count < 1:
-            raise AllocationError(f"the kubelet asked for {device_count} {GPU_RESOURCE}; at least 1 is needed")
+    # ----- the kubelet's calls ---------------------------------------------------------------------------------
+    def allocate(self, device_ids: Sequence[str]) -> AllocateAnswer:
+        if not device_ids:
+            raise AllocationError(f"the kubelet asked for 0 {GPU_RESOURCE}; at least 1 is needed")
+        name = allocation_name(device_ids)
+        return AllocateAnswer(f"{self.cdi.kind}={name}", {"NVIDIA_VISIBLE_DEVICES": NO_GPU})
+
+    async def prestart(self, device_ids: Sequence[str]) -> ContainerGrant:
+        """The container that holds ``device_ids`` is about to be created: make its share ready and write its CDI
+        spec. Raises :class:`AllocationError` (the kubelet retries the container later) rather than guess."""
+        ids = tuple(sorted(set(device_ids)))
         async with self.lock:
             deadline = time.monotonic() + self._wait_s
-            pod, container, index = await self._find_container(device_count, deadline)
             try:
-                assignment = self._assignment_of(pod)
-                shares = self._shares_for(pod, assignment, container, index)
-                grant = await self._grant(pod, container, shares, deadline)
-            except BaseException:
-                self._refuse(pod.uid)  # whatever the reason, the kubelet now rejects this pod
-                raise
+                owner = await self._attributor.owner(ids)
+            except AttributionError as e:
+                raise AllocationError(str(e)) from None
+            pod = await self._pod_of(owner, deadline)
+            assignment = self._assignment_of(pod)
+            shares = self._shares_for(pod, assignment, ids)
+            grant = await self._grant(pod, owner.container, shares, deadline, allocation_name(ids))
+            try:
+                self.cdi.write_allocation(
+                    CdiDevice(
+                        grant.cdi_name,
+                        tuple(grant.envs.items()),
+                        grant.device_nodes,
+                        tuple(CdiMount(m.container_path, m.host_path, m.read_only) for m in grant.mounts),
+                    )
+                )
+            except CdiError as e:
+                raise AllocationError(f"pod {pod.key}: {e}") from None
             self._remember(pod.uid, shares, grant)
-            self._state.record_allocation(pod.uid, container.name, grant.units)
-            log.info("allocated %s to %s container %s", ",".join(grant.units), pod.key, container.name)
+            self._state.record_allocation(pod.uid, owner.container, grant.units, grant.cdi_name)
+            log.info(
+                "prestart: %s container %s gets %s (device IDs %s)",
+                pod.key,
+                owner.container,
+                ",".join(grant.units),
+                ",".join(ids),
+            )
             return grant
 
     def recent_grants(self) -> tuple[RecentGrant, ...]:
@@ -139,60 +187,31 @@ class Allocator:
             )
         )
 
-    # ----- which container -------------------------------------------------------------------------------------
-    async def _find_container(self, count: int, deadline: float) -> tuple[PodInfo, ContainerInfo, int]:
-        # The scheduler binds a pod before the kubelet starts it, but this agent's list may lag: retry, bounded.
+    # ----- whose container -------------------------------------------------------------------------------------
+    async def _pod_of(self, owner: Owner, deadline: float) -> PodInfo:
+        """The pod the kubelet named, as the API has it (this agent's list may lag a moment: retry, bounded)."""
         last_error = ""
         while True:
             try:
                 pods = await self._kube.pods_on_node(self.node_name)
             except KubeError as e:
                 pods, last_error = [], str(e)
-            found = self._pick(pods, count)
-            if found is not None:
-                return found
+            found = [
+                p
+                for p in pods
+                if (not owner.name or (p.namespace, p.name) == (owner.namespace, owner.name))
+                and (not owner.uid or p.uid == owner.uid)
+            ]
+            if len(found) == 1 and found[0].node_name == self.node_name:
+                return found[0]
             if time.monotonic() >= deadline:
                 why = f" (last API error: {last_error})" if last_error else ""
                 raise AllocationError(
-                    f"no pending pod bound to node {self.node_name} has a container waiting for "
-                    f"{count} {GPU_RESOURCE}{why}"
+                    f"the kubelet says pod {owner.pod} holds these {GPU_RESOURCE}, but no such pod"
+                    f"{f' with UID {owner.uid}' if owner.uid and owner.name else ''} is bound to node "
+                    f"{self.node_name} in the API{why}; refusing to guess"
                 )
             await asyncio.sleep(self._poll_s)
-
-    def _refuse(self, pod_uid: str) -> None:
-        self._refused.pop(pod_uid, None)
-        self._refused[pod_uid] = time.monotonic() + REFUSED_TTL_S
-        while len(self._refused) > REFUSED_MAX:
-            self._refused.popitem(last=False)
-
-    def refused(self, pod_uid: str) -> bool:
-        expiry = self._refused.get(pod_uid)
-        if expiry is None:
-            return False
-        if expiry < time.monotonic():
-            del self._refused[pod_uid]
-            return False
-        return True
-
-    def _pick(self, pods: list[PodInfo], count: int) -> tuple[PodInfo, ContainerInfo, int] | None:
-        waiting = [
-            p
-            for p in pods
-            if p.node_name == self.node_name
-            and p.phase == "Pending"
-            and not p.reason  # the kubelet rejected it (UnexpectedAdmissionError, OutOf…): no Allocate will come
-            and not p.deleting
-            and p.gpu_containers
-            and not self.refused(p.uid)
-        ]
-        for pod in sorted(waiting, key=lambda p: (p.created, p.key)):
-            done = self._state.allocated_containers(pod.uid)
-            for c, index in pod.share_offsets():
-                if c.name not in done:
-                    if c.gpus == count:
-                        return pod, c, index
-                    break  # the kubelet allocates a pod's containers in order: this pod is not the one
-        return None
 
     # ----- its assignment --------------------------------------------------------------------------------------
     def _assignment_of(self, pod: PodInfo) -> Assignment:
@@ -216,21 +235,33 @@ class Allocator:
             )
         return a
 
-    def _shares_for(self, pod: PodInfo, a: Assignment, container: ContainerInfo, index: int) -> tuple[GpuShare, ...]:
-        asked = pod.gpu_demand
-        if asked != len(a.shares):
+    def _shares_for(self, pod: PodInfo, a: Assignment, ids: tuple[str, ...]) -> tuple[GpuShare, ...]:
+        demand = pod.gpu_demand
+        if demand != len(a.shares):
             raise AllocationError(
-                f"pod {pod.key}: its containers ask for {asked} {GPU_RESOURCE} in all, "
+                f"pod {pod.key}: its containers hold {demand} {GPU_RESOURCE} at their peak, "
                 f"but its assignment holds {len(a.shares)} GPU share(s)"
             )
-        return a.shares[index : index + container.gpus]
+        tied = self._state.device_shares(pod.uid)
+        taken = set(tied.values())
+        free = [i for i in range(len(a.shares)) if i not in taken]
+        new = [d for d in ids if d not in tied]
+        if len(new) > len(free):
+            raise AllocationError(
+                f"pod {pod.key}: the kubelet gave it more {GPU_RESOURCE} device IDs ({len(tied) + len(new)}) than its "
+                f"assignment has shares ({len(a.shares)}); refusing"
+            )
+        if new:
+            tied = self._state.tie_device_shares(pod.uid, dict(zip(new, free, strict=False)))
+        return tuple(a.shares[tied[d]] for d in ids)
 
     # ----- what enforces it ------------------------------------------------------------------------------------
     async def _grant(
-        self, pod: PodInfo, container: ContainerInfo, shares: tuple[GpuShare, ...], deadline: float
+        self, pod: PodInfo, container: str, shares: tuple[GpuShare, ...], deadline: float, cdi_name: str
     ) -> ContainerGrant:
         devices = {d.index: d for d in self._backend.devices()}
         units: list[str] = []
+        nodes: list[str] = []
         for s in shares:
             dev = devices.get(s.gpu_index)
             if dev is None or dev.uuid != s.gpu_uuid:
@@ -244,13 +275,20 @@ class Allocator:
             if s.mig is None and dev.mig_enabled:
                 await self._whole_gpu(pod, s, deadline)
             units.append(await self._unit_of(pod, s, deadline) if s.mig is not None else dev.uuid)
-        envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(units)}
+            try:
+                nodes += self._backend.device_nodes(s.gpu_index)
+            except BackendError as e:
+                raise AllocationError(f"pod {pod.key}: GPU {dev.uuid}: {e}") from None
+        envs = {
+            "NVIDIA_VISIBLE_DEVICES": ",".join(units),
+            "SHAREGPU_MECHANISM": ",".join(s.sharing.value for s in shares),
+        }
         mounts: list[MountSpec] = []
         mps = [(i, s) for i, s in enumerate(shares) if s.sharing is Mechanism.MPS]
         if mps:
             if len(shares) > 1:
                 raise AllocationError(
-                    f"pod {pod.key} container {container.name}: an MPS client talks to one MPS daemon, which serves "
+                    f"pod {pod.key} container {container}: an MPS client talks to one MPS daemon, which serves "
                     "one GPU or MIG instance; give each MPS share its own container"
                 )
             i, s = mps[0]
@@ -266,7 +304,9 @@ class Allocator:
             envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, s.compute_milli // 10))
             if s.memory_mib > 0:
                 envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={s.memory_mib}M"
-        return ContainerGrant(pod.key, pod.uid, container.name, tuple(units), envs, tuple(mounts))
+        return ContainerGrant(
+            pod.key, pod.uid, container, tuple(units), envs, tuple(mounts), tuple(dict.fromkeys(nodes)), cdi_name
+        )
 
     async def _whole_gpu(self, pod: PodInfo, s: GpuShare, deadline: float) -> None:
         # A GPU in MIG mode has no whole-GPU device: its UUID would hand the container every MIG instance on it.

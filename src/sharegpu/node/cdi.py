@@ -70,8 +70,20 @@ def allocation_name(device_ids: Iterable[str]) -> str:
 
 
 class CdiWriter:
+    kind = CDI_KIND
+
     def __init__(self, directory: Path = DEFAULT_CDI_DIR) -> None:
         self.directory = directory
+
+    def check(self) -> None:
+        """Fail now, not at the first Prepare, when the directory cannot hold specs (made if missing)."""
+        probe = self.directory / f".{_FILE_PREFIX}probe-{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise CdiError(f"cannot write CDI specs in {self.directory}: {e.strerror or e}") from None
 
     def path(self, claim_uid: str) -> Path:
         if not re.fullmatch(r"[A-Za-z0-9-]+", claim_uid):

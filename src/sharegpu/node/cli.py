@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 import typer
 
 from sharegpu.node.agent import AgentConfig, NodeAgent
+from sharegpu.node.attribution import DEFAULT_POD_RESOURCES_SOCKET
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.backends.sim_config import SimConfigError
+from sharegpu.node.cdi import DEFAULT_CDI_DIR
 from sharegpu.node.device_plugin import DEFAULT_PLUGIN_DIR, DevicePluginError, check_plugin_dir
 from sharegpu.node.kube import KubeApi, KubeError
 from sharegpu.node.metrics import MetricsError, parse_listen
@@ -58,11 +60,28 @@ def node_agent(
     metrics_listen: str = typer.Option(
         DEFAULT_METRICS, "--metrics-listen", help="HOST:PORT of the Prometheus endpoint."
     ),
+    pod_resources_socket: Path = typer.Option(
+        DEFAULT_POD_RESOURCES_SOCKET,
+        "--pod-resources-socket",
+        help="The kubelet's pod-resources socket (<kubelet root>/pod-resources/kubelet.sock): whose container starts.",
+    ),
+    cdi_dir: Path = typer.Option(
+        DEFAULT_CDI_DIR, "--cdi-dir", help="Where the container runtime reads CDI specs (containerd's cdi_spec_dirs)."
+    ),
 ) -> None:
     """Run the sharegpu node agent: inventory, device plugin, MIG and MPS managers, metrics."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        agent = build_agent(node_name, kubeconfig, backend, sim_config, device_plugin_dir, metrics_listen)
+        agent = build_agent(
+            node_name,
+            kubeconfig,
+            backend,
+            sim_config,
+            device_plugin_dir,
+            metrics_listen,
+            pod_resources_socket=pod_resources_socket,
+            cdi_dir=cdi_dir,
+        )
         asyncio.run(_serve(agent))
     except (
         AgentSetupError,
@@ -86,17 +105,36 @@ def build_agent(
     device_plugin_dir: Path,
     metrics_listen: str,
     kube: KubeApi | None = None,
+    pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET,
+    cdi_dir: Path = DEFAULT_CDI_DIR,
 ) -> NodeAgent:
     if not node_name.strip():
         raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
     listen = parse_listen(metrics_listen) if metrics_listen else None
     check_plugin_dir(device_plugin_dir)
+    for flag, path in (("--pod-resources-socket", pod_resources_socket), ("--cdi-dir", cdi_dir)):
+        if not path.is_absolute():
+            raise AgentSetupError(f"{flag} {path} is relative; give an absolute path")
+    if pod_resources_socket.is_dir():
+        raise AgentSetupError(
+            f"--pod-resources-socket {pod_resources_socket} is a directory; name the socket inside it, "
+            f"e.g. {pod_resources_socket / 'kubelet.sock'}"
+        )
+    if cdi_dir.exists() and not cdi_dir.is_dir():
+        raise AgentSetupError(f"--cdi-dir {cdi_dir} exists and is not a directory; give the runtime's CDI directory")
     backend, daemon = make_backend(node_name, backend_kind, sim_config)
     if kube is None:
         from sharegpu.node.kube import LightkubeApi
 
         kube = LightkubeApi(kubeconfig)
-    config = AgentConfig(node_name, device_plugin_dir, state_dir_from_env(), listen)
+    config = AgentConfig(
+        node_name,
+        device_plugin_dir,
+        state_dir_from_env(),
+        listen,
+        pod_resources_socket=pod_resources_socket,
+        cdi_dir=cdi_dir,
+    )
     return NodeAgent(config, backend, kube, daemon)
 
 
@@ -213,7 +251,9 @@ def build_dra_service(
     interval_s: float = 10.0,
     kube: DraKube | None = None,
 ) -> DraDriverService:
-    from sharegpu.node.cdi import CdiWriter
+    import math
+
+    from sharegpu.node.cdi import CdiError, CdiWriter
     from sharegpu.node.dra.checkpoint import Checkpoint
     from sharegpu.node.dra.driver import DraDriver, NvidiaSmiTimeSlicer, SimTimeSlicer, TimeSlicer
     from sharegpu.node.dra.plugin import DraPluginServer, SocketPaths
@@ -223,12 +263,21 @@ def build_dra_service(
 
     if not node_name.strip():
         raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
-    if interval_s <= 0:
-        raise AgentSetupError(f"--interval {interval_s} must be more than 0 seconds")
-    defaults = SocketPaths.under(kubelet_dir)
-    paths = SocketPaths(registration_socket or defaults.registration, plugin_socket or defaults.service)
+    if not math.isfinite(interval_s) or interval_s <= 0:
+        raise AgentSetupError(f"--interval {interval_s} must be a finite number of seconds above 0, e.g. 10")
+    # Relative paths are taken from the working directory: the kubelet dials the endpoint that GetInfo names from
+    # its own working directory, and gRPC reads "unix://relative/x" as host "relative", so only absolute paths work.
+    defaults = SocketPaths.under(kubelet_dir.absolute())
+    paths = SocketPaths(
+        (registration_socket or defaults.registration).absolute(), (plugin_socket or defaults.service).absolute()
+    )
     paths.check()
     backend, daemon = make_backend(node_name, backend_kind, sim_config)
+    cdi = CdiWriter(cdi_dir.absolute())
+    try:
+        cdi.check()
+    except CdiError as e:
+        raise AgentSetupError(f"--cdi-dir {cdi_dir}: {e}; give the directory the container runtime reads") from None
     slicer: TimeSlicer = SimTimeSlicer() if backend_kind is BackendKind.SIM else NvidiaSmiTimeSlicer()
     if kube is None:
         from sharegpu.node.dra.kube import LightkubeDraApi
@@ -238,9 +287,7 @@ def build_dra_service(
     # Its own state file: during a switch of paths the node agent may still run beside it for a moment.
     mig = MigManager(backend, AgentState(state_dir / "dra-mig-state.json"))
     mps = MpsManager(state_dir / "mps", daemon)
-    driver = DraDriver(
-        node_name, backend, kube, mig, mps, Checkpoint(state_dir / "dra-checkpoint.json"), CdiWriter(cdi_dir), slicer
-    )
+    driver = DraDriver(node_name, backend, kube, mig, mps, Checkpoint(state_dir / "dra-checkpoint.json"), cdi, slicer)
     return DraDriverService(
         ServiceConfig(node_name, interval_s),
         driver,

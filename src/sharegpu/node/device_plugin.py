@@ -3,7 +3,9 @@
 The plugin advertises interchangeable device tokens (``<GPU UUID>::<n>``, as many per GPU as shares can sit on
 it), reporting each token healthy or not with its GPU. It registers with the kubelet at ``kubelet.sock`` and
 registers again whenever the kubelet restarts: a restarting kubelet deletes the plugin's socket and creates a
-new ``kubelet.sock``, and both are watched. Allocate is answered by :class:`~sharegpu.node.allocation.Allocator`.
+new ``kubelet.sock``, and both are watched. It asks for PreStartContainer (``pre_start_required``): Allocate names a
+CDI device, and PreStartContainer, once the kubelet has recorded whose container it is, fills it in; both are
+answered by :class:`~sharegpu.node.allocation.Allocator`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Protocol
 import grpc
 import grpc.aio
 
-from sharegpu.node.allocation import AllocationError, ContainerGrant
+from sharegpu.node.allocation import AllocateAnswer, AllocationError, ContainerGrant
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.kube import GPU_RESOURCE
 from sharegpu.node.proto import deviceplugin_pb2 as pb
@@ -46,7 +48,13 @@ class DevicePluginError(Exception):
 
 
 class ContainerAllocator(Protocol):
-    async def allocate(self, device_count: int) -> ContainerGrant: ...
+    def allocate(self, device_ids: Sequence[str]) -> AllocateAnswer: ...
+
+    async def prestart(self, device_ids: Sequence[str]) -> ContainerGrant: ...
+
+
+# PreStartContainer finds the container's pod in the kubelet's records; Allocate cannot (the kubelet records it after).
+OPTIONS = {"pre_start_required": True, "get_preferred_allocation_available": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +67,8 @@ def device_tokens(devices: Sequence[DeviceInfo], per_gpu: int = TOKENS_PER_GPU) 
     return tuple(DeviceToken(f"{d.uuid}::{n}", d.healthy) for d in devices for n in range(per_gpu))
 
 
-def grant_to_response(grant: ContainerGrant) -> pb.ContainerAllocateResponse:
-    return pb.ContainerAllocateResponse(
-        envs=dict(grant.envs),
-        mounts=[
-            pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
-            for m in grant.mounts
-        ],
-    )
+def answer_to_response(answer: AllocateAnswer) -> pb.ContainerAllocateResponse:
+    return pb.ContainerAllocateResponse(envs=dict(answer.envs), cdi_devices=[pb.CDIDevice(name=answer.cdi_device)])
 
 
 def _socket_path(directory: Path, name: str) -> Path:
@@ -81,6 +83,11 @@ def _socket_path(directory: Path, name: str) -> Path:
 
 def check_plugin_dir(directory: Path) -> None:
     """Fail early, with the flag to change, when the sockets could not be created there."""
+    if directory.exists() and not directory.is_dir():
+        raise DevicePluginError(
+            f"--device-plugin-dir {directory} is not a directory; give the kubelet's device plugin directory "
+            f"({DEFAULT_PLUGIN_DIR} by default)"
+        )
     _socket_path(directory, PLUGIN_SOCKET)
     _socket_path(directory, KUBELET_SOCKET)
 
@@ -219,7 +226,7 @@ class DevicePluginServer:
             version=API_VERSION,
             endpoint=self.socket.name,
             resource_name=self.resource_name,
-            options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False),
+            options=pb.DevicePluginOptions(**OPTIONS),
         )
         try:
             async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
@@ -264,7 +271,7 @@ class DevicePluginServer:
     async def _options(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
     ) -> pb.DevicePluginOptions:
-        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
+        return pb.DevicePluginOptions(**OPTIONS)
 
     async def _list_and_watch(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.ListAndWatchResponse]
@@ -299,18 +306,11 @@ class DevicePluginServer:
     ) -> pb.AllocateResponse:
         responses = []
         for creq in request.container_requests:
-            error: tuple[grpc.StatusCode, str] | None = None
             try:
-                grant = await self._allocator.allocate(len(creq.devices_ids))
+                responses.append(answer_to_response(self._allocator.allocate(list(creq.devices_ids))))
             except AllocationError as e:
-                error = (grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            except Exception as e:  # a bug must fail one container, never the plugin that serves all others
-                log.exception("Allocate failed unexpectedly")
-                error = (grpc.StatusCode.INTERNAL, f"sharegpu node agent failed: {type(e).__name__}: {e}")
-            if error is not None:
-                log.warning("Allocate refused: %s", error[1])
-                await context.abort(error[0], error[1])
-            responses.append(grant_to_response(grant))
+                log.warning("Allocate refused: %s", e)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return pb.AllocateResponse(container_responses=responses)
 
     async def _pre_start(
@@ -318,4 +318,15 @@ class DevicePluginServer:
         request: pb.PreStartContainerRequest,
         context: grpc.aio.ServicerContext[pb.PreStartContainerRequest, pb.PreStartContainerResponse],
     ) -> pb.PreStartContainerResponse:
+        error: tuple[grpc.StatusCode, str] | None = None
+        try:
+            await self._allocator.prestart(list(request.devices_ids))
+        except AllocationError as e:
+            error = (grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception as e:  # a bug must fail one container, never the plugin that serves all others
+            log.exception("PreStartContainer failed unexpectedly")
+            error = (grpc.StatusCode.INTERNAL, f"sharegpu node agent failed: {type(e).__name__}: {e}")
+        if error is not None:
+            log.warning("PreStartContainer refused: %s", error[1])
+            await context.abort(error[0], error[1])
         return pb.PreStartContainerResponse()

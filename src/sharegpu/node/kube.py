@@ -13,6 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from sharegpu.model.demand import ContainerDemand, pod_demand
+
 GPU_RESOURCE = "sharegpu.io/gpu"
 ASSIGNMENT_ANNOTATION = "sharegpu.io/assignment"
 
@@ -25,6 +27,7 @@ class KubeError(Exception):
 class ContainerInfo:
     name: str
     gpus: int  # the container's sharegpu.io/gpu limit
+    sidecar: bool = False  # an init container with restartPolicy: Always
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,30 +52,18 @@ class PodInfo:
     def finished(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
 
-    @property
-    def gpu_containers(self) -> tuple[ContainerInfo, ...]:
-        """Containers that ask for sharegpu.io/gpu, in the order the kubelet allocates them."""
-        return tuple(c for c, _ in self.share_offsets())
-
-    def share_offsets(self) -> tuple[tuple[ContainerInfo, int], ...]:
-        """Each GPU container, in allocation order, with the index of its first share in the assignment.
-
-        Init containers run one at a time before the app containers and the kubelet hands their devices on, so
-        each init container takes the shares from index 0; app containers take consecutive shares. The pod's
-        GPU demand is therefore max(sum of app containers, largest init container), as the scheduler counts it.
-        """
-        out: list[tuple[ContainerInfo, int]] = [(c, 0) for c in self.init_containers if c.gpus > 0]
-        offset = 0
-        for c in self.containers:
-            if c.gpus > 0:
-                out.append((c, offset))
-                offset += c.gpus
-        return tuple(out)
+    def container(self, name: str) -> ContainerInfo | None:
+        return next((c for c in (*self.init_containers, *self.containers) if c.name == name), None)
 
     @property
     def gpu_demand(self) -> int:
-        app = sum(c.gpus for c in self.containers)
-        return max(app, max((c.gpus for c in self.init_containers), default=0))
+        """How many sharegpu.io/gpu the pod holds at its peak: what its assignment must have shares for."""
+        return pod_demand(
+            [
+                *(ContainerDemand(c.name, c.gpus, init=True, sidecar=c.sidecar) for c in self.init_containers),
+                *(ContainerDemand(c.name, c.gpus) for c in self.containers),
+            ]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +103,7 @@ def pod_info_from_dict(d: Mapping[str, Any]) -> PodInfo:
         created=_time(meta.get("creationTimestamp")),
         annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
         containers=tuple(_container(c) for c in spec.get("containers") or ()),
-        init_containers=tuple(_container(c) for c in spec.get("initContainers") or ()),
+        init_containers=tuple(_container(c, init=True) for c in spec.get("initContainers") or ()),
         deleting=meta.get("deletionTimestamp") is not None,
         reason=str(status.get("reason") or ""),
     )
@@ -130,9 +121,10 @@ def node_info_from_dict(d: Mapping[str, Any]) -> NodeInfo:
     )
 
 
-def _container(c: Mapping[str, Any]) -> ContainerInfo:
+def _container(c: Mapping[str, Any], init: bool = False) -> ContainerInfo:
     limits = (c.get("resources") or {}).get("limits") or {}
-    return ContainerInfo(str(c.get("name", "")), _quantity(limits.get(GPU_RESOURCE), 1))
+    sidecar = init and c.get("restartPolicy") == "Always"
+    return ContainerInfo(str(c.get("name", "")), _quantity(limits.get(GPU_RESOURCE), 1), sidecar)
 
 
 def _quantity(q: Any, scale: float) -> int:

@@ -1,9 +1,10 @@
 """What the node agent must remember across its own restarts, in one small JSON file.
 
 Everything else is found again from the hardware (MIG instances, MPS daemons) and from the pods' assignments.
-Only two facts live nowhere else: which MIG instances sharegpu created (the others are a static layout it must
-never destroy) and which GPUs it switched into MIG mode; plus the containers already allocated, so a restarted
-agent never hands the same container out twice.
+Only these facts live nowhere else: which MIG instances sharegpu created (the others are a static layout it must
+never destroy) and which GPUs it switched into MIG mode; which share of its pod's assignment each device ID the
+kubelet handed out is tied to (so a restarted agent, or a restarted container, gets the very same share and never
+one that another running container holds); the containers granted, and the CDI specs written for them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class AgentState:
         self.managed_mig: set[str] = set()  # MIG UUIDs created by sharegpu
         self.mig_mode_set: set[str] = set()  # GPU UUIDs whose MIG mode sharegpu turned on
         self.allocations: dict[str, dict[str, tuple[str, ...]]] = {}  # pod UID → container → unit UUIDs
+        self.device_share: dict[str, dict[str, int]] = {}  # pod UID → device ID → index of its share
+        self.cdi_specs: dict[str, set[str]] = {}  # pod UID → CDI allocation names written for it
         if path is not None and path.exists():
             self._load(path)
 
@@ -41,28 +44,46 @@ class AgentState:
         (self.mig_mode_set.add if on else self.mig_mode_set.discard)(gpu_uuid)
         self.save()
 
-    def record_allocation(self, pod_uid: str, container: str, units: tuple[str, ...]) -> None:
+    def record_allocation(self, pod_uid: str, container: str, units: tuple[str, ...], cdi_name: str = "") -> None:
         self.allocations.setdefault(pod_uid, {})[container] = units
+        if cdi_name:
+            self.cdi_specs.setdefault(pod_uid, set()).add(cdi_name)
         self.save()
 
     def allocated_containers(self, pod_uid: str) -> frozenset[str]:
         return frozenset(self.allocations.get(pod_uid, {}))
 
-    def forget_pods_except(self, live_uids: set[str]) -> None:
-        """Drop allocations of pods that no longer exist, so the file does not grow forever."""
-        gone = set(self.allocations) - live_uids
-        if gone:
-            for uid in gone:
-                del self.allocations[uid]
-            self.save()
+    def device_shares(self, pod_uid: str) -> dict[str, int]:
+        return dict(self.device_share.get(pod_uid, {}))
 
-    def forget_pods(self, uids: set[str]) -> None:
-        """Drop the allocations of these pods (the caller made sure that they are gone)."""
-        gone = set(self.allocations) & uids
+    def tie_device_shares(self, pod_uid: str, ties: dict[str, int]) -> dict[str, int]:
+        """Tie more device IDs of a pod to shares (never re-tie one); returns all of the pod's ties."""
+        current = self.device_share.setdefault(pod_uid, {})
+        for device, index in ties.items():
+            if device in current:
+                raise ValueError(f"device ID {device} of pod {pod_uid} is tied to share {current[device]} already")
+            current[device] = index
+        self.save()
+        return dict(current)
+
+    def known_pods(self) -> set[str]:
+        return set(self.allocations) | set(self.device_share) | set(self.cdi_specs)
+
+    def all_cdi_specs(self) -> set[str]:
+        return {n for names in self.cdi_specs.values() for n in names}
+
+    def forget_pods(self, uids: set[str]) -> set[str]:
+        """Drop what is recorded of these pods (the caller made sure that they are gone); returns the names of their
+        CDI specs, which the caller removes."""
+        gone = self.known_pods() & uids
+        specs: set[str] = set()
         if gone:
             for uid in gone:
-                del self.allocations[uid]
+                self.allocations.pop(uid, None)
+                self.device_share.pop(uid, None)
+                specs |= self.cdi_specs.pop(uid, set())
             self.save()
+        return specs
 
     def save(self) -> None:
         if self.path is None:
@@ -71,6 +92,8 @@ class AgentState:
             "managedMig": sorted(self.managed_mig),
             "migModeSet": sorted(self.mig_mode_set),
             "allocations": {uid: {c: list(u) for c, u in cs.items()} for uid, cs in self.allocations.items()},
+            "deviceShares": self.device_share,
+            "cdiSpecs": {uid: sorted(names) for uid, names in self.cdi_specs.items()},
         }
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +112,11 @@ class AgentState:
                 str(uid): {str(c): tuple(str(x) for x in units) for c, units in cs.items()}
                 for uid, cs in data.get("allocations", {}).items()
             }
+            self.device_share = {
+                str(uid): {str(d): int(i) for d, i in ties.items()}
+                for uid, ties in data.get("deviceShares", {}).items()
+            }
+            self.cdi_specs = {str(uid): {str(n) for n in names} for uid, names in data.get("cdiSpecs", {}).items()}
         except (OSError, ValueError, TypeError, AttributeError) as e:
             raise StateError(
                 f"the agent state {path} is unreadable ({e}); move it away to start afresh "

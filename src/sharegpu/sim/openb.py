@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,8 @@ def _decode(path: Path) -> str:
     except OSError as e:
         raise TraceError(path, None, f"cannot open: {e.strerror or e}") from None
     try:
-        return data.decode("utf-8")
+        # A byte-order mark (spreadsheet programs write one) is not part of the first column's name.
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
@@ -105,20 +107,24 @@ def _rows(
     return tuple(header), rows
 
 
+# Whole numbers as the trace writes them: plain ASCII digits, optionally with a zero fraction ("1000.0"). Python's
+# int() and float() also take "1e1", "1_000", "inf" and non-ASCII digits, which no trace writes and which would turn
+# a typo into a number.
+_WHOLE = re.compile(r"-?[0-9]+(?:\.0*)?")
+_NUMBER = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)")
+
+
 def _int(path: Path, line: int, row: Mapping[str, str], col: str, optional: bool = False) -> int | None:
     text = row.get(col, "")
     if text == "" and optional:
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        try:
-            f = float(text)
-        except ValueError:
-            raise TraceError(path, line, f"{col} is {text!r}, not a number") from None
-        if not f.is_integer():
-            raise TraceError(path, line, f"{col} is {text!r}, not a whole number") from None
-        value = int(f)
+    if not _WHOLE.fullmatch(text):
+        if _NUMBER.fullmatch(text):
+            raise TraceError(path, line, f"{col} is {text!r}, not a whole number")
+        raise TraceError(
+            path, line, f"{col} is {text!r}, not a number: write a whole number in plain digits, e.g. 1000"
+        )
+    value = int(text.partition(".")[0])
     if value < 0:
         raise TraceError(path, line, f"{col} is {value}; it must not be negative")
     if value > MAX_VALUE:
@@ -183,7 +189,7 @@ def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG, warn: Warn | None
     accepted as an opaque model (whole GPUs and compute shares only) and reported through ``warn``."""
     nodes = []
     seen: set[str] = set()
-    unknown = _Findings()
+    unknown, starved = _Findings(), _Findings()
     for line, row in _rows(path, NODE_REQUIRED, ())[1]:
         name = _unique_name(path, line, row, "sn", "node", seen)
         gpus = _req_int(path, line, row, "gpu")
@@ -195,20 +201,33 @@ def load_nodes(path: Path, catalog: Catalog = DEFAULT_CATALOG, warn: Warn | None
         for m in _unknown_models(catalog, [model] if gpus else []):
             unknown.add(m, line)
         model_name = catalog.get(model).name if model else ""
-        nodes.append(
-            NodeSpec(
-                name,
-                _req_int(path, line, row, "cpu_milli"),
-                _req_int(path, line, row, "memory_mib"),
-                sim_gpus(name, model_name, gpus),
+        cpu, memory = _req_int(path, line, row, "cpu_milli"), _req_int(path, line, row, "memory_mib")
+        if gpus and not cpu and not memory:
+            # Every pod asks for some CPU or memory: such GPUs could never be used, and would count as idle
+            # capacity against every policy. A lost value, not a machine.
+            raise TraceError(
+                path,
+                line,
+                f"node {name!r} has {gpus} GPUs but 0 CPU and 0 memory, so no pod could ever use them; give its "
+                "cpu_milli and memory_mib (or gpu 0)",
             )
-        )
+        if gpus and not (cpu and memory):
+            starved.add("CPU" if not cpu else "memory", line)
+        nodes.append(NodeSpec(name, cpu, memory, sim_gpus(name, model_name, gpus)))
     unknown.emit(
         warn,
         path,
         lambda m, n: (
             f"GPU model {m!r} ({n} node(s)) is not in the GPU catalog; it is taken as an opaque model "
             "(whole GPUs and compute shares, no MIG, no memory sizing): check the spelling"
+        ),
+    )
+    starved.emit(
+        warn,
+        path,
+        lambda what, n: (
+            f"{n} node(s) with GPUs have 0 {what}: only pods that ask for no {what} can use their GPUs; check "
+            f"the {'cpu_milli' if what == 'CPU' else 'memory_mib'} value"
         ),
     )
     return nodes
@@ -286,8 +305,21 @@ def _spec_models(row: Mapping[str, str]) -> list[str]:
     return [m.strip() for m in row.get("gpu_spec", "").split("|") if m.strip()]
 
 
+def _check_spec(path: Path, line: int, row: Mapping[str, str]) -> None:
+    """A ``gpu_spec`` with an empty name between its ``|`` (``T4||``) is a list cut short or a typo, not "any
+    model": refused rather than read as the names that are there."""
+    text = row.get("gpu_spec", "").strip()
+    if text and any(not m.strip() for m in text.split("|")):
+        raise TraceError(
+            path,
+            line,
+            f"gpu_spec {text!r} has an empty model name; separate the models by one '|', e.g. 'V100M16|V100M32'",
+        )
+
+
 def _task(path: Path, line: int, row: Mapping[str, str], catalog: Catalog, seen: set[str]) -> TraceTask:
     name = _unique_name(path, line, row, "name", "pod", seen)
+    _check_spec(path, line, row)
     num_gpu = _req_int(path, line, row, "num_gpu")
     milli = _req_int(path, line, row, "gpu_milli")
     if num_gpu == 0 and milli:
@@ -315,3 +347,35 @@ def _task(path: Path, line: int, row: Mapping[str, str], catalog: Catalog, seen:
     if created is not None and deleted is not None and deleted < created:
         raise TraceError(path, line, f"deletion_time {deleted} is before creation_time {created}")
     return TraceTask(req, created, deleted)
+
+
+def replay_gaps(table: PodTable) -> list[TraceWarning]:
+    """What ``--replay`` would have to make up for a pod list: an error when no pod has a creation time or none a
+    deletion time (a replay would then show nothing of what it is for: every pod would arrive at once, or none
+    would ever leave and the pending queue would only grow), and a warning per kind of pod that lacks one."""
+    no_start, no_end = _Findings(), _Findings()
+    for line, task in zip(table.lines, table.tasks, strict=True):
+        if task.creation_time is None:
+            no_start.add("", line)
+        if task.deletion_time is None:
+            no_end.add("", line)
+    pods = len(table.tasks)
+    for column, findings in (("creation_time", no_start), ("deletion_time", no_end)):
+        if sum(map(len, findings.lines.values())) == pods:
+            raise TraceError(
+                table.path,
+                None,
+                f"no pod has a {column}, so --replay has no {column.split('_')[0]} times to honour; run without "
+                "--replay (the FGD protocol: pods arrive one at a time and never leave), or give the pods "
+                "creation_time and deletion_time",
+            )
+    out: list[TraceWarning] = []
+    no_start.emit(
+        out.append, table.path, lambda _, n: f"{n} pod(s) have no creation_time; --replay submits them at time 0"
+    )
+    no_end.emit(
+        out.append,
+        table.path,
+        lambda _, n: f"{n} pod(s) have no deletion_time; --replay keeps them to the end (they never leave)",
+    )
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -10,28 +11,34 @@ import numpy as np
 from sharegpu.model.request import GpuRequest
 from sharegpu.sim.openb import TraceTask
 
+_SEED_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+MAX_SEEDS = 10_000  # a range beyond this is a typo (0-100000), and would be built before anything checked it
+
 
 def parse_seeds(text: str) -> list[int]:
     """'42-51' → [42..51]; '42,45' → [42, 45]; '7' → [7]. A seed given twice is an error: it would run twice
-    and count twice in every mean."""
+    and count twice in every mean. So is an empty item ('1,,2', a trailing comma): a seed may be missing from it."""
     seeds: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise ValueError(f"seeds {text!r}: no seed given; use e.g. 42 or 42-51")
+    for part in parts:
         if not part:
-            continue
-        try:
-            lo, dash, hi = part.partition("-")
-            a, b = int(lo), int(hi if dash else lo)
-            if a < 0 or b < a:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"seeds {text!r}: {part!r} is not a seed or a range like 42-51") from None
+            raise ValueError(f"seeds {text!r}: an item between commas is empty; use e.g. 42,44 or 42-51")
+        # Plain ASCII digits only: int() would also take '1_0', '+5' and non-ASCII digits.
+        m = _SEED_ITEM.fullmatch(part)
+        a, b = (int(m[1]), int(m[2] or m[1])) if m else (0, -1)
+        if b < a:
+            raise ValueError(f"seeds {text!r}: {part!r} is not a seed or a range like 42-51")
+        if len(seeds) + (b - a + 1) > MAX_SEEDS:
+            raise ValueError(
+                f"seeds {text!r}: {len(seeds) + (b - a + 1):,} seeds; at most {MAX_SEEDS:,} are accepted (the FGD "
+                "paper uses 10: 42-51)"
+            )
         again = sorted(set(seeds) & set(range(a, b + 1)))
         if again:
             raise ValueError(f"seeds {text!r}: seed {again[0]} is given twice; list each seed once")
         seeds.extend(range(a, b + 1))
-    if not seeds:
-        raise ValueError(f"seeds {text!r}: no seed given; use e.g. 42 or 42-51")
     return seeds
 
 

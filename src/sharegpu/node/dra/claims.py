@@ -46,6 +46,11 @@ class DevicePlan:
     mig_start: int | None = None
     time_slice: TimeSlice = TimeSlice.DEFAULT
 
+    @property
+    def on_mig(self) -> bool:
+        """A MIG instance (alone, or shared by the claim's pods through MPS inside it)."""
+        return self.mig_profile is not None
+
 
 @dataclass(frozen=True, slots=True)
 class ClaimPlan:
@@ -144,7 +149,18 @@ def _plan_device(
     )
     where = f"claim {key}, request {request} ({pub.name})"
     if pub.mig_profile is not None:
-        return replace(whole, mechanism=Mechanism.MIG, mig_profile=pub.mig_profile, mig_start=pub.mig_start)
+        mig = replace(whole, mechanism=Mechanism.MIG, mig_profile=pub.mig_profile, mig_start=pub.mig_start)
+        if config.sharing is Sharing.TIME_SLICING:
+            raise ClaimError(
+                f"{where}: sharing: TimeSlicing does not apply to a MIG instance (it sets a whole GPU's time slice, "
+                "which a GPU in MIG mode does not have); leave sharing out to have the instance to this claim alone, "
+                "or use sharing: MPS to let the claim's pods share it through an MPS daemon"
+            )
+        if config.sharing is Sharing.MPS:
+            # MPS inside the instance: the pods that share this claim run concurrently on it, each held to the
+            # instance's memory (the instance itself is the hardware limit towards other claims).
+            return replace(mig, mechanism=Mechanism.MPS)
+        return mig
     consumed = result.get("consumedCapacity") or {}
     try:
         memory = quantity_mib(consumed["memory"]) if "memory" in consumed else pub.memory_mib

@@ -65,12 +65,31 @@ class EffectiveConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    sharing: Sharing = Sharing.MPS
+    # None: no config asked for a mechanism. A share of a GPU is then shared through MPS; a MIG instance is the
+    # claim's alone. The difference matters only on MIG devices, where MPS is allowed and TimeSlicing is not.
+    sharing: Sharing | None = None
     timeSliceInterval: TimeSlice = TimeSlice.DEFAULT
     isolation: Isolation = Isolation.NONE  # no requirement beyond what the mechanism gives
 
 
 def parse_config(parameters: Mapping[str, Any], where: str) -> GpuConfig:
+    # An explicit null is not "unset": a user who writes `sharing: null` means something (probably "no sharing"),
+    # and silently taking the class's MPS for it would hand out a mechanism they did not ask for.
+    if not isinstance(parameters, Mapping):
+        raise ConfigError(
+            f"{where}: the opaque parameters must be an object such as {{apiVersion: {API_VERSION}, kind: {KIND}}}, "
+            f"not {type(parameters).__name__}"
+        )
+    nulls = sorted(str(k) for k, v in parameters.items() if v is None and k in _FIELD_VALUES)
+    if nulls:
+        raise ConfigError(
+            f"{where}: invalid {API_VERSION} config: "
+            + "; ".join(
+                f"{k}: null is not a value; leave the field out to keep the class's (or the default) or use "
+                f"{_FIELD_VALUES[k]}"
+                for k in nulls
+            )
+        )
     try:
         return GpuConfig.model_validate(parameters)
     except ValidationError as e:
@@ -80,15 +99,16 @@ def parse_config(parameters: Mapping[str, Any], where: str) -> GpuConfig:
         raise ConfigError(f"{where}: invalid {API_VERSION} config: {problems}") from None
 
 
+_FIELD_VALUES = {
+    "sharing": " or ".join(s.value for s in Sharing),
+    "timeSliceInterval": ", ".join(t.value for t in TimeSlice),
+    "isolation": ", ".join(i.value for i in Isolation),
+}
+
+
 def _hint(err: Any) -> str:
     field = str(err["loc"][-1]) if err["loc"] else ""
-    accepted = {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "sharing": " or ".join(s.value for s in Sharing),
-        "timeSliceInterval": ", ".join(t.value for t in TimeSlice),
-        "isolation": ", ".join(i.value for i in Isolation),
-    }
+    accepted = {"apiVersion": API_VERSION, "kind": KIND, **_FIELD_VALUES}
     if err["type"] == "extra_forbidden":
         return f"unknown field; the fields are {', '.join(accepted)}"
     if field in accepted:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -73,11 +74,49 @@ class SimTimeSlicer:
         self.intervals[gpu_uuid] = interval
 
 
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_NAMESPACE = re.compile(_DNS_LABEL)
+_NAME = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_UID = re.compile(r"[A-Za-z0-9-]+")  # what a CDI file name can carry; API server UIDs are RFC 4122 UUIDs
+
+
+def printable(text: str) -> str:
+    """``text`` for a log line: control, format (bidirectional) and other non-printable characters escaped.
+
+    Claim references come from the kubelet's request; a NUL or a right-to-left override in a log line would hide or
+    reorder what an operator reads. Backslashes are escaped too, so an escaped form cannot be faked.
+    """
+    return "".join(
+        ch if ch.isprintable() and ch != "\\" else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimRef:
     namespace: str
     uid: str
     name: str
+
+    def problem(self) -> str:
+        """Why the kubelet's reference cannot name a ResourceClaim ("" when it can).
+
+        Checked before the name reaches an API path or the UID a file name: ``../../etc/passwd`` must never be
+        read as a path, and an empty reference would read some other object.
+        """
+        out: list[str] = []
+        if not _NAMESPACE.fullmatch(self.namespace) or len(self.namespace) > 63:
+            out.append(f"namespace '{printable(self.namespace)}' is not a namespace name (a DNS label)")
+        if not _NAME.fullmatch(self.name) or len(self.name) > 253:
+            out.append(f"name '{printable(self.name)}' is not a ResourceClaim name (a DNS subdomain)")
+        if not _UID.fullmatch(self.uid) or len(self.uid) > 128:
+            out.append(f"UID '{printable(self.uid)}' is not a UID (letters, digits and '-')")
+        if not out:
+            return ""
+        return "the claim reference is invalid: " + "; ".join(out) + "; the kubelet names claims the API server made"
+
+    @property
+    def shown(self) -> str:
+        return f"{printable(self.namespace)}/{printable(self.name)} ({printable(self.uid)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,17 +164,20 @@ class DraDriver:
         out: dict[str, PrepareResult] = {}
         async with self.lock:
             for ref in claims:
+                problem = ref.problem()
+                if problem:
+                    out[ref.uid] = PrepareResult(error=problem)
+                    log.warning("claim %s not prepared: %s", ref.shown, printable(problem))
+                    continue
                 try:
                     out[ref.uid] = PrepareResult(await self._prepare_one(ref))
                 except (ClaimError, MigError, MpsError, BackendError, CdiError, CheckpointError) as e:
                     out[ref.uid] = PrepareResult(error=str(e))
                 except Exception as e:  # a bug must fail one claim, never the others
-                    log.exception("preparing claim %s/%s failed unexpectedly", ref.namespace, ref.name)
+                    log.exception("preparing claim %s failed unexpectedly", ref.shown)
                     out[ref.uid] = PrepareResult(error=f"sharegpu DRA driver failed: {type(e).__name__}: {e}")
                 if out[ref.uid].error:
-                    log.warning(
-                        "claim %s/%s (%s) not prepared: %s", ref.namespace, ref.name, ref.uid, out[ref.uid].error
-                    )
+                    log.warning("claim %s not prepared: %s", ref.shown, printable(out[ref.uid].error))
                     await self._release()  # what a half-done Prepare made and no prepared claim needs
         return out
 
@@ -148,7 +190,7 @@ class DraDriver:
                     if ref.uid in self.checkpoint.claims:
                         self._cdi.remove(ref.uid)
                         self.checkpoint.drop(ref.uid)
-                        log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)
+                        log.info("unprepared claim %s", ref.shown)
                     out[ref.uid] = ""
                 except (CdiError, CheckpointError) as e:
                     out[ref.uid] = str(e)
@@ -183,8 +225,8 @@ class DraDriver:
         self.checkpoint.add(plan, units)
         log.info(
             "prepared claim %s (%s): %s",
-            plan.key,
-            plan.uid,
+            printable(plan.key),
+            printable(plan.uid),
             ", ".join(f"{d.device}={d.mechanism.value}" for d in plan.devices),
         )
         return self._answer(plan, units)
@@ -198,9 +240,9 @@ class DraDriver:
         gpus = {g.index: g for g in self.backend.devices()}
         # The scheduler never allocates a partition beside a whole or shared GPU (they share counters); an
         # allocation that does anyway (a stale pool generation) is refused rather than allowed to break the other.
-        in_use = {(d.gpu_index, d.mechanism is Mechanism.MIG) for d, _ in self.checkpoint.devices()}
+        in_use = {(d.gpu_index, d.on_mig) for d, _ in self.checkpoint.devices()}
         for d in plan.devices:
-            is_mig = d.mechanism is Mechanism.MIG
+            is_mig = d.on_mig
             if (d.gpu_index, not is_mig) in in_use:
                 other = (
                     "used without MIG by another claim" if is_mig else "partitioned into MIG instances of other claims"
@@ -208,7 +250,7 @@ class DraDriver:
                 raise ClaimError(f"claim {plan.key}: {d.device} cannot be prepared: GPU {d.gpu_uuid} is {other}")
         units: list[str] = []
         for d in plan.devices:
-            if d.mechanism is Mechanism.MIG:
+            if d.on_mig:
                 assert d.mig_profile is not None and d.mig_start is not None
                 unit = self._mig.ensure(d.gpu_index, d.gpu_uuid, MigSlot(d.mig_profile, d.mig_start)).uuid
             else:
@@ -266,7 +308,7 @@ class DraDriver:
             for d, _ in prepared
             if d.mig_profile is not None and d.mig_start is not None
         }
-        non_mig = {d.gpu_index for d, _ in prepared if d.mechanism is not Mechanism.MIG}
+        non_mig = {d.gpu_index for d, _ in prepared if not d.on_mig}
         try:
             self._mig.reconcile(needs, non_mig)
         except BackendError as e:

@@ -75,11 +75,17 @@ class PublishedDevice:
     mig_start: int | None = None
 
 
-def node_devices(devices: Sequence[DeviceInfo], catalog: Catalog = DEFAULT_CATALOG) -> dict[str, PublishedDevice]:
-    """Every device the node publishes, by name (healthy GPUs only: an unhealthy GPU is withdrawn)."""
+def node_devices(
+    devices: Sequence[DeviceInfo], catalog: Catalog = DEFAULT_CATALOG, healthy_only: bool = True
+) -> dict[str, PublishedDevice]:
+    """Every device the node publishes, by name (healthy GPUs only: an unhealthy GPU is withdrawn).
+
+    With ``healthy_only=False`` also the devices of unhealthy GPUs, under the names they were published with
+    (claims allocated before the GPU failed still name them; the health service reports them).
+    """
     out: dict[str, PublishedDevice] = {}
     for d in devices:
-        if not d.healthy:
+        if healthy_only and not d.healthy:
             continue
         out[gpu_device_name(d.index)] = PublishedDevice(gpu_device_name(d.index), d.index, d.uuid, d.memory_mib)
         model = catalog.get(d.model)
