@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 
 NOT_SYNCED = "sharegpu has lost the API server and is reconnecting; no new placements until its view is back in sync"
 NOT_LEADER = "this sharegpu extender replica is not the leader; only the leader binds (the scheduler retries)"
+NO_NODES = (
+    "the filter request names no nodes: it has neither NodeNames (nodeCacheCapable: true) nor Nodes "
+    "(nodeCacheCapable: false)"
+)
 CACHE_SIZE = 256
 HOLD_S = 10.0  # how long prioritize's choice stays held for the pod's bind
 BIND_ATTEMPTS = 3  # Bindings sent for one bind call (a lost answer or a stale version is retried)
@@ -126,6 +130,9 @@ class Extender:
 
     def filter_answer(self, args: ExtenderArgs) -> FilterAnswer:
         """Filter's answer as sent: the body, with what the metrics count."""
+        if args.NodeNames is None and args.Nodes is None:
+            # An answer with no node list would be read as "no node passed"; the Error field says why instead.
+            return FilterAnswer.of(ExtenderFilterResult(Error=NO_NODES))
         names = _node_names(args)
         try:
             req = pod_request(args.Pod, self.view.catalog)
@@ -134,6 +141,9 @@ class Extender:
             return FilterAnswer.of(self._filtered(args, [], {}, dict.fromkeys(names, str(e))))
         if req is None:
             return FilterAnswer.of(self._filtered(args, names, {}, {}))
+        if refused := self._not_placeable(args.Pod):
+            # Nothing is decided or held for such a pod: the scheduler reports the Error as the cycle's failure.
+            return FilterAnswer.of(ExtenderFilterResult(Error=f"sharegpu cannot place {_shown(args.Pod)}: {refused}"))
         if not self.view.synced:
             return FilterAnswer.of(self._filtered(args, [], dict.fromkeys(names, NOT_SYNCED), {}), not_synced=True)
         # The pod is being scheduled (again): what an earlier cycle held for it must not count against it.
@@ -161,6 +171,20 @@ class Extender:
         failed = {frags.names[n]: frags.text(r) for n, r in zip(rejected.tolist(), ids.tolist(), strict=True)}
         unresolvable = others | {n: failed.pop(n) for n in frags.names[rejected[never]].tolist()}
         return FilterAnswer.of(self._filtered(args, passed, failed, unresolvable))
+
+    def _not_placeable(self, pod: Pod) -> str:
+        """Why a pod that asks for sharegpu cannot be placed by this extender at all ("" when it can): a share held
+        for a pod without a name could never be bound or released by it, and another scheduler's pod would be placed
+        only for its bind to be refused (the extenders of a KubeSchedulerConfiguration serve all its profiles)."""
+        if not pod.metadata.name or not pod.metadata.namespace:
+            return "the Pod in the request has no metadata.name or metadata.namespace"
+        if pod.spec.scheduler_name != self.scheduler_name:
+            return (
+                f"its schedulerName is {pod.spec.scheduler_name or 'unset'}, not {self.scheduler_name}: sharegpu "
+                f"places only the pods of its own scheduler (the sharegpu webhook sets it; is --scheduler-name the "
+                f"scheduler profile's name?)"
+            )
+        return ""
 
     def _narrowed(self, args: ExtenderArgs, req: GpuRequest, f: _Feasible, passed_idx: IntArray) -> FilterAnswer:
         """Only the node the policy picks among those that fit, its share held for the bind. With one node left the
@@ -255,7 +279,7 @@ class Extender:
         except InvalidRequest:
             req = None
         idx = self._indices(names)
-        if req is None or not self.view.synced:
+        if req is None or not self.view.synced or self._not_placeable(args.Pod):
             return names, idx, np.zeros(len(names), dtype=np.int64)
         # What a narrowed filter held for the pod must not count against it: prioritize decides again.
         self.view.drop_hold(args.Pod.key)
@@ -575,6 +599,10 @@ def _newer(a: str, b: str) -> bool:
         return int(a) > int(b)
     except ValueError:
         return False
+
+
+def _shown(pod: Pod) -> str:
+    return f"pod {pod.key}" if pod.metadata.name else "a pod without a name"
 
 
 def _node_names(args: ExtenderArgs) -> list[str]:
