@@ -125,7 +125,7 @@ def test_claim_config_wins_over_its_class_field_by_field() -> None:
     )
     assert merged.sharing is Sharing.TIME_SLICING and merged.isolation is Isolation.NONE
     other = configs_for_request([cfg("FromClaim", ["other"], sharing="TimeSlicing")], "gpu", "ns/c")
-    assert other.sharing is Sharing.MPS  # a config for another request does not apply
+    assert other.sharing is None  # a config for another request does not apply: no mechanism asked
 
 
 def test_invalid_config_says_what_to_change() -> None:

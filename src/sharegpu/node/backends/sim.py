@@ -5,16 +5,24 @@ overlaps another fails, compute slices run out, MIG mode cannot change under run
 instance with processes cannot be destroyed. Without an explicit placement it picks the highest free valid
 start, as the driver tends to, which is exactly what lets small instances created first block a later 3g.
 Processes and utilisation are put in by tests (or a demo) through :meth:`SimBackend.add_process`.
+
+GPU health can change while the process runs through the config's ``healthFile``: a YAML mapping
+``unhealthy: [1, GPU-…]`` (GPU indices or UUIDs). While the file exists it decides every GPU's health (those listed
+are unhealthy, the others healthy); without it the config's ``healthy`` and :meth:`SimBackend.set_health` do. It is
+read again whenever it changes, so a driver or agent in another process sees an edit at its next ``devices()``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel, MigProfile
 from sharegpu.node.backends.base import (
@@ -35,6 +43,7 @@ from sharegpu.node.backends.base import (
 )
 from sharegpu.node.backends.sim_config import SimConfig, SimConfigError
 
+log = logging.getLogger(__name__)
 _UUID_NAMESPACE = uuid.UUID("6b1f0c52-6a53-4c0e-9a55-3c1b8c0de001")
 
 
@@ -68,6 +77,9 @@ class SimBackend:
     def __init__(self, config: SimConfig, seed: str = "sim", catalog: Catalog = DEFAULT_CATALOG) -> None:
         self._seed = config.uuid_seed or seed
         self._state_file = config.state_file
+        self._health_file = config.health_file
+        self._health_seen: tuple[int, int] | None = None  # (mtime_ns, size) of the health file last read
+        self._unhealthy: frozenset[str] | None = None  # from the health file; None while there is none
         self._serial = 0
         self._gpus: list[_SimGpu] = []
         self._procs: dict[int, _SimProcess] = {}
@@ -90,6 +102,7 @@ class SimBackend:
 
     # ----- GpuBackend --------------------------------------------------------------------------------------
     def devices(self) -> tuple[DeviceInfo, ...]:
+        self._read_health_file()
         return tuple(
             DeviceInfo(
                 index=g.index,
@@ -99,7 +112,7 @@ class SimBackend:
                 memory_mib=g.model.memory_mib,
                 sms=g.model.sms,
                 mig_enabled=g.mig_enabled,
-                healthy=g.healthy,
+                healthy=g.healthy if self._unhealthy is None else not ({str(g.index), g.uuid} & self._unhealthy),
             )
             for g in self._gpus
         )
@@ -218,6 +231,32 @@ class SimBackend:
         self._gpu(gpu_index).utilization = Utilization(gpu_percent, memory_percent)
 
     # ----- internals ------------------------------------------------------------------------------------------
+    def _read_health_file(self) -> None:
+        if self._health_file is None:
+            return
+        try:
+            st = self._health_file.stat()
+        except FileNotFoundError:
+            self._health_seen, self._unhealthy = None, None
+            return
+        except OSError as e:
+            raise BackendError(
+                f"cannot read the simulated health file {self._health_file}: {e.strerror or e}"
+            ) from None
+        if self._health_seen == (st.st_mtime_ns, st.st_size):
+            return
+        self._health_seen = (st.st_mtime_ns, st.st_size)
+        try:
+            data: Any = yaml.safe_load(self._health_file.read_text()) or {}
+            listed = data.get("unhealthy") or [] if isinstance(data, dict) else None
+            if not isinstance(listed, list) or set(data) - {"unhealthy"}:
+                raise ValueError("expected a mapping such as unhealthy: [1, GPU-…]")
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            # A half-written edit must not flip every GPU: keep what was read last, say why once per version.
+            log.warning("simulated health file %s ignored: %s", self._health_file, e)
+            return
+        self._unhealthy = frozenset(str(x) for x in listed)
+
     def _gpu(self, gpu_index: int) -> _SimGpu:
         if not 0 <= gpu_index < len(self._gpus):
             raise GpuNotFound(f"this node has no GPU with index {gpu_index}; it has {len(self._gpus)}")

@@ -13,6 +13,7 @@ The smallest useful file is ``gpus: [{model: H100-80GB, count: 2}, {model: A30-2
           - {profile: 1g.10gb, start: 0}
     uuidSeed: node-a            # UUIDs are derived from it (default: the agent's node name)
     stateFile: /var/lib/sharegpu/sim-state.json   # keeps MIG mode and instances across agent restarts
+    healthFile: /var/lib/sharegpu/sim-health.yaml # optional: GPU health changed while the agent runs (see SimBackend)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SimConfig:
     gpus: tuple[SimGpuGroup, ...]
     uuid_seed: str | None = None
     state_file: Path | None = None
+    health_file: Path | None = None
 
     @property
     def gpu_count(self) -> int:
@@ -73,9 +75,11 @@ def parse_sim_config(text: str, source: str = "<sim config>", catalog: Catalog =
         raise SimConfigError(f"{source} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise SimConfigError(f"{source}: expected a mapping with a 'gpus' list, e.g. gpus: [{{model: H100-80GB}}]")
-    unknown = set(data) - {"gpus", "uuidSeed", "stateFile"}
+    unknown = set(data) - {"gpus", "uuidSeed", "stateFile", "healthFile"}
     if unknown:
-        raise SimConfigError(f"{source}: unknown keys {sorted(unknown)}; allowed: gpus, uuidSeed, stateFile")
+        raise SimConfigError(
+            f"{source}: unknown keys {sorted(unknown)}; allowed: gpus, uuidSeed, stateFile, healthFile"
+        )
     groups_raw = data.get("gpus")
     if not isinstance(groups_raw, list) or not groups_raw:
         raise SimConfigError(f"{source}: 'gpus' must be a non-empty list, e.g. gpus: [{{model: H100-80GB, count: 2}}]")
@@ -89,7 +93,10 @@ def parse_sim_config(text: str, source: str = "<sim config>", catalog: Catalog =
     state = data.get("stateFile")
     if state is not None and (not isinstance(state, str) or not state):
         raise SimConfigError(f"{source}: 'stateFile' must be a path")
-    return SimConfig(groups, seed, Path(state) if state else None)
+    health = data.get("healthFile")
+    if health is not None and (not isinstance(health, str) or not health):
+        raise SimConfigError(f"{source}: 'healthFile' must be a path")
+    return SimConfig(groups, seed, Path(state) if state else None, Path(health) if health else None)
 
 
 def _group(g: Any, where: str, catalog: Catalog) -> SimGpuGroup:

@@ -4,12 +4,14 @@ The kubelet watches ``<kubelet dir>/plugins_registry``; on a new socket there it
 ``pluginregistration.Registration/GetInfo`` (answered with type ``DRAPlugin``, the driver name, the service socket
 and the service versions served there) and then ``NotifyRegistrationStatus``. It then calls
 ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` (or v1beta1, whichever it prefers) on the service socket. A claim that
-cannot be prepared gets its error in its own entry of the response; the call itself succeeds.
+cannot be prepared gets its error in its own entry of the response; the call itself succeeds. The same socket serves
+the device health stream (:mod:`sharegpu.node.dra.health`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import grpc
 import grpc.aio
 
 from sharegpu.node.dra.driver import ClaimRef, DraDriver
+from sharegpu.node.dra.health import HealthService
 from sharegpu.node.dra.slices import DRIVER
 from sharegpu.node.proto import dra_v1_pb2 as v1
 from sharegpu.node.proto import dra_v1beta1_pb2 as v1beta1
@@ -56,19 +59,25 @@ class SocketPaths:
 
 
 class DraPluginServer:
-    def __init__(self, driver: DraDriver, paths: SocketPaths) -> None:
+    def __init__(self, driver: DraDriver, paths: SocketPaths, health: HealthService | None = None) -> None:
         paths.check()
         self.paths = paths
         self._driver = driver
         self._servers: list[grpc.aio.Server] = []
         self.registered: bool | None = None  # what the kubelet last told us
         self.registration_error = ""
+        self.registrations = 0  # how often the kubelet registered us (once per kubelet start)
+        self.health = health or HealthService(driver.node_name, driver.backend.devices)
+        # Called when the kubelet (re)registers the plugin: a restarted kubelet deleted the node's ResourceSlices,
+        # and the service republishes them at once instead of at its next tick.
+        self.on_registered: Callable[[], None] | None = None
 
     async def start(self) -> None:
         # The service first: the kubelet dials it as soon as it has read the registration socket.
         self._servers.append(
             await self._serve(
-                self.paths.service, [self._dra_handlers(v1, "v1"), self._dra_handlers(v1beta1, "v1beta1")]
+                self.paths.service,
+                [self._dra_handlers(v1, "v1"), self._dra_handlers(v1beta1, "v1beta1"), self.health.handler()],
             )
         )
         self._servers.append(await self._serve(self.paths.registration, [self._registration_handlers()]))
@@ -111,6 +120,8 @@ class DraPluginServer:
         )
 
     async def _get_info(self, request: reg.InfoRequest, context: Any) -> reg.PluginInfo:
+        # The kubelet asks on every (re)start, before NotifyRegistrationStatus: the earliest sign of a new kubelet.
+        self._wake()
         return reg.PluginInfo(
             type=PLUGIN_TYPE, name=DRIVER, endpoint=str(self.paths.service), supported_versions=list(SUPPORTED_VERSIONS)
         )
@@ -118,10 +129,16 @@ class DraPluginServer:
     async def _notify(self, request: reg.RegistrationStatus, context: Any) -> reg.RegistrationStatusResponse:
         self.registered, self.registration_error = request.plugin_registered, request.error
         if request.plugin_registered:
+            self.registrations += 1
             log.info("the kubelet registered DRA driver %s", DRIVER)
+            self._wake()
         else:
             log.error("the kubelet refused DRA driver %s: %s", DRIVER, request.error)
         return reg.RegistrationStatusResponse()
+
+    def _wake(self) -> None:
+        if self.on_registered is not None:
+            self.on_registered()
 
     # ----- DRAPlugin -------------------------------------------------------------------------------------------
     def _dra_handlers(self, pb: Any, version: str) -> grpc.GenericRpcHandler:

@@ -1,14 +1,15 @@
 """``sharegpu dra-driver`` at run time: label the node as a DRA node, serve the kubelet, keep the slices current.
 
-Every ``interval_s`` it republishes the slices if the GPUs changed and releases what no prepared claim needs (a MIG
-instance whose process has only now exited, a daemon left by a failed Prepare). A restart recovers from the
+Every ``interval_s`` it republishes the slices if the GPUs changed or the API server lost some, and releases what no
+prepared claim needs (a MIG instance whose process has only now exited, a daemon left by a failed Prepare). When the
+kubelet registers the plugin (on every kubelet start, after which the kubelet deletes the node's slices) it checks at
+once and a few times in the next seconds, so the slices are back within about a second. A restart recovers from the
 checkpoint: prepared claims keep their MIG instances and MPS daemons, and the kubelet's retries get the same answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 DEVICE_PATH_LABEL = "sharegpu.io/device-path"  # "dra": this node's GPUs are handed out through DRA only
 DEVICE_PATH_DRA = "dra"
+REGISTRATION_RECHECKS_S = (0.5, 1.0, 2.0, 4.0)  # after a (re)registration: check the slices again this much later
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +52,30 @@ class DraDriverService:
         # The label first: the extender must stop counting this node's GPUs before any claim lands on them.
         await self.kube.label_node(self.config.node_name, {DEVICE_PATH_LABEL: DEVICE_PATH_DRA})
         await self.driver.recover()
+        registered = asyncio.Event()
+        self.server.on_registered = registered.set
         await self.server.start()
+        # After a registration, a few quick checks besides the one at once: a restarted kubelet deletes the node's
+        # slices in the background at start, possibly just after our first republish.
+        soon: list[float] = []
+        loop = asyncio.get_running_loop()
         try:
             while not stop.is_set():
                 await self.tick()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.config.interval_s)
+                now = loop.time()
+                soon = [t for t in soon if t > now]
+                wait_s = min([self.config.interval_s, *(t - now for t in soon)])
+                waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(registered.wait())}
+                try:
+                    await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waiters:
+                        w.cancel()
+                if registered.is_set():
+                    registered.clear()
+                    now = loop.time()
+                    soon = [now + d for d in REGISTRATION_RECHECKS_S]
+                    log.info("the kubelet (re)registered the plugin: republishing the ResourceSlices now")
         finally:
             await self.server.stop()
 
