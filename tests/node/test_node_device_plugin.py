@@ -1,22 +1,27 @@
-"""The device plugin over real gRPC on unix sockets, against a test peer that plays the kubelet."""
+"""The device plugin over real gRPC on unix sockets, against a test peer that plays the kubelet: Allocate names a CDI
+device and hides every GPU; PreStartContainer finds the pod in the kubelet's records (its pod-resources API, also over
+gRPC, and its checkpoint) and writes the CDI spec, which is read back here as the runtime would."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
 import pytest
-from node_fakes import SIM_YAML, FakeKube, FakeKubelet, assignment, pod, share
+from node_fakes import SIM_YAML, FakeKube, FakeKubelet, KubeletRecord, assignment, cdi_spec, pod, share
 
 from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER, Allocator
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
+from sharegpu.node.cdi import CdiWriter, allocation_name
 from sharegpu.node.device_plugin import DevicePluginError, DevicePluginServer, device_tokens
+from sharegpu.node.kube import PodInfo
 from sharegpu.node.mig import MigManager
 from sharegpu.node.mps import MpsManager, SimMpsDaemon
 from sharegpu.node.proto import deviceplugin_pb2 as pb
@@ -36,22 +41,34 @@ class Rig:
     sim: SimBackend
     kube: FakeKube
     kubelet: FakeKubelet
+    record: KubeletRecord
     plugin: DevicePluginServer
     mps_daemon: SimMpsDaemon
     mps_root: Path
     state: AgentState
+    cdi_dir: Path
 
     def uuid(self, i: int) -> str:
         return self.sim.devices()[i].uuid
 
-    async def allocate(self, n: int = 1) -> pb.ContainerAllocateResponse:
-        stub = self.kubelet.plugin()
-        req = pb.AllocateRequest(
-            container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"t{i}" for i in range(n)])]
-        )
-        resp = await stub.Allocate(req, timeout=10)
-        assert len(resp.container_responses) == 1
-        return resp.container_responses[0]
+    async def start(self, p: PodInfo, ids: Sequence[str] = ("t0",), container: str = "c0") -> dict[str, Any]:
+        """Start ``container`` of ``p`` with ``ids`` as the kubelet does; returns the CDI spec PreStartContainer
+        wrote for it (and checks what Allocate answered)."""
+        answer = await self.kubelet.run_container(self.record, p, container, ids)
+        assert list(answer.cdi_devices) == [pb.CDIDevice(name=f"sharegpu.io/gpu={allocation_name(ids)}")]
+        assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": "void"} and len(answer.mounts) == 0
+        return cdi_spec(self.cdi_dir, ids)
+
+    async def refused(self, p: PodInfo | None, ids: Sequence[str] = ("t0",), container: str = "c0") -> str:
+        """Start it; PreStartContainer must refuse it with FAILED_PRECONDITION and write no spec: the message."""
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            if p is None:  # the kubelet records no pod for these IDs
+                await self.kubelet.plugin().PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids), timeout=10)
+            else:
+                await self.kubelet.run_container(self.record, p, container, ids)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+        assert not (self.cdi_dir / f"sharegpu.io-dp_{allocation_name(ids)}.json").exists()
+        return e.value.details() or ""
 
 
 def run(sock_dir: Path, body: Callable[[Rig], Awaitable[None]], *, honour_field_selector: bool = True) -> None:
@@ -61,8 +78,20 @@ def run(sock_dir: Path, body: Callable[[Rig], Awaitable[None]], *, honour_field_
         state = AgentState()
         daemon = SimMpsDaemon()
         mps_root = sock_dir / "mps"
+        cdi_dir = sock_dir / "cdi"
+        record = KubeletRecord(sock_dir / "pr" / "kubelet.sock", sock_dir)
+        await record.start()
         allocator = Allocator(
-            "node-a", sim, kube, MigManager(sim, state), MpsManager(mps_root, daemon), state, wait_s=0.3, poll_s=0.05
+            "node-a",
+            sim,
+            kube,
+            MigManager(sim, state),
+            MpsManager(mps_root, daemon),
+            state,
+            record.attributor(),
+            CdiWriter(cdi_dir),
+            wait_s=0.3,
+            poll_s=0.05,
         )
         plugin = DevicePluginServer(sock_dir, allocator, poll_s=0.05)
         await plugin.set_devices(device_tokens(sim.devices(), per_gpu=2))
@@ -72,11 +101,12 @@ def run(sock_dir: Path, body: Callable[[Rig], Awaitable[None]], *, honour_field_
         task = asyncio.create_task(plugin.run(stop))
         try:
             await asyncio.wait_for(kubelet.registered.wait(), 5)
-            await body(Rig(sim, kube, kubelet, plugin, daemon, mps_root, state))
+            await body(Rig(sim, kube, kubelet, record, plugin, daemon, mps_root, state, cdi_dir))
         finally:
             stop.set()
             await task
             await kubelet.stop()
+            await record.stop()
 
     asyncio.run(main())
 
@@ -85,12 +115,18 @@ def test_registers_with_the_exact_protocol_values(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         (req,) = rig.kubelet.requests
         assert (req.version, req.endpoint, req.resource_name) == ("v1beta1", "sharegpu.sock", "sharegpu.io/gpu")
+        # PreStartContainer is asked for at registration and in the options: without it no container gets its share.
+        assert req.options.pre_start_required and not req.options.get_preferred_allocation_available
         opts = await rig.kubelet.plugin().GetDevicePluginOptions(pb.Empty(), timeout=5)
-        assert not opts.pre_start_required and not opts.get_preferred_allocation_available
-        # Field numbers on the wire are upstream's: ContainerAllocateResponse.envs is field 1, mounts 2.
+        assert opts.pre_start_required and not opts.get_preferred_allocation_available
+        # Field numbers on the wire are upstream's: ContainerAllocateResponse.envs is field 1, mounts 2, cdi_devices 5;
+        # DevicePluginOptions.pre_start_required 1; RegisterRequest.options 4.
         wire = pb.ContainerAllocateResponse(envs={"a": "b"}, mounts=[pb.Mount(host_path="/h")]).SerializeToString()
         assert wire[0] == (1 << 3) | 2 and wire.index(bytes([(2 << 3) | 2])) > 0
+        assert pb.ContainerAllocateResponse(cdi_devices=[pb.CDIDevice(name="x")]).SerializeToString()[0] == (5 << 3) | 2
+        assert pb.DevicePluginOptions(pre_start_required=True).SerializeToString() == bytes([1 << 3, 1])
         assert pb.RegisterRequest(resource_name="x").SerializeToString()[0] == (3 << 3) | 2
+        assert pb.RegisterRequest(options=pb.DevicePluginOptions()).SerializeToString()[0] == (4 << 3) | 2
 
     run(sock_dir, body)
 
@@ -111,53 +147,107 @@ def test_list_and_watch_sends_devices_and_health_changes(sock_dir: Path) -> None
     run(sock_dir, body)
 
 
-def test_allocate_mps_share_returns_daemon_pipe_and_limits(sock_dir: Path) -> None:
+def test_allocate_only_names_the_cdi_device_and_hides_every_gpu(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
-        a = assignment("infer", share(0, rig.uuid(0), Mechanism.MPS, compute_milli=300, memory_mib=10240))
-        rig.kube.add(pod("infer", a))
-        resp = await rig.allocate()
-        assert dict(resp.envs) == {
-            "NVIDIA_VISIBLE_DEVICES": rig.uuid(0),
-            "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_IN_CONTAINER,
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10240M",
-        }
-        (mount,) = resp.mounts
-        assert mount.container_path == MPS_PIPE_IN_CONTAINER
-        assert Path(mount.host_path) == rig.mps_root / rig.uuid(0) / "pipe"
-        assert rig.mps_daemon.starts == 1 and (Path(mount.host_path) / SimMpsDaemon.MARKER).exists()
+        rig.kube.add(pod("infer", assignment("infer", share(0, rig.uuid(0), Mechanism.MPS, 300, 1024))))
+        stub = rig.kubelet.plugin()
+        ids = ["t1", "t0"]
+        resp = await stub.Allocate(
+            pb.AllocateRequest(
+                container_requests=[
+                    pb.ContainerAllocateRequest(devices_ids=ids),
+                    pb.ContainerAllocateRequest(devices_ids=["t0", "t1"]),
+                    pb.ContainerAllocateRequest(devices_ids=["t2"]),
+                ]
+            ),
+            timeout=5,
+        )
+        names = [[d.name for d in r.cdi_devices] for r in resp.container_responses]
+        assert names[0] == [f"sharegpu.io/gpu={allocation_name(ids)}"] and names[0][0].startswith("sharegpu.io/gpu=dp-")
+        assert names[1] == names[0] != names[2]  # named after the IDs, whatever their order
+        assert all(dict(r.envs) == {"NVIDIA_VISIBLE_DEVICES": "void"} for r in resp.container_responses)
+        assert all(len(r.mounts) == 0 and len(r.devices) == 0 for r in resp.container_responses)
+        # Nothing is made ready and nothing is written before PreStartContainer: the pod is not known yet.
+        assert rig.mps_daemon.starts == 0 and not rig.cdi_dir.exists() and rig.state.allocations == {}
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Allocate(pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest()]), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "at least 1" in (e.value.details() or "")
 
     run(sock_dir, body)
 
 
-def test_allocate_time_slicing_and_exclusive_give_the_uuid_only(sock_dir: Path) -> None:
+def test_prestart_for_ids_no_pod_holds_is_refused(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
-        rig.kube.add(pod("ts", assignment("ts", share(1, rig.uuid(1), Mechanism.TIME_SLICING, 500)), created="1"))
-        rig.kube.add(
-            pod("whole", assignment("whole", share(2, rig.uuid(2), Mechanism.EXCLUSIVE, 1000, 24 * 1024)), created="2")
+        rig.kube.add(pod("a", assignment("a", share(0, rig.uuid(0), Mechanism.TIME_SLICING, 100))))
+        message = await rig.refused(None, ["t7"])
+        assert "no pod on this node holds device IDs t7" in message and "refusing to guess" in message
+        assert rig.record.lists == 1  # the kubelet's pod-resources API was asked
+        assert rig.state.allocations == {} and rig.state.device_share == {}
+        # The kubelet's records unreadable altogether: refused, saying what failed.
+        await rig.record.stop()
+        rig.record.checkpoint.unlink(missing_ok=True)
+        message = await rig.refused(None, ["t7"])
+        assert "pod-resources API" in message and "checkpoint" in message and "does not exist" in message
+
+    run(sock_dir, body)
+
+
+def test_mps_share_gets_the_daemon_pipe_and_limits_in_its_cdi_spec(sock_dir: Path) -> None:
+    async def body(rig: Rig) -> None:
+        a = assignment("infer", share(0, rig.uuid(0), Mechanism.MPS, compute_milli=300, memory_mib=10240))
+        spec = await rig.start(rig.kube.add(pod("infer", a)))
+        assert spec["env"] == {
+            "NVIDIA_VISIBLE_DEVICES": rig.uuid(0),
+            "SHAREGPU_MECHANISM": "mps",
+            "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_IN_CONTAINER,
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10240M",
+        }
+        (mount,) = spec["mounts"]
+        assert mount["containerPath"] == MPS_PIPE_IN_CONTAINER and "rw" in mount["options"]
+        assert Path(mount["hostPath"]) == rig.mps_root / rig.uuid(0) / "pipe"
+        assert rig.mps_daemon.starts == 1 and (Path(mount["hostPath"]) / SimMpsDaemon.MARKER).exists()
+        assert spec["deviceNodes"] == []  # the simulated backend has no device nodes (a runtime stats each one)
+        assert rig.state.allocations == {"uid-default-infer": {"c0": (rig.uuid(0),)}}
+        assert rig.state.cdi_specs == {"uid-default-infer": {allocation_name(["t0"])}}
+
+    run(sock_dir, body)
+
+
+def test_time_slicing_and_exclusive_give_the_uuid_only(sock_dir: Path) -> None:
+    async def body(rig: Rig) -> None:
+        ts = rig.kube.add(pod("ts", assignment("ts", share(1, rig.uuid(1), Mechanism.TIME_SLICING, 500))))
+        whole = rig.kube.add(
+            pod("whole", assignment("whole", share(2, rig.uuid(2), Mechanism.EXCLUSIVE, 1000, 24 * 1024)))
         )
-        for gpu in (1, 2):
-            resp = await rig.allocate()
-            assert dict(resp.envs) == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(gpu)}
-            assert len(resp.mounts) == 0
+        for p, ids, gpu, mechanism in ((ts, ["t0"], 1, "time-slicing"), (whole, ["t1"], 2, "exclusive")):
+            spec = await rig.start(p, ids)
+            assert spec["env"] == {"NVIDIA_VISIBLE_DEVICES": rig.uuid(gpu), "SHAREGPU_MECHANISM": mechanism}
+            assert spec["mounts"] == []
         assert rig.mps_daemon.starts == 0
 
     run(sock_dir, body)
 
 
-def test_allocate_creates_the_mig_instance_before_handing_it_out(sock_dir: Path) -> None:
+def test_prestart_creates_the_mig_instances_before_handing_them_out(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         a = assignment(
             "train",
             share(1, rig.uuid(1), Mechanism.MIG, 1000, 40 * 1024, MigSlot("3g.40gb", 4), Mechanism.EXCLUSIVE),
             share(2, rig.uuid(2), Mechanism.MIG, 500, 6 * 1024, MigSlot("1g.6gb", 3), Mechanism.TIME_SLICING),
         )
-        rig.kube.add(pod("train", a, gpus=(2,)))
-        resp = await rig.allocate(2)
+        p = rig.kube.add(pod("train", a, gpus=(2,)))
+        stub = rig.kubelet.plugin()
+        await stub.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["t0", "t1"])]), timeout=5
+        )
+        assert rig.sim.mig_instances(1) == () and rig.sim.mig_instances(2) == ()  # Allocate makes nothing
+        spec = await rig.start(p, ["t0", "t1"])
         (inst1,) = rig.sim.mig_instances(1)
         (inst2,) = rig.sim.mig_instances(2)
         assert (inst1.profile, inst1.start, inst2.profile, inst2.start) == ("3g.40gb", 4, "1g.6gb", 3)
-        assert resp.envs["NVIDIA_VISIBLE_DEVICES"] == f"{inst1.uuid},{inst2.uuid}"
+        assert spec["env"]["NVIDIA_VISIBLE_DEVICES"] == f"{inst1.uuid},{inst2.uuid}"
+        assert spec["env"]["SHAREGPU_MECHANISM"] == "exclusive,time-slicing"  # how each unit is shared
 
     run(sock_dir, body)
 
@@ -165,17 +255,16 @@ def test_allocate_creates_the_mig_instance_before_handing_it_out(sock_dir: Path)
 def test_mps_inside_a_mig_instance_gets_its_own_daemon(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         s = share(0, rig.uuid(0), Mechanism.MIG, 250, 5 * 1024, MigSlot("2g.20gb", 2), Mechanism.MPS)
-        rig.kube.add(pod("m", assignment("m", s)))
-        resp = await rig.allocate()
+        spec = await rig.start(rig.kube.add(pod("m", assignment("m", s))))
         (inst,) = rig.sim.mig_instances(0)
-        assert resp.envs["NVIDIA_VISIBLE_DEVICES"] == inst.uuid
-        assert resp.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-        assert resp.mounts[0].host_path == str(rig.mps_root / inst.uuid / "pipe")
+        assert spec["env"]["NVIDIA_VISIBLE_DEVICES"] == inst.uuid
+        assert spec["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+        assert spec["mounts"][0]["hostPath"] == str(rig.mps_root / inst.uuid / "pipe")
 
     run(sock_dir, body)
 
 
-def test_containers_of_one_pod_take_consecutive_shares_in_order(sock_dir: Path) -> None:
+def test_containers_of_one_pod_get_distinct_shares_in_the_order_they_start(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         a = assignment(
             "two",
@@ -183,23 +272,19 @@ def test_containers_of_one_pod_take_consecutive_shares_in_order(sock_dir: Path) 
             share(1, rig.uuid(1), Mechanism.TIME_SLICING, 100),
             share(2, rig.uuid(2), Mechanism.TIME_SLICING, 100),
         )
-        rig.kube.add(pod("two", a, gpus=(1, 2)))
-        assert (await rig.allocate(1)).envs["NVIDIA_VISIBLE_DEVICES"] == rig.uuid(0)
-        second = await rig.allocate(2)
-        assert second.envs["NVIDIA_VISIBLE_DEVICES"] == f"{rig.uuid(1)},{rig.uuid(2)}"
+        p = rig.kube.add(pod("two", a, gpus=(1, 2)))
+        # c1 starts first: it takes the first two shares; c0 the one left.
+        second = await rig.start(p, ["t1", "t2"], "c1")
+        assert second["env"]["NVIDIA_VISIBLE_DEVICES"] == f"{rig.uuid(0)},{rig.uuid(1)}"
+        first = await rig.start(p, ["t0"], "c0")
+        assert first["env"]["NVIDIA_VISIBLE_DEVICES"] == rig.uuid(2)
         assert rig.state.allocated_containers("uid-default-two") == {"c0", "c1"}
+        assert rig.state.device_shares("uid-default-two") == {"t1": 0, "t2": 1, "t0": 2}
 
     run(sock_dir, body)
 
 
-async def _refused(rig: Rig, n: int = 1) -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await rig.allocate(n)
-    assert e.value.code() in (grpc.StatusCode.FAILED_PRECONDITION,)
-    return e.value.details() or ""
-
-
-def test_bad_assignments_fail_allocate_clearly_and_the_plugin_keeps_serving(sock_dir: Path) -> None:
+def test_bad_assignments_fail_prestart_clearly_and_the_plugin_keeps_serving(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         good = assignment("good", share(0, rig.uuid(0), Mechanism.TIME_SLICING, 100))
         cases = [
@@ -216,32 +301,36 @@ def test_bad_assignments_fail_allocate_clearly_and_the_plugin_keeps_serving(sock
             (None, "no sharegpu.io/assignment"),
         ]
         for i, (annotation, message) in enumerate(cases):
-            # A new pod each time (own UID): a refused pod is never picked again.
-            p = rig.kube.add(replace(pod("bad", annotation), uid=f"uid-bad-{i}"))
-            assert message in await _refused(rig)
+            p = rig.kube.add(pod("bad", annotation, uid=f"uid-bad-{i}"))
+            details = await rig.refused(p, [f"bad{i}"])
+            assert message in details and "default/bad" in details, details
             del rig.kube.pods[p.uid]
-        rig.kube.add(pod("good", good))
-        assert (await rig.allocate()).envs["NVIDIA_VISIBLE_DEVICES"] == rig.uuid(0)
+            rig.record.release(p.uid)
+        # A pod whose container is refused may be retried (the kubelet does): once its assignment is fixed, it starts.
+        p = rig.kube.add(pod("good", "{not json"))
+        assert "is invalid" in await rig.refused(p, ["g0"])
+        rig.kube.add(replace(p, annotations={"sharegpu.io/assignment": good.to_json()}))
+        assert (await rig.start(p, ["g0"]))["env"]["NVIDIA_VISIBLE_DEVICES"] == rig.uuid(0)
 
     run(sock_dir, body)
 
 
-def test_count_mismatch_and_no_pod_are_refused(sock_dir: Path) -> None:
+def test_count_mismatch_and_mps_across_gpus_are_refused(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
-        assert "no pending pod bound to node node-a" in await _refused(rig)
         two = assignment(
             "two",
             share(0, rig.uuid(0), Mechanism.TIME_SLICING, 100),
             share(1, rig.uuid(1), Mechanism.TIME_SLICING, 100),
         )
-        rig.kube.add(pod("two", two, gpus=(1,)))
-        assert "ask for 1 sharegpu.io/gpu in all, but its assignment holds 2" in await _refused(rig)
+        p = rig.kube.add(pod("two", two, gpus=(1,)))
+        assert "hold 1 sharegpu.io/gpu at their peak, but its assignment holds 2" in await rig.refused(p)
+        rig.record.release(p.uid)
         mps_two = assignment(
             "m2", share(0, rig.uuid(0), Mechanism.MPS, 100, 100), share(1, rig.uuid(1), Mechanism.MPS, 100, 100)
         )
         rig.kube.pods.clear()
-        rig.kube.add(pod("m2", mps_two, gpus=(2,)))
-        assert "one MPS daemon" in await _refused(rig, 2)
+        p = rig.kube.add(pod("m2", mps_two, gpus=(2,)))
+        assert "one MPS daemon" in await rig.refused(p, ["t0", "t1"])
 
     run(sock_dir, body)
 
@@ -250,19 +339,19 @@ def test_pods_of_other_nodes_are_never_used(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         # The API (wrongly) returns another node's pod, with an assignment that even names this node.
         other = assignment("other", share(0, rig.uuid(0), Mechanism.TIME_SLICING, 100))
-        rig.kube.add(pod("other", other, node="node-b"))
-        assert "no pending pod bound to node node-a" in await _refused(rig)
-        assert rig.state.allocations == {}
+        p = rig.kube.add(pod("other", other, node="node-b"))
+        assert "is bound to node node-a in the API" in await rig.refused(p)
+        assert rig.state.allocations == {} and rig.state.device_share == {}
 
     run(sock_dir, body, honour_field_selector=False)
 
 
-def test_allocate_waits_for_a_pod_that_the_api_shows_late(sock_dir: Path) -> None:
+def test_prestart_waits_for_a_pod_that_the_api_shows_late(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         rig.kube.fail_lists = 2  # the API server hiccups first
-        late = assignment("late", share(0, rig.uuid(0), Mechanism.TIME_SLICING, 100))
-        asyncio.get_running_loop().call_later(0.1, rig.kube.add, pod("late", late))
-        assert (await rig.allocate()).envs["NVIDIA_VISIBLE_DEVICES"] == rig.uuid(0)
+        late = pod("late", assignment("late", share(0, rig.uuid(0), Mechanism.TIME_SLICING, 100)))
+        asyncio.get_running_loop().call_later(0.1, rig.kube.add, late)
+        assert (await rig.start(late))["env"]["NVIDIA_VISIBLE_DEVICES"] == rig.uuid(0)
 
     run(sock_dir, body)
 
@@ -285,7 +374,10 @@ def test_socket_path_too_long_is_a_clear_error(tmp_path: Path) -> None:
     long_dir = tmp_path / ("d" * 120)
 
     class NoAllocator:
-        async def allocate(self, device_count: int) -> object:
+        def allocate(self, device_ids: Sequence[str]) -> object:
+            raise AssertionError
+
+        async def prestart(self, device_ids: Sequence[str]) -> object:
             raise AssertionError
 
     with pytest.raises(DevicePluginError, match="shorter --device-plugin-dir"):
