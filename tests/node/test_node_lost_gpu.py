@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from node_fakes import FakeKube, assignment, pod, share
+from node_fakes import FakeKube, agent_config, assignment, pod, record_for, share, start_container
 from test_node_nvml_backend import FakeGpu, FakeNvml
 
 from sharegpu.model.assignment import Mechanism
-from sharegpu.node.agent import AgentConfig, NodeAgent
+from sharegpu.node.agent import NodeAgent
 from sharegpu.node.allocation import AllocationError
 from sharegpu.node.backends.base import BackendError
 from sharegpu.node.backends.nvml import NvmlBackend, NvmlCallError
@@ -46,29 +46,29 @@ class LostNvml(FakeNvml):
         return super().mig_mode(h)
 
 
-def test_a_lost_gpu_is_reported_unhealthy_under_its_last_uuid(tmp_path: Path) -> None:
+def test_a_lost_gpu_is_reported_unhealthy_under_its_last_uuid(tmp_path: Path, sock_dir: Path) -> None:
     async def main() -> None:
         api = LostNvml(FakeGpu("NVIDIA H100 80GB HBM3"), FakeGpu("NVIDIA H100 PCIe"))
         kube = FakeKube(NodeInfo("node-a", {}, {}, 32000, 256 * 1024))
-        config = AgentConfig("node-a", tmp_path / "dp", tmp_path / "state", allocate_wait_s=0.2, tokens_per_gpu=1)
+        config = agent_config(tmp_path, sock_dir, allocate_wait_s=0.2, tokens_per_gpu=1)
         agent = NodeAgent(config, NvmlBackend(api), kube, SimMpsDaemon())
-        await agent.reconcile_once()
-        api.gpus[1].broken = True
-        await agent.reconcile_once()  # no exception: the node keeps being served
-        assert [(t.id, t.healthy) for t in agent.plugin._tokens] == [("GPU-0::0", True), ("GPU-1::0", False)]
-        kube.add(pod("a", assignment("a", share(0, "GPU-0", Mechanism.TIME_SLICING, 100))))
-        assert (await agent.allocator.allocate(1)).envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-0"}
-        kube.add(
-            pod(
-                "b",
-                assignment("b", share(1, "GPU-1", Mechanism.TIME_SLICING, 100)),
-                created="2024-05-01T10:00:01+00:00",
-            )
-        )
-        with pytest.raises(AllocationError, match="unhealthy"):
-            await agent.allocator.allocate(1)
-        api.gpus[1].broken = False
-        assert [d.healthy for d in agent.backend.devices()] == [True, True]
+        record = record_for(config)
+        await record.start()
+        try:
+            await agent.reconcile_once()
+            api.gpus[1].broken = True
+            await agent.reconcile_once()  # no exception: the node keeps being served
+            assert [(t.id, t.healthy) for t in agent.plugin._tokens] == [("GPU-0::0", True), ("GPU-1::0", False)]
+            a = kube.add(pod("a", assignment("a", share(0, "GPU-0", Mechanism.TIME_SLICING, 100))))
+            grant = await start_container(agent, record, a, "c0", ["GPU-0::0"])
+            assert grant.units == ("GPU-0",) and grant.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-0"
+            b = kube.add(pod("b", assignment("b", share(1, "GPU-1", Mechanism.TIME_SLICING, 100))))
+            with pytest.raises(AllocationError, match="unhealthy"):
+                await start_container(agent, record, b, "c0", ["GPU-1::0"])
+            api.gpus[1].broken = False
+            assert [d.healthy for d in agent.backend.devices()] == [True, True]
+        finally:
+            await record.stop()
 
     asyncio.run(main())
 

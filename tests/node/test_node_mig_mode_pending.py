@@ -4,10 +4,11 @@ and no whole-GPU grant on a GPU in MIG mode."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from node_fakes import FakeKube, assignment, pod, share
+from node_fakes import FakeKube, KubeletRecord, assignment, pod, share, start_container
 from test_node_nvml_backend import FakeGpu, FakeNvml
 
 from sharegpu.model.assignment import Mechanism, MigSlot
@@ -16,6 +17,7 @@ from sharegpu.node.backends.base import InstanceInUse, MigModeInUse, MigModePend
 from sharegpu.node.backends.nvml import NvmlBackend, NvmlCallError
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
+from sharegpu.node.cdi import CdiWriter
 from sharegpu.node.mig import MigError, MigManager
 from sharegpu.node.mps import MpsManager, SimMpsDaemon
 from sharegpu.node.state import AgentState
@@ -67,38 +69,56 @@ def test_a_pending_enable_that_cannot_be_withdrawn_is_recorded_as_sharegpus() ->
     assert state.mig_mode_set == {"GPU-0"}  # after the reset, sharegpu may turn it off again for whole-GPU shares
 
 
-def _allocator(tmp_path: Path, yaml: str) -> tuple[Allocator, SimBackend, FakeKube, AgentState]:
-    sim = SimBackend(parse_sim_config(yaml), seed="node-a")
-    kube, state = FakeKube(), AgentState()
-    mig = MigManager(sim, state)
-    return (
-        Allocator("node-a", sim, kube, mig, MpsManager(tmp_path, SimMpsDaemon()), state, wait_s=0.2, poll_s=0.05),
-        sim,
-        kube,
-        state,
-    )
-
-
-def test_no_whole_gpu_grant_on_a_gpu_an_administrator_put_in_mig_mode(tmp_path: Path) -> None:
+def _run(
+    tmp_path: Path,
+    sock_dir: Path,
+    yaml: str,
+    body: Callable[[Allocator, SimBackend, FakeKube, AgentState, KubeletRecord], Awaitable[None]],
+) -> None:
     async def main() -> None:
-        alloc, sim, kube, _ = _allocator(tmp_path, "gpus: [{model: A30-24GB, mig: true}]\n")
-        g = sim.devices()[0].uuid
-        kube.add(pod("a", assignment("a", share(0, g, Mechanism.TIME_SLICING, 100))))
-        with pytest.raises(AllocationError, match="is in MIG mode"):
-            await alloc.allocate(1)
-        assert sim.devices()[0].mig_enabled
+        sim = SimBackend(parse_sim_config(yaml), seed="node-a")
+        kube, state = FakeKube(), AgentState()
+        record = KubeletRecord(sock_dir / "pr" / "kubelet.sock", tmp_path / "dp")
+        await record.start()
+        alloc = Allocator(
+            "node-a",
+            sim,
+            kube,
+            MigManager(sim, state),
+            MpsManager(tmp_path / "mps", SimMpsDaemon()),
+            state,
+            record.attributor(),
+            CdiWriter(tmp_path / "cdi"),
+            wait_s=0.2,
+            poll_s=0.05,
+        )
+        try:
+            await body(alloc, sim, kube, state, record)
+        finally:
+            await record.stop()
 
     asyncio.run(main())
 
 
-def test_a_gpu_sharegpu_put_in_mig_mode_is_taken_out_for_a_whole_gpu_grant(tmp_path: Path) -> None:
-    async def main() -> None:
-        alloc, sim, kube, state = _allocator(tmp_path, "gpus: [{model: A30-24GB}]\n")
+def test_no_whole_gpu_grant_on_a_gpu_an_administrator_put_in_mig_mode(tmp_path: Path, sock_dir: Path) -> None:
+    async def body(alloc: Allocator, sim: SimBackend, kube: FakeKube, _: AgentState, record: KubeletRecord) -> None:
+        g = sim.devices()[0].uuid
+        a = kube.add(pod("a", assignment("a", share(0, g, Mechanism.TIME_SLICING, 100))))
+        with pytest.raises(AllocationError, match="is in MIG mode"):
+            await start_container(alloc, record, a, "c0", ["t0"])
+        assert sim.devices()[0].mig_enabled
+        assert not alloc.cdi.allocation_names()  # no spec that would hand out every MIG instance
+
+    _run(tmp_path, sock_dir, "gpus: [{model: A30-24GB, mig: true}]\n", body)
+
+
+def test_a_gpu_sharegpu_put_in_mig_mode_is_taken_out_for_a_whole_gpu_grant(tmp_path: Path, sock_dir: Path) -> None:
+    async def body(alloc: Allocator, sim: SimBackend, kube: FakeKube, state: AgentState, record: KubeletRecord) -> None:
         g = sim.devices()[0].uuid
         sim.set_mig_mode(0, True)
         state.set_mig_mode_by_us(g, True)
-        kube.add(pod("a", assignment("a", share(0, g, Mechanism.EXCLUSIVE, 1000))))
-        assert (await alloc.allocate(1)).envs == {"NVIDIA_VISIBLE_DEVICES": g}
+        a = kube.add(pod("a", assignment("a", share(0, g, Mechanism.EXCLUSIVE, 1000))))
+        assert (await start_container(alloc, record, a, "c0", ["t0"])).units == (g,)
         assert not sim.devices()[0].mig_enabled and state.mig_mode_set == set()
 
-    asyncio.run(main())
+    _run(tmp_path, sock_dir, "gpus: [{model: A30-24GB}]\n", body)

@@ -108,14 +108,17 @@ def _limit_commands(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if " set_" in line] if log.exists() else []
 
 
-def test_allocate_makes_the_control_daemon_enforce_the_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The limits reach the daemon itself, before Allocate answers: a client cannot raise them by its own env."""
-    from node_fakes import SIM_YAML, FakeKube, assignment, pod, share
+def test_prestart_makes_the_control_daemon_enforce_the_limits(
+    tmp_path: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limits reach the daemon itself, before PreStartContainer answers: a client cannot raise them by its own env."""
+    from node_fakes import SIM_YAML, FakeKube, KubeletRecord, assignment, pod, share, start_container
 
     from sharegpu.model.assignment import Mechanism
     from sharegpu.node.allocation import Allocator
     from sharegpu.node.backends.sim import SimBackend
     from sharegpu.node.backends.sim_config import parse_sim_config
+    from sharegpu.node.cdi import CdiWriter
     from sharegpu.node.mig import MigManager
     from sharegpu.node.state import AgentState
 
@@ -125,41 +128,61 @@ def test_allocate_makes_the_control_daemon_enforce_the_limits(tmp_path: Path, mo
     async def main() -> None:
         sim = SimBackend(parse_sim_config(SIM_YAML), seed="node-a")
         kube, state = FakeKube(), AgentState()
+        record = KubeletRecord(sock_dir / "pr" / "kubelet.sock", tmp_path / "dp")
+        await record.start()
         mps = MpsManager(tmp_path / "mps", NvidiaMpsDaemon(_fake_control(tmp_path)))
-        alloc = Allocator("node-a", sim, kube, MigManager(sim, state), mps, state, wait_s=0.2)
-        g = sim.devices()[0].uuid
-        kube.add(pod("a", assignment("a", share(0, g, Mechanism.MPS, 300, 10240))))
-        grant = await alloc.allocate(1)
-        assert grant.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
-        assert _limit_commands(log) == [
-            f"{g} set_default_active_thread_percentage 30",
-            f"{g} set_default_device_pinned_mem_limit 0 10240M",
-        ]
-        # A second, larger share on the same daemon: the ceiling grows to it (never shrinks under a running client).
-        monkeypatch.setenv("FAKE_SERVERS", "4242")
-        log.unlink()
-        kube.add(pod("b", assignment("b", share(0, g, Mechanism.MPS, 500, 20480)), created="2024-05-01T10:00:01+00:00"))
-        kube.set_phase("uid-default-a", "Running")
-        await alloc.allocate(1)
-        assert _limit_commands(log) == [
-            f"{g} set_default_active_thread_percentage 50",
-            f"{g} set_default_device_pinned_mem_limit 0 20480M",
-            f"{g} set_active_thread_percentage 4242 50",
-            f"{g} set_device_pinned_mem_limit 4242 0 20480M",
-        ]
-        # A smaller share later: nothing to change.
-        log.unlink()
-        kube.add(pod("c", assignment("c", share(0, g, Mechanism.MPS, 100, 1024)), created="2024-05-01T10:00:02+00:00"))
-        kube.set_phase("uid-default-b", "Running")
-        await alloc.allocate(1)
-        assert _limit_commands(log) == []
-        # The reconcile loop sets the exact largest share once b has gone.
-        await mps.reconcile({g}, {g: MpsLimits(30, 10240)})
-        assert _limit_commands(log)[:2] == [
-            f"{g} set_default_active_thread_percentage 30",
-            f"{g} set_default_device_pinned_mem_limit 0 10240M",
-        ]
-        assert mps.limits(g) == MpsLimits(30, 10240)
+        alloc = Allocator(
+            "node-a",
+            sim,
+            kube,
+            MigManager(sim, state),
+            mps,
+            state,
+            record.attributor(),
+            CdiWriter(tmp_path / "cdi"),
+            wait_s=0.2,
+        )
+        try:
+            g = sim.devices()[0].uuid
+            a = kube.add(pod("a", assignment("a", share(0, g, Mechanism.MPS, 300, 10240))))
+            assert alloc.allocate(["ta"]).envs == {"NVIDIA_VISIBLE_DEVICES": "void"}
+            assert _limit_commands(log) == []  # Allocate starts nothing: the pod is not known yet
+            grant = await start_container(alloc, record, a, "c0", ["ta"])
+            assert grant.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+            assert _limit_commands(log) == [
+                f"{g} set_default_active_thread_percentage 30",
+                f"{g} set_default_device_pinned_mem_limit 0 10240M",
+            ]
+            # A second, larger share on the same daemon: the ceiling grows to it (never shrinks under a running
+            # client).
+            monkeypatch.setenv("FAKE_SERVERS", "4242")
+            log.unlink()
+            b = kube.add(pod("b", assignment("b", share(0, g, Mechanism.MPS, 500, 20480))))
+            kube.set_phase("uid-default-a", "Running")
+            await start_container(alloc, record, b, "c0", ["tb"])
+            assert _limit_commands(log) == [
+                f"{g} set_default_active_thread_percentage 50",
+                f"{g} set_default_device_pinned_mem_limit 0 20480M",
+                f"{g} set_active_thread_percentage 4242 50",
+                f"{g} set_device_pinned_mem_limit 4242 0 20480M",
+            ]
+            # A smaller share later: nothing to change.
+            log.unlink()
+            c = kube.add(pod("c", assignment("c", share(0, g, Mechanism.MPS, 100, 1024))))
+            kube.set_phase("uid-default-b", "Running")
+            assert (await start_container(alloc, record, c, "c0", ["tc"])).envs[
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+            ] == "10"
+            assert _limit_commands(log) == []
+            # The reconcile loop sets the exact largest share once b has gone.
+            await mps.reconcile({g}, {g: MpsLimits(30, 10240)})
+            assert _limit_commands(log)[:2] == [
+                f"{g} set_default_active_thread_percentage 30",
+                f"{g} set_default_device_pinned_mem_limit 0 10240M",
+            ]
+            assert mps.limits(g) == MpsLimits(30, 10240)
+        finally:
+            await record.stop()
 
     asyncio.run(main())
 
