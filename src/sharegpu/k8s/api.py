@@ -357,9 +357,43 @@ def _translate(e: Exception, what: str) -> ApiError:
         if code is not None and (code >= 500 or code == 429):
             return Unavailable(f"cannot {what}: HTTP {code}: {message}")
         return ApiError(f"cannot {what}: HTTP {code}: {message}")
+    if (answered := _non_json_answer(e, what)) is not None:
+        return answered
     # Anything else is the connection (httpx errors, timeouts, a closed stream): name the server that did not answer.
     why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     server = request_server(e)
     return Unavailable(
         f"cannot {what}: the API server at {server} did not answer: {why}" if server else f"cannot {what}: {why}"
     )
+
+
+# What a Go HTTPS server answers a plain-HTTP request with (net/http, no Content-Type): the API server's own port.
+_HTTP_TO_HTTPS = "Client sent an HTTP request to an HTTPS server"
+
+
+def _non_json_answer(e: Exception, what: str) -> ApiError | None:
+    """An error status whose body is not a Kubernetes Status (no JSON Content-Type): lightkube passes on httpx's
+    HTTPStatusError, or fails on the missing header with a KeyError raised while handling it. Said as the answer it
+    is, with what to change where the cause is known (http:// written for the API server's HTTPS port)."""
+    cause: BaseException | None = e
+    while cause is not None and getattr(cause, "response", None) is None:
+        cause = cause.__context__
+    response = getattr(cause, "response", None)
+    code = getattr(response, "status_code", None)
+    if not isinstance(code, int):
+        return None
+    try:
+        text = " ".join(str(response.text).split())[:200]  # type: ignore[union-attr]
+    except Exception:  # an answer whose body cannot be read: only its status is known
+        text = ""
+    url = getattr(getattr(cause, "request", None), "url", None)
+    if _HTTP_TO_HTTPS in text and url is not None and url.scheme == "http":
+        https = f"https://{url.netloc.decode()}"
+        return ApiError(
+            f"cannot {what}: the API server at http://{url.netloc.decode()} serves HTTPS only; write {https} as the "
+            "cluster's server in the kubeconfig (plain http:// works only with a plain-HTTP endpoint such as kubectl "
+            "proxy)"
+        )
+    where = f" from {url.scheme}://{url.netloc.decode()}" if url is not None else ""
+    kind = Unavailable if code >= 500 or code == 429 else ApiError
+    return kind(f"cannot {what}: HTTP {code}{where}, not a Kubernetes API answer: {text or '(no body)'}")

@@ -110,6 +110,7 @@ async def load_dra_status(kubeconfig: Path | None) -> list[dict[str, Any]]:
     from lightkube.core.exceptions import ApiError
     from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
+    from sharegpu.k8s.api import _translate
     from sharegpu.k8s.kubeconfig import load_credentials
 
     client = load_credentials(kubeconfig).client("sharegpu-status")
@@ -119,7 +120,9 @@ async def load_dra_status(kubeconfig: Path | None) -> list[dict[str, Any]]:
     except ApiError as e:
         if e.status.code == 404:  # resource.k8s.io/v1 not served: no DRA nodes
             return []
-        raise
+        raise _translate(e, "list DRA ResourceSlices and ResourceClaims") from None
+    except Exception as e:  # the connection, or credentials (an exec plugin) that gave out since the nodes' list
+        raise _translate(e, "list DRA ResourceSlices and ResourceClaims") from None
     finally:
         await client.close()
     return dra_status(slices, claims)

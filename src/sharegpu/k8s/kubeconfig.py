@@ -9,7 +9,10 @@ on. The node agent and the control plane both load their credentials through :fu
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +22,8 @@ import yaml
 if TYPE_CHECKING:
     from lightkube import AsyncClient
     from lightkube.config.kubeconfig import SingleConfig
+
+    from sharegpu.k8s.exec_auth import ExecSpec
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
@@ -33,6 +38,8 @@ class KubeconfigError(Exception):
 class Credentials:
     config: SingleConfig
     source: str  # where they came from, for messages: "kubeconfig /x", "the in-cluster service account"
+    # The user's exec plugin, run by sharegpu.k8s.exec_auth (lightkube's own runs neither v1 nor KUBERNETES_EXEC_INFO)
+    exec_spec: ExecSpec | None = None
 
     @property
     def server(self) -> str:
@@ -58,9 +65,26 @@ class Credentials:
                 if self.server.startswith("https")
                 else None
             )
-            return AsyncClient(config=config, field_manager=field_manager, transport=AiohttpTransport(tls))
+            client = AsyncClient(config=config, field_manager=field_manager, transport=AiohttpTransport(tls))
         except (ConfigError, OSError, ValueError) as e:  # ssl.SSLError is an OSError
             raise KubeconfigError(f"cannot use the credentials of {self.source}: {_reason(e)}") from None
+        if self.exec_spec is not None:
+            _use_exec(client, self.exec_spec, self.source)
+        return client
+
+
+def _use_exec(client: AsyncClient, spec: ExecSpec, source: str) -> None:
+    """Authenticate ``client``'s requests with the exec plugin. lightkube offers no way to pass an httpx ``Auth`` of
+    one's own, so it is set on the httpx client lightkube made (checked, so that a lightkube that changed shape fails
+    here, by name, rather than sending requests without credentials)."""
+    import httpx2
+
+    from sharegpu.k8s.exec_auth import ExecAuth
+
+    inner = getattr(getattr(client, "_client", None), "_client", None)
+    if not isinstance(inner, httpx2.AsyncClient):
+        raise KubeconfigError(f"{source}: cannot install its exec plugin on this lightkube's client")
+    inner.auth = ExecAuth(spec, source)
 
 
 def load_credentials(path: Path | None) -> Credentials:
@@ -115,7 +139,36 @@ def _from_file(path: Path, source: str) -> Credentials:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise KubeconfigError(f"{source} is not valid YAML: {_yaml_reason(e)}") from None
-    return Credentials(_select(_validated(data, source), path, source), source)
+    data = _validated(data, source)
+    config = _select(data, path, source)
+    spec = _exec_spec(data, config, source)
+    if spec is not None:
+        import msgspec
+
+        assert config.user is not None
+        # lightkube would run the plugin itself, and refuse a v1 one: sharegpu.k8s.exec_auth runs it instead.
+        config = config._replace(user=msgspec.structs.replace(config.user, exec=None))
+    return Credentials(config, source, spec)
+
+
+def _exec_spec(data: dict[str, Any], config: SingleConfig, source: str) -> ExecSpec | None:
+    """The exec plugin of the current context's user, when its credentials come from one (a token given with it
+    wins, as in lightkube)."""
+    from sharegpu.k8s.exec_auth import ExecSpec, ExecSpecError
+
+    user = config.user
+    if user is None or user.exec is None or user.token is not None or user.token_file is not None:
+        return None
+    ctx = next(c["context"] for c in data["contexts"] if c["name"] == data["current-context"])
+    raw = next(u["user"] for u in data.get("users") or [] if u["name"] == ctx.get("user"))
+    cluster = next(c["cluster"] for c in data["clusters"] if c["name"] == ctx["cluster"])
+    info = {
+        k: v for k, v in cluster.items() if k in ("server", "certificate-authority-data", "insecure-skip-tls-verify")
+    }
+    try:
+        return ExecSpec.parse(raw.get("exec"), info)
+    except ExecSpecError as e:
+        raise KubeconfigError(f"{source}: user {ctx.get('user')!r}: {e}") from None
 
 
 def _validated(data: Any, source: str) -> dict[str, Any]:
@@ -170,7 +223,10 @@ def _select(data: dict[str, Any], path: Path, source: str) -> SingleConfig:
             f"{source}: context {name!r} names user {ctx.user!r}, which is not among its users ({_names(kc.users)})"
         )
     if not cluster.server.startswith(("https://", "http://")):
-        raise KubeconfigError(f"{source}: cluster {ctx.cluster!r} has server {cluster.server!r}, not an https:// URL")
+        raise KubeconfigError(
+            f"{source}: cluster {ctx.cluster!r} has server {cluster.server!r}, not an https:// URL (or http:// for a "
+            "plain-HTTP endpoint such as kubectl proxy)"
+        )
     config = kc.get()
     assert config is not None
     # A context without a user means no authentication (kubectl's reading); lightkube needs a User object.
@@ -183,7 +239,30 @@ def _select(data: dict[str, Any], path: Path, source: str) -> SingleConfig:
     for owner, key, name in files:
         if name and not Path(config.abs_file(name)).is_file():
             raise KubeconfigError(f"{source}: the {key} of {owner}, {config.abs_file(name)}, is not a file")
+    inline = [(f"cluster {ctx.cluster!r}", "certificate-authority-data", cluster.certificate_auth_data, "CERTIFICATE")]
+    inline += [(who, "client-certificate-data", config.user.client_cert_data, "CERTIFICATE")]
+    inline += [(who, "client-key-data", config.user.client_key_data, "PRIVATE KEY")]
+    for owner, key, value, kind in inline:
+        if value:
+            _check_inline_pem(value, kind, f"{source}: the {key} of {owner}")
     return config
+
+
+def _check_inline_pem(value: str, kind: str, what: str) -> None:
+    """An inline ``*-data`` field: base64 of a PEM file (kubectl's reading). Without this check lightkube fails with
+    "Invalid base64-encoded string" or "[X509] PEM lib", which name neither the field nor the file."""
+    how = f"it must be the base64 of a PEM file (e.g. base64 -w0 {'ca.crt' if kind == 'CERTIFICATE' else 'tls.key'})"
+    try:
+        pem = base64.b64decode("".join(value.split()), validate=True).decode("ascii")
+    except (binascii.Error, ValueError):
+        raise KubeconfigError(f"{what} is not base64; {how}") from None
+    if f"-----BEGIN {kind}-----" not in pem and not (kind == "PRIVATE KEY" and "PRIVATE KEY-----" in pem):
+        raise KubeconfigError(f"{what} holds no PEM {kind.lower()} once decoded; {how}")
+    if kind == "CERTIFICATE":
+        try:
+            ssl.create_default_context(cadata=pem)
+        except (ssl.SSLError, ValueError) as e:
+            raise KubeconfigError(f"{what} holds a certificate that does not parse ({_reason(e)}); {how}") from None
 
 
 def _names(mapping: dict[str, Any]) -> str:
