@@ -15,7 +15,10 @@ def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools (a dev dependency) regenerates the stubs")
     generate(tmp_path)
     here = PROTO.parent
-    for name in ("deviceplugin_pb2.py", "deviceplugin_pb2.pyi", "deviceplugin_pb2_grpc.py"):
+    for name in (
+        *(f"deviceplugin_pb2{x}" for x in (".py", ".pyi", "_grpc.py")),
+        *(f"podresources_v1_pb2{x}" for x in (".py", ".pyi", "_grpc.py")),
+    ):
         fresh = (tmp_path / "sharegpu" / "node" / "proto" / name).read_text()
         assert fresh == (here / name).read_text(), f"{name} is stale: run uv run python -m sharegpu.node.proto.generate"
 
@@ -32,7 +35,10 @@ def test_pod_and_node_from_api_json() -> None:
             },
             "spec": {
                 "nodeName": "node-a",
-                "initContainers": [{"name": "init", "resources": {"limits": {"sharegpu.io/gpu": "1"}}}],
+                "initContainers": [
+                    {"name": "init", "resources": {"limits": {"sharegpu.io/gpu": "2"}}},
+                    {"name": "proxy", "restartPolicy": "Always", "resources": {"limits": {"sharegpu.io/gpu": "1"}}},
+                ],
                 "containers": [
                     {"name": "main", "resources": {"limits": {"sharegpu.io/gpu": "2", "cpu": "1"}}},
                     {"name": "side"},
@@ -42,7 +48,10 @@ def test_pod_and_node_from_api_json() -> None:
         }
     )
     assert p.key == "ml/train" and p.node_name == "node-a" and not p.deleting
-    assert [(c.name, c.gpus) for c in p.gpu_containers] == [("init", 1), ("main", 2)]
+    assert [(c.name, c.gpus, c.sidecar) for c in p.init_containers] == [("init", 2, False), ("proxy", 1, True)]
+    assert [(c.name, c.gpus, c.sidecar) for c in p.containers] == [("main", 2, False), ("side", 0, False)]
+    assert p.gpu_demand == 3  # the native sidecar runs beside main (1 + 2); init (2) ran before either
+    assert p.container("proxy") == p.init_containers[1] and p.container("nope") is None
     n = node_info_from_dict(
         {
             "metadata": {"name": "node-a", "labels": {"a": "b"}},

@@ -6,12 +6,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from node_fakes import SIM_YAML, FakeKube, FakeKubelet, assignment, pod, share
+from node_fakes import SIM_YAML, FakeKube, FakeKubelet, agent_config, assignment, cdi_spec, pod, record_for, share
 from prometheus_client.parser import text_string_to_metric_families
 
 from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.model.inventory import INVENTORY_ANNOTATION
-from sharegpu.node.agent import AgentConfig, NodeAgent
+from sharegpu.node.agent import NodeAgent
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
 from sharegpu.node.kube import NodeInfo
@@ -49,7 +49,7 @@ def test_running_agent_serves_kubelet_inventory_and_metrics(sock_dir: Path) -> N
         sim = SimBackend(parse_sim_config(SIM_YAML), seed="node-a")
         g = [d.uuid for d in sim.devices()]
         kube = FakeKube(NodeInfo("node-a", cpu_milli=8000, memory_mib=65536))
-        kube.add(pod("infer", assignment("infer", share(0, g[0], Mechanism.MPS, 300, 10240))))
+        infer = kube.add(pod("infer", assignment("infer", share(0, g[0], Mechanism.MPS, 300, 10240))))
         kube.add(
             pod(
                 "train",
@@ -59,21 +59,29 @@ def test_running_agent_serves_kubelet_inventory_and_metrics(sock_dir: Path) -> N
                 created="2024-05-01T11:00:00+00:00",
             )
         )
-        config = AgentConfig(
-            "node-a", sock_dir, sock_dir / "state", ("127.0.0.1", 0), interval_s=0.05, tokens_per_gpu=2
+        config = agent_config(
+            sock_dir,
+            sock_dir,
+            plugin_dir=sock_dir,
+            metrics_listen=("127.0.0.1", 0),
+            interval_s=0.05,
+            tokens_per_gpu=2,
+            allocate_wait_s=15.0,
         )
         agent = NodeAgent(config, sim, kube, SimMpsDaemon())
         kubelet = FakeKubelet(sock_dir)
         await kubelet.start()
+        record = record_for(config)
+        await record.start()
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         try:
             await asyncio.wait_for(kubelet.registered.wait(), 5)
-            stub = kubelet.plugin()
-            resp = await stub.Allocate(
-                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["x"])]), timeout=5
-            )
-            assert resp.container_responses[0].envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+            tokens = await kubelet.plugin().ListAndWatch(pb.Empty()).read()
+            ids = [tokens.devices[0].ID]  # the kubelet hands out one of the advertised tokens
+            answer = await kubelet.run_container(record, infer, "c0", ids)
+            assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": "void"}
+            assert cdi_spec(config.cdi_dir, ids)["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
             sim.add_process(4242, g[0], 3000, pod_uid="uid-default-infer", sm_percent=27)
             sim.set_utilization(0, 64, 12)
             while agent.snapshot.pod_usage == () or INVENTORY_ANNOTATION not in kube.nodes["node-a"].annotations:
@@ -99,6 +107,7 @@ def test_running_agent_serves_kubelet_inventory_and_metrics(sock_dir: Path) -> N
             stop.set()
             await task
             await kubelet.stop()
+            await record.stop()
         assert not (sock_dir / "sharegpu.sock").exists()  # a clean stop leaves no stale socket
         assert sim.mig_instances(1) != ()  # …and leaves MIG instances for the pods still running
 
