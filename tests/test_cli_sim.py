@@ -32,21 +32,11 @@ def _trace(tmp_path: Path, pods: str = PODS, nodes: str = NODES) -> tuple[Path, 
 
 def test_trace_run_writes_json_with_required_fields(tmp_path: Path) -> None:
     n, p = _trace(tmp_path)
-    out = tmp_path / "out.json"
+    out = tmp_path / "report.json"
     r = runner.invoke(
         app,
         [
-            "sim",
-            "--nodes",
-            str(n),
-            "--pods",
-            str(p),
-            "--policy",
-            "fgd,bestfit",
-            "--seeds",
-            "1-2",
-            "--json",
-            str(out),
+            *("sim", "--nodes", str(n), "--pods", str(p), "--policy", "fgd,bestfit", "--seeds", "1-2"),
             "--out",
             str(tmp_path),
             "--jobs",

@@ -172,7 +172,7 @@ def test_load_pods_full_format_fields(tmp_path: Path) -> None:
 def test_load_pods_gpu_spec_aliases_and_spaces_canonicalise(tmp_path: Path) -> None:
     p = pods_file(
         tmp_path,
-        "p0,1000,1024,1,500, V100M16 | | V100-SXM2-32GB ,LS,Running,,,",
+        "p0,1000,1024,1,500, V100M16 |  V100-SXM2-32GB ,LS,Running,,,",
         "p1,1000,1024,1,500,G1|G3,LS,Running,,,",
         header=POD_HEADER,
     )

@@ -248,4 +248,4 @@ def test_sim_help_lists_policies_and_defaults() -> None:
     assert "Default: fgd,sharegpu for a trace" in text
     assert ",".join(DEFAULT_POLICIES) in text
     assert "Default: 42 for a trace" in text
-    assert "default: 1.3" in text
+    assert "Default: 1.3 for a trace" in text

@@ -25,17 +25,24 @@ from sharegpu.sim.openb import (
     Warn,
     load_nodes,
     read_pod_table,
+    replay_gaps,
     unplaceable_models,
 )
-from sharegpu.sim.protocol import parse_seeds
+from sharegpu.sim.protocol import MAX_SEEDS, parse_seeds
 from sharegpu.sim.report import print_table, write_json, write_plot
-from sharegpu.sim.runner import Experiment, run_experiment
+from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
 from sharegpu.sim.scenario import DEFAULT_POLICIES, DEFAULT_SEEDS, scenario_nodes, scenario_tasks
+from sharegpu.sim.scenario import DEFAULT_TUNE as SCENARIO_TUNE
 from sharegpu.sim.variants import Shares, VariantError, VariantSpec, measure, vary, write_variant
 
 DEFAULT_OUT = Path("sharegpu-report")
 TRACE_POLICIES = "fgd,sharegpu"
 TRACE_SEEDS = "42"
+TRACE_TUNE = 1.3  # the FGD paper's
+MAX_TUNE = 100.0
+# Above this many placement decisions (runs × pods per run) a run needs --large: at 0.1-0.5 ms a decision that is
+# more than half an hour on 2 cores, and more likely a typo (--seeds 0-5000) than a plan.
+MAX_DECISIONS = 10_000_000
 
 
 class UsageError(Exception):
@@ -43,10 +50,10 @@ class UsageError(Exception):
 
 
 def sim(
-    nodes: Path | None = typer.Option(
+    nodes: str | None = typer.Option(
         None, "--nodes", help="Node list CSV (openb format). Default: the embedded scenario."
     ),
-    pods: Path | None = typer.Option(None, "--pods", help="Pod list CSV (openb format)."),
+    pods: str | None = typer.Option(None, "--pods", help="Pod list CSV (openb format)."),
     policy: str | None = typer.Option(
         None,
         "--policy",
@@ -56,22 +63,34 @@ def sim(
     seeds: str | None = typer.Option(
         None,
         "--seeds",
-        help=f"Seeds: 42, 42-51 or 42,44. Default: {TRACE_SEEDS} for a trace; "
-        f"{','.join(map(str, DEFAULT_SEEDS))} for the embedded scenario.",
+        help=f"Seeds: 42, 42-51 or 42,44 (at most {MAX_SEEDS:,}). Default: {TRACE_SEEDS} for a trace; "
+        f"{DEFAULT_SEEDS[0]}-{DEFAULT_SEEDS[-1]} for the embedded scenario.",
     ),
-    tune: float = typer.Option(
-        1.3, "--tune", help="Grow the workload until its GPU demand is this × capacity (above 0, at most 100)."
+    tune: float | None = typer.Option(
+        None,
+        "--tune",
+        help=f"Grow the workload until its GPU demand is this multiple of the GPU capacity (above 0, at most "
+        f"{MAX_TUNE:g}). Default: {TRACE_TUNE} for a trace (the FGD paper's); {SCENARIO_TUNE} for the embedded "
+        "scenario (so that every seed passes 130 %).",
     ),
-    json_out: Path | None = typer.Option(
-        None, "--json", help="Write the JSON report here; without --out the plot goes beside it (same name, .png)."
+    json_out: str | None = typer.Option(
+        None, "--json", help="Write the JSON report to this file, and the plot beside it (same name, .png)."
     ),
-    out: Path | None = typer.Option(
-        None, "--out", help=f"Folder for the report: report.json and allocation.png. Default: {DEFAULT_OUT}."
+    out: str | None = typer.Option(
+        None,
+        "--out",
+        help=f"Folder for the report: report.json and allocation.png. Default: {DEFAULT_OUT}. Not with --json.",
     ),
     replay: bool = typer.Option(
         False, "--replay", help="Honour creation/deletion times (pods leave, a pending queue retries) instead."
     ),
     jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
+    large: bool = typer.Option(
+        False,
+        "--large",
+        help=f"Run even above {MAX_DECISIONS / 1e6:g} million placement decisions (runs × pods per run), which "
+        "takes more than about half an hour on 2 cores.",
+    ),
 ) -> None:
     """Replay a workload through the placement policies and report GPU allocation (FGD paper protocol)."""
     console = _out()
@@ -79,12 +98,23 @@ def sim(
     try:
         if jobs < 0:
             raise UsageError(f"--jobs {jobs} must be 0 (one per core) or more")
-        paths = report_paths(json_out, out)
-        exp = _experiment(nodes, pods, policy, seeds, tune, replay, warnings.append)
+        nodes_path, pods_path = _path_option("--nodes", nodes), _path_option("--pods", pods)
+        paths = report_paths(_path_option("--json", json_out), _path_option("--out", out))
+        inputs = {"--nodes": nodes_path, "--pods": pods_path}
+        check_not_inputs(paths, {flag: path for flag, path in inputs.items() if path is not None})
+        exp = _experiment(nodes_path, pods_path, policy, seeds, tune, replay, warnings.append)
+        size = run_size(exp)
+        if size.decisions > MAX_DECISIONS and not large:
+            raise UsageError(
+                f"{size}: more than {MAX_DECISIONS / 1e6:g} million, which takes more than about half an hour on 2 "
+                "cores; give fewer --seeds or policies (or a smaller --tune), or add --large to run it anyway"
+            )
     except (TraceError, UnknownPolicy, UsageError, ValueError) as e:
         raise _error(str(e)) from None
     for w in warnings:
         _warn(w)
+    # Said before the runs start, so that a long run is never a silent one.
+    _err().print(f"simulating {size}", highlight=False)
     started = time.perf_counter()
     runs = _run_with_progress(_err(), exp, jobs)
     title = f"{exp.name}: {exp.total_gpus} GPUs on {len(exp.nodes)} nodes, {len(exp.tasks)} tasks"
@@ -109,6 +139,15 @@ def sim(
     console.print(f"report: {paths.json} (JSON), {paths.plot} (plot)")
 
 
+def _path_option(flag: str, text: str | None) -> Path | None:
+    """A path option as given: Path('') is '.', which would quietly name the current folder."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise UsageError(f"{flag} is empty; give a path, or leave the option out for its default")
+    return Path(text)
+
+
 @dataclass(frozen=True)
 class ReportPaths:
     json: Path
@@ -117,18 +156,45 @@ class ReportPaths:
 
 def report_paths(json_out: Path | None, out: Path | None) -> ReportPaths:
     """Where the report goes, checked before any run so that a long run never ends in a path error."""
-    if out is None and json_out is not None:
+    if json_out is not None and out is not None:
+        # The two would split the report (JSON in one place, the plot in another); one place is clearer.
+        raise UsageError(
+            f"--json {json_out} and --out {out} both say where the report goes; give --out DIR (report.json and "
+            "allocation.png in it) or --json FILE (the plot beside it, same name with .png), not both"
+        )
+    if json_out is not None:
+        if json_out.suffix.lower() == ".png":
+            raise UsageError(f"--json {json_out} would be overwritten by the plot; give it a .json name")
         paths = ReportPaths(json_out, json_out.with_suffix(".png"))
     else:
         folder = out or DEFAULT_OUT
         if folder.exists() and not folder.is_dir():
             raise UsageError(f"--out {folder} is a file; --out names a folder for report.json and allocation.png")
-        paths = ReportPaths(json_out or folder / "report.json", folder / "allocation.png")
-    if paths.json.absolute() == paths.plot.absolute():
-        raise UsageError(f"--json {paths.json} would be overwritten by the plot; give it a .json name")
+        paths = ReportPaths(folder / "report.json", folder / "allocation.png")
     for what, path in (("--json", paths.json), ("the plot", paths.plot)):
         _check_writable(what, path)
     return paths
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing ``a`` would write ``b``: the same path once resolved, or a link to the same file."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_not_inputs(paths: ReportPaths, inputs: dict[str, Path]) -> None:
+    """Refuse a report path that is one of the input files: writing the report would destroy the input."""
+    for what, path in (("the JSON report", paths.json), ("the plot", paths.plot)):
+        for flag, given in inputs.items():
+            if _same_file(path, given):
+                raise UsageError(
+                    f"{what} would be written to {path}, which is the {flag} input {given}: that would overwrite it; "
+                    "write the report elsewhere (--out DIR, or --json FILE.json)"
+                )
 
 
 def _check_writable(what: str, path: Path) -> None:
@@ -148,6 +214,11 @@ def _check_writable(what: str, path: Path) -> None:
 
 
 def _policies(text: str) -> tuple[str, ...]:
+    # parse_policies skips empty items, so '' or 'fgd,,bestfit' would quietly mean something else than was typed.
+    if not text.strip():
+        raise UsageError(f"--policy {text!r} names no policy; choose from: {', '.join(POLICIES)}")
+    if any(not part.strip() for part in text.split(",")):
+        raise UsageError(f"--policy {text!r}: an item between commas is empty; e.g. --policy fgd,sharegpu")
     names = parse_policies(text)
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -155,46 +226,84 @@ def _policies(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _tune(tune: float | None, default: float) -> float:
+    if tune is None:
+        return default
+    if not 0 < tune <= MAX_TUNE:  # also NaN
+        raise UsageError(
+            f"--tune {tune!r} is out of range: it is a multiple of the cluster's GPU capacity (1.3 grows the "
+            f"workload to 130 % of it), and must be above 0 and at most {MAX_TUNE:g} ({MAX_TUNE:g} × capacity)"
+        )
+    return tune
+
+
 def _experiment(
     nodes: Path | None,
     pods: Path | None,
     policy: str | None,
     seeds: str | None,
-    tune: float,
+    tune: float | None,
     replay: bool,
     warn: Warn,
 ) -> Experiment:
     if (nodes is None) != (pods is None):
         raise UsageError("give both --nodes and --pods (a trace), or neither (the embedded scenario)")
-    if not 0 < tune <= 100:
-        raise UsageError(
-            f"--tune {tune:g} must be above 0 and at most 100 (1.3 grows the workload to 130 % of GPU capacity)"
-        )
-    if nodes is not None and pods is not None:
-        policies = _policies(policy or TRACE_POLICIES)
-        seed_list = tuple(parse_seeds(seeds or TRACE_SEEDS))
-        node_list = load_nodes(nodes, warn=warn)
-        table = read_pod_table(pods, warn=warn)
-        if not any(n.gpus for n in node_list):
-            raise UsageError(f"{nodes}: no node has a GPU")
-        for w in unplaceable_models(node_list, table):
-            warn(w)
+    if nodes is None or pods is None:
+        if replay:
+            raise UsageError(
+                "--replay honours a trace's creation and deletion times, and the embedded scenario has none; give "
+                "--nodes and --pods of a trace that has them, or leave out --replay"
+            )
         return Experiment(
-            name=pods.stem,
-            nodes=tuple(node_list),
-            tasks=table.tasks,
-            policies=policies,
-            seeds=seed_list,
-            tune=tune,
-            replay=replay,
+            name="embedded scenario",
+            nodes=tuple(scenario_nodes()),
+            tasks=tuple(TraceTask(r) for r in scenario_tasks()),
+            policies=_policies(policy if policy is not None else ",".join(DEFAULT_POLICIES)),
+            seeds=tuple(parse_seeds(seeds) if seeds is not None else DEFAULT_SEEDS),
+            tune=_tune(tune, SCENARIO_TUNE),
+        )
+    policies = _policies(policy if policy is not None else TRACE_POLICIES)
+    seed_list = tuple(parse_seeds(seeds if seeds is not None else TRACE_SEEDS))
+    tune_value = _tune(tune, TRACE_TUNE)
+    node_list = load_nodes(nodes, warn=warn)
+    table = read_pod_table(pods, warn=warn)
+    if not any(n.gpus for n in node_list):
+        raise UsageError(f"{nodes}: no node has a GPU")
+    gpu_pods = sum(1 for t in table.tasks if t.request.gpu_count)
+    if not gpu_pods:
+        raise UsageError(
+            f"{pods}: none of its {len(table.tasks):,} pods asks for a GPU (all are CPU-only), and the report "
+            "measures GPU allocation against GPU demand; give a pod list with GPU pods (num_gpu above 0)"
+        )
+    if replay:
+        for w in replay_gaps(table):
+            warn(w)
+    for w in unplaceable_models(node_list, table):
+        warn(w)
+    never = never_fit(node_list, table.tasks)
+    if never:
+        reasons = "; ".join(f"{n:,} pod(s): {reason} (e.g. {example})" for reason, (n, example) in never.items())
+        lost = sum(n for n, _ in never.values())
+        if lost >= gpu_pods:
+            raise UsageError(
+                f"{pods}: none of its GPU pods fits on any node of {nodes}, even with the cluster empty, so every "
+                f"policy would allocate nothing ({reasons}); check that the two files belong together"
+            )
+        warn(
+            TraceWarning(
+                pods,
+                1,
+                f"{lost:,} of {len(table.tasks):,} pods fit on no node even with the cluster empty, and every policy "
+                f"skips them: {reasons}",
+            )
         )
     return Experiment(
-        name="embedded scenario",
-        nodes=tuple(scenario_nodes()),
-        tasks=tuple(TraceTask(r) for r in scenario_tasks()),
-        policies=_policies(policy or ",".join(DEFAULT_POLICIES)),
-        seeds=tuple(parse_seeds(seeds) if seeds else DEFAULT_SEEDS),
-        tune=tune,
+        name=pods.stem,
+        nodes=tuple(node_list),
+        tasks=table.tasks,
+        policies=policies,
+        seeds=seed_list,
+        tune=tune_value,
         replay=replay,
     )
 
@@ -282,7 +391,7 @@ def _shares_table(title: str, rows: dict[str, Shares]) -> Table:
 @trace_app.command("vary")
 def trace_vary(
     base: Path = typer.Argument(..., help="The base pod list (openb format), e.g. openb_pod_list_default.csv."),
-    out: Path = typer.Option(..., "--out", "-o", help="Where to write the variant (a pod list CSV)."),
+    out_text: str = typer.Option(..., "--out", "-o", help="Where to write the variant (a pod list CSV)."),
     cpu_only: float | None = typer.Option(None, "--cpu-only", help="CPU-only pods, % of all pods."),
     sharing: float | None = typer.Option(
         None, "--sharing", help="Sharing pods (one GPU, gpu_milli < 1000), % of the GPU demand."
@@ -303,14 +412,24 @@ def trace_vary(
     proportions; the total GPU demand stays the base's); only gpu_spec is ever rewritten. Details: the module
     docstring of sharegpu.sim.variants and the README.
     """
+    out = Path(out_text)
     try:
+        if not out_text.strip():
+            raise VariantError("--out is empty; give the file to write the variant to, e.g. -o variant.csv")
+        for flag, given in (("the base trace", base), ("the --spec-source", spec_source)):
+            if given is not None and _same_file(out, given):
+                raise VariantError(f"--out {out} is {flag} itself; write the variant to another file")
         spec = VariantSpec(cpu_only, sharing, multi_gpu, gpu_spec, seed)
-        if out.exists() and out.resolve() == base.resolve():
-            raise VariantError(f"--out {out} is the base trace itself; write the variant to another file")
         if out.is_dir():
             raise VariantError(f"--out {out} is a folder; give a file name, e.g. {out / 'variant.csv'}")
         if out.exists() and not force:
             raise VariantError(f"--out {out} exists; give --force to overwrite it")
+        if cpu_only is None and sharing is None and multi_gpu is None and gpu_spec is None:
+            # The variant would be the base's rows again: a copy, not a variant.
+            raise VariantError(
+                "give at least one share to change: --cpu-only, --sharing, --multi-gpu or --gpu-spec (without one "
+                "the variant is a copy of the base); `sharegpu trace describe BASE` shows the base's shares"
+            )
         table = read_pod_table(base, warn=_warn)
         source = read_pod_table(spec_source, warn=_warn) if spec_source is not None else None
         variant = vary(table, spec, source)

@@ -71,7 +71,7 @@ class RunResult:
 MODEL_MISMATCH = ("no GPU of an allowed model", "no GPUs")
 
 
-def _summary_reason(d: Unschedulable) -> str:
+def summary_reason(d: Unschedulable) -> str:
     """The reason most nodes that could ever host the request gave (a model mismatch explains nothing)."""
     telling = {r: c for r, c in d.reasons.items() if r not in MODEL_MISMATCH} or d.reasons
     return max(telling.items(), key=lambda kv: kv[1])[0] if telling else "no nodes"
@@ -98,7 +98,7 @@ def run_arrivals(
         d = sched.decide(req)
         if isinstance(d, Unschedulable):
             log.latencies_s.append(time.perf_counter() - t)
-            log.fail(_summary_reason(d))
+            log.fail(summary_reason(d))
         else:
             ledger.place(d.assignment)
             log.latencies_s.append(time.perf_counter() - t)

@@ -21,23 +21,23 @@ def parse_seeds(text: str) -> list[int]:
     seeds: list[int] = []
     parts = [p.strip() for p in text.split(",")]
     if not any(parts):
-        raise ValueError(f"seeds {text!r}: no seed given; use e.g. 42 or 42-51")
+        raise ValueError(f"--seeds {text!r}: no seed given; use e.g. 42 or 42-51")
     for part in parts:
         if not part:
-            raise ValueError(f"seeds {text!r}: an item between commas is empty; use e.g. 42,44 or 42-51")
+            raise ValueError(f"--seeds {text!r}: an item between commas is empty; use e.g. 42,44 or 42-51")
         # Plain ASCII digits only: int() would also take '1_0', '+5' and non-ASCII digits.
         m = _SEED_ITEM.fullmatch(part)
         a, b = (int(m[1]), int(m[2] or m[1])) if m else (0, -1)
         if b < a:
-            raise ValueError(f"seeds {text!r}: {part!r} is not a seed or a range like 42-51")
+            raise ValueError(f"--seeds {text!r}: {part!r} is not a seed or a range like 42-51")
         if len(seeds) + (b - a + 1) > MAX_SEEDS:
             raise ValueError(
-                f"seeds {text!r}: {len(seeds) + (b - a + 1):,} seeds; at most {MAX_SEEDS:,} are accepted (the FGD "
+                f"--seeds {text!r}: {len(seeds) + (b - a + 1):,} seeds; at most {MAX_SEEDS:,} are accepted (the FGD "
                 "paper uses 10: 42-51)"
             )
         again = sorted(set(seeds) & set(range(a, b + 1)))
         if again:
-            raise ValueError(f"seeds {text!r}: seed {again[0]} is given twice; list each seed once")
+            raise ValueError(f"--seeds {text!r}: seed {again[0]} is given twice; list each seed once")
         seeds.extend(range(a, b + 1))
     return seeds
 

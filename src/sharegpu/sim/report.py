@@ -3,8 +3,10 @@ for the FGD protocol, of queueing figures and allocation and pending pods over t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,9 @@ class PolicySummary:
     fragmentation_pct: float | None
     seeds_100: int = 0  # runs whose arrivals reached 100 % of capacity (the others have no value there)
     seeds_130: int = 0
+    # Spread over the seeds that reached the level: (min, max, standard deviation; 0 for one seed).
+    spread_100: tuple[float, float, float] | None = None
+    spread_130: tuple[float, float, float] | None = None
 
     @property
     def unalloc_100(self) -> float | None:
@@ -39,6 +44,13 @@ class PolicySummary:
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
+
+
+def _spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return min(present), max(present), statistics.stdev(present) if len(present) > 1 else 0.0
 
 
 def summarize(runs: Sequence[RunResult]) -> list[PolicySummary]:
@@ -62,6 +74,8 @@ def summarize(runs: Sequence[RunResult]) -> list[PolicySummary]:
                 _mean([r.fragmentation_pct for r in rs]),
                 sum(r.alloc_at(100) is not None for r in rs),
                 sum(r.alloc_at(130) is not None for r in rs),
+                _spread([r.alloc_at(100) for r in rs]),
+                _spread([r.alloc_at(130) for r in rs]),
             )
         )
     return out
@@ -76,29 +90,107 @@ def _level(mean: float | None, reached: int, seeds: int) -> str:
     return _fmt(mean) if reached == seeds or mean is None else f"{_fmt(mean)} ({reached}/{seeds})"
 
 
+@dataclass(frozen=True)
+class Paired:
+    """One policy against another seed by seed at one arrived level: both saw the same arrivals for a seed, so the
+    per-seed difference says more than two means whose spreads overlap."""
+
+    policy: str
+    rival: str
+    level: int
+    seeds: int
+    ahead: int
+    behind: int
+    mean_diff_pp: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.policy} against {self.rival} at {self.level} %, seed by seed (the same arrivals): ahead on "
+            f"{self.ahead} of {self.seeds} seeds, behind on {self.behind}, mean {self.mean_diff_pp:+.2f} pp"
+        )
+
+
+DEFAULT_POLICY = "sharegpu"
+
+
+def paired(runs: Sequence[RunResult], policy: str = DEFAULT_POLICY, level: int = 100) -> Paired | None:
+    """``policy`` against the best other policy (highest mean at ``level``) over the seeds both reached it with;
+    None when there is no such rival or fewer than two such seeds (one seed ranks nothing)."""
+    mine = {r.seed: r.alloc_at(level) for r in runs if r.policy == policy}
+    others = [s for s in summarize(runs) if s.policy != policy and s.alloc_100 is not None]
+    if not mine or not others:
+        return None
+    rival = max(others, key=lambda s: s.alloc_100 or 0.0).policy
+    theirs = {r.seed: r.alloc_at(level) for r in runs if r.policy == rival}
+    diffs = [a - b for seed, a in mine.items() if a is not None and (b := theirs.get(seed)) is not None]
+    if len(diffs) < 2:
+        return None
+    return Paired(
+        policy,
+        rival,
+        level,
+        len(diffs),
+        sum(d > 0 for d in diffs),
+        sum(d < 0 for d in diffs),
+        statistics.fmean(diffs),
+    )
+
+
+def above_arrived(runs: Sequence[RunResult]) -> bool:
+    """Whether some run allocated more GPU than had arrived at some level (beyond the curve's rounding)."""
+    return any(v is not None and v > x + 1 for r in runs for x, v in enumerate(r.curve))
+
+
+ABOVE_ARRIVED = (
+    "allocation counts what placed pods hold: a MIG share holds its whole instance, and the GPU memory a pod asks "
+    "for can need a larger MIG profile than the compute it asks for, so allocation can run above arrived demand"
+)
+
+
+def _last_level(runs: Sequence[RunResult]) -> int:
+    return max((x for r in runs for x, v in enumerate(r.curve) if v is not None), default=0)
+
+
 def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
     if runs and all(r.replay is not None for r in runs):
         return replay_table(runs, title)
     summaries = summarize(runs)
-    partial = any(s.seeds_130 < s.seeds or s.seeds_100 < s.seeds for s in summaries)
-    caption = (
-        "alloc: allocated GPU % of capacity when arrived demand is 100 % / 130 %; unalloc: GPUs left idle at "
-        "100 %; frag: GPU the typical workload cannot use, at the end; decision latency in ms"
-    )
+    several = any(s.seeds > 1 for s in summaries)
+    notes = [
+        "alloc: allocated GPU % of capacity when arrived demand is 100 % / 130 % (mean over seeds)"
+        + ("; range: lowest–highest seed at 100 %" if several else "")
+        + "; unalloc: GPUs left idle at 100 %; frag: GPU the typical workload cannot use, at the end; decision "
+        "latency in ms"
+    ]
+    partial = any(0 < s.seeds_130 < s.seeds or 0 < s.seeds_100 < s.seeds for s in summaries)
     if partial:
-        caption += (
-            "; (k/n): only k of the n seeds' workloads reached that level (the mean is theirs, so it is not "
-            "comparable with the other column): raise --tune"
+        notes.append(
+            "(k/n): only k of the n seeds' workloads reached that level (the mean is theirs, so it is not "
+            "comparable with the other column): each workload stops one pod short of --tune × capacity, so raise "
+            "--tune a little"
         )
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, caption=caption)
-    for col in ("policy", "seeds", "alloc@100", "alloc@130", "unalloc", "frag%", "failed", "wall s", "p50", "p99"):
+    if any(s.alloc_100 is None or s.alloc_130 is None for s in summaries):
+        notes.append(
+            f"—: no seed's workload reached that level (arrived demand stopped at {_last_level(runs)} % of "
+            "capacity): raise --tune to at least the level"
+        )
+    if above_arrived(runs):
+        notes.append(ABOVE_ARRIVED)
+    vs = paired(runs)
+    if vs is not None:
+        notes.append(str(vs))
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, caption="; ".join(notes))
+    columns = ["policy", "seeds", "alloc@100", *(["range@100"] if several else []), "alloc@130", "unalloc"]
+    for col in (*columns, "frag%", "failed", "wall s", "p50", "p99"):
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for s in summaries:
         unalloc = None if s.unalloc_100 is None else s.unalloc_100 * total_gpus / 100
+        spread = [] if not several else ["—" if s.spread_100 is None else "{:.2f}–{:.2f}".format(*s.spread_100)]
         t.add_row(
             s.policy,
             str(s.seeds),
             _level(s.alloc_100, s.seeds_100, s.seeds),
+            *spread,
             _level(s.alloc_130, s.seeds_130, s.seeds),
             _fmt(unalloc, 1),
             _fmt(s.fragmentation_pct),
@@ -150,8 +242,10 @@ def replay_table(runs: Sequence[RunResult], title: str) -> Table:
 
 
 def write_json(path: Path, runs: Sequence[RunResult], meta: dict[str, object]) -> None:
+    vs = paired(runs)
     doc = {
         **meta,
+        **({"paired_at_100": dataclasses.asdict(vs)} if vs is not None else {}),
         "runs": [r.to_dict() for r in runs],
         "summary": [
             {
@@ -160,6 +254,10 @@ def write_json(path: Path, runs: Sequence[RunResult], meta: dict[str, object]) -
                 "mean_alloc_pct_at_arrived": {"100": s.alloc_100, "130": s.alloc_130},
                 # The means above are over the seeds whose workload reached the level.
                 "seeds_reaching_arrived": {"100": s.seeds_100, "130": s.seeds_130},
+                "alloc_pct_spread_at_arrived": {
+                    level: None if sp is None else {"min": sp[0], "max": sp[1], "stdev": round(sp[2], 3)}
+                    for level, sp in (("100", s.spread_100), ("130", s.spread_130))
+                },
                 "median_wall_s": s.wall_s,
                 **_replay_summary([r for r in runs if r.policy == s.policy]),
             }
@@ -213,7 +311,7 @@ def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
         ended = max((i for i, v in enumerate(rs[0].curve) if v is not None), default=0)
         label = s.policy if not xs or xs[-1] >= ended else f"{s.policy} (all {s.seeds} seeds up to {xs[-1]} %)"
         ax.plot(xs, ys, label=label, linewidth=1.4)
-    ax.plot([0, 100], [0, 100], color="grey", linestyle=":", linewidth=0.8, label="all placed")
+    ax.plot([0, 100], [0, 100], color="grey", linestyle=":", linewidth=0.8, label="every pod placed as it asked")
     ax.set_xlabel("arrived GPU demand, % of cluster GPUs")
     ax.set_ylabel("allocated GPU, % of cluster GPUs")
     ax.set_title(title)
@@ -229,6 +327,12 @@ def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
     inset.set_xlim(80, 130)
     inset.grid(alpha=0.3)
     inset.tick_params(labelsize=7)
+    notes = [f"lines: mean over {max(s.seeds for s in summaries)} seed(s)"] if summaries else []
+    if above_arrived(runs):
+        notes.append(f"above the dotted line: {ABOVE_ARRIVED}")
+    if notes:
+        # Below the axes, so that it reads as the plot's caption rather than a label of some line.
+        fig.text(0.01, -0.02, "\n".join(textwrap.wrap("; ".join(notes), 110)), fontsize=7.5, va="top")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)

@@ -17,9 +17,10 @@ from sharegpu.ledger import Ledger
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.fragmentation import Workload
+from sharegpu.placement.framework import Scheduler, Unschedulable
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.scorers import FragmentationModel
-from sharegpu.sim.engine import RunResult, replay_timed, run_arrivals
+from sharegpu.sim.engine import RunResult, replay_timed, run_arrivals, summary_reason
 from sharegpu.sim.openb import TraceTask
 from sharegpu.sim.protocol import fgd_arrivals
 
@@ -138,3 +139,69 @@ def run_experiment(
                 if on_done:
                     on_done(r)
     return [results[c] for c in combos]
+
+
+@dataclass(frozen=True)
+class RunSize:
+    """How big an experiment is, said before it starts: runs (policies × seeds) and pods per run."""
+
+    policies: int
+    seeds: int
+    pods_per_run: int
+    estimated: bool  # the FGD protocol's tuned length, estimated from the mean GPU demand per pod
+
+    @property
+    def runs(self) -> int:
+        return self.policies * self.seeds
+
+    @property
+    def decisions(self) -> int:
+        return self.runs * self.pods_per_run
+
+    def __str__(self) -> str:
+        about = "about " if self.estimated else ""
+        return (
+            f"{self.runs:,} run(s) ({self.policies} policies × {self.seeds:,} seeds) of {about}{self.pods_per_run:,} "
+            f"pods each: {self.decisions:,} placement decisions"
+        )
+
+
+def run_size(exp: Experiment) -> RunSize:
+    """The size of ``exp`` without building its arrivals (at a large --tune that alone takes a while)."""
+    n = len(exp.tasks)
+    if exp.replay or not n:
+        return RunSize(len(exp.policies), len(exp.seeds), n, False)
+    demand = sum(t.request.total_milli for t in exp.tasks)
+    target = exp.tune * exp.capacity_milli
+    if not demand:
+        pods = n
+    elif demand >= target:
+        pods = round(n * target / demand)  # the protocol drops random pods down to the target
+    else:
+        pods = n + round((target - demand) * n / demand)  # and draws more, of the trace's mean demand each
+    return RunSize(len(exp.policies), len(exp.seeds), pods, True)
+
+
+def never_fit(nodes: Sequence[NodeSpec], tasks: Sequence[TraceTask]) -> dict[str, tuple[int, str]]:
+    """GPU pods that fit on no node even with the cluster empty, by the reason most nodes give: reason → (pods, an
+    example pod's name). Every policy filters alike (they differ in scores), so one policy's filter speaks for all;
+    one decision per distinct shape (a few hundred for the openb traces, 0.1 s)."""
+    ledger = Ledger(nodes)
+    sched = Scheduler(
+        ledger, make_policy("bestfit", PolicyContext(Workload.from_requests([t.request for t in tasks]))), seed=0
+    )
+    verdict: dict[tuple[object, ...], str | None] = {}
+    out: dict[str, tuple[int, str]] = {}
+    for t in tasks:
+        req = t.request
+        if not req.gpu_count:
+            continue
+        key = req.shape_key()
+        if key not in verdict:
+            d = sched.decide(req)
+            verdict[key] = summary_reason(d) if isinstance(d, Unschedulable) else None
+        reason = verdict[key]
+        if reason is not None:
+            count, example = out.get(reason, (0, req.name))
+            out[reason] = (count + 1, example)
+    return out

@@ -30,7 +30,14 @@ CLUSTER = (
 )
 MIG_MODELS = frozenset({"H100-80GB", "A100-40GB", "A100-80GB", "H200-141GB", "A30-24GB"})
 DEFAULT_TASKS = 1_500
-DEFAULT_SEEDS = (1, 2, 3)
+# Twenty seeds, not three: policies within a point of each other swap places from seed to seed on a cluster this
+# small (three seeds put `sharegpu` 0.34 pp behind `fgd`; over twenty it is ahead, see BENCHMARKS.md), and the
+# table shows the spread over them and the two policies compared seed by seed. About 20-30 s on 2 cores.
+DEFAULT_SEEDS = tuple(range(1, 21))
+# The 1,500 tasks ask for more than 1.3 × capacity, so the FGD protocol drops random tasks until the demand is at
+# most tune × capacity: it can end one task short of it, and this scenario's largest task (8 GPUs) is 2.2 % of its
+# 368 GPUs, so at tune 1.3 two seeds in twenty never reached arrived 130 %. At 1.35 every seed passes 130 %.
+DEFAULT_TUNE = 1.35
 DEFAULT_POLICIES = ("random", "bestfit", "packing", "fgd", "sharegpu")
 
 
