@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.server
 import json
+import ssl
 import stat
 import sys
 import threading
@@ -14,8 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tls_helpers import Pki, make_pki_or_skip
 from typer.testing import CliRunner
 
+from proc_helpers import Proc, free_port
 from sharegpu.cli import app
 
 EMPTY = {"NodeList": b'{"kind":"NodeList","apiVersion":"v1","metadata":{"resourceVersion":"5"},"items":[]}'}
@@ -218,3 +221,43 @@ def test_a_missing_plugin_gives_its_install_hint(tmp_path: Path, server: FakeApi
     assert code == 2
     assert "cannot run the exec plugin 'gke-gcloud-auth-plugin-absent' of kubeconfig" in output
     assert "install it with gcloud components install" in output
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki_or_skip(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def tls_server(pki: Pki) -> Iterator[FakeApiServer]:
+    s = FakeApiServer()
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(pki.server_crt, pki.server_key)
+    s.httpd.socket = ctx.wrap_socket(s.httpd.socket, server_side=True)
+    s.url = s.url.replace("http://", "https://")
+    yield s
+    s.close()
+
+
+def test_a_wrong_ca_is_named_with_what_to_change(tmp_path: Path, pki: Pki, tls_server: FakeApiServer) -> None:
+    kc = write(tmp_path / "kc", tls_server.url, cluster_extra=f", certificate-authority: '{pki.rogue_ca}'")
+    code, output = status(kc)
+    assert code == 2
+    assert f"certificate-authority {pki.rogue_ca} of cluster 'c' (kubeconfig {kc})" in output
+    assert "set the cluster's certificate-authority (or certificate-authority-data) to the CA that signed" in output
+    assert "did not answer" not in output
+    good = write(tmp_path / "good", tls_server.url, cluster_extra=f", certificate-authority: '{pki.ca}'")
+    assert status(good)[0] == 0
+
+
+def test_the_extender_says_which_ca_is_wrong_each_time_it_retries(
+    tmp_path: Path, pki: Pki, tls_server: FakeApiServer
+) -> None:
+    kc = write(tmp_path / "kc", tls_server.url, cluster_extra=f", certificate-authority: '{pki.rogue_ca}'")
+    with Proc(
+        "scheduler-extender", "--plain-http", "--kubeconfig", str(kc), "--listen", f"127.0.0.1:{free_port()}"
+    ) as p:
+        line = p.wait_for(lambda line: "retrying in" in line)
+        assert f"is not signed by the certificate-authority {pki.rogue_ca} of cluster 'c'" in line
+        assert "CERTIFICATE_VERIFY_FAILED" not in line
+        assert p.stop() == 0

@@ -359,9 +359,13 @@ def _translate(e: Exception, what: str) -> ApiError:
         return ApiError(f"cannot {what}: HTTP {code}: {message}")
     if (answered := _non_json_answer(e, what)) is not None:
         return answered
+    from sharegpu.k8s.transport import CertificateRejected
+
+    server = request_server(e)
+    if isinstance(e, CertificateRejected):
+        return Unavailable(f"cannot {what}: {server}: {e}")
     # Anything else is the connection (httpx errors, timeouts, a closed stream): name the server that did not answer.
     why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    server = request_server(e)
     return Unavailable(
         f"cannot {what}: the API server at {server} did not answer: {why}" if server else f"cannot {what}: {why}"
     )

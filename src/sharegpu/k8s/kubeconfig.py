@@ -65,12 +65,23 @@ class Credentials:
                 if self.server.startswith("https")
                 else None
             )
-            client = AsyncClient(config=config, field_manager=field_manager, transport=AiohttpTransport(tls))
+            transport = AiohttpTransport(tls, ca=_ca_of(config, self.source))
+            client = AsyncClient(config=config, field_manager=field_manager, transport=transport)
         except (ConfigError, OSError, ValueError) as e:  # ssl.SSLError is an OSError
             raise KubeconfigError(f"cannot use the credentials of {self.source}: {_reason(e)}") from None
         if self.exec_spec is not None:
             _use_exec(client, self.exec_spec, self.source)
         return client
+
+
+def _ca_of(config: SingleConfig, source: str) -> str:
+    """Where the CA that verifies the API server comes from, for a message when it does not verify it."""
+    cluster, name = config.cluster, config.context.cluster
+    if cluster.certificate_auth:
+        return f"the certificate-authority {config.abs_file(cluster.certificate_auth)} of cluster {name!r} ({source})"
+    if cluster.certificate_auth_data:
+        return f"the certificate-authority-data of cluster {name!r} in {source}"
+    return f"this machine's trusted CAs ({source} gives no certificate-authority for cluster {name!r})"
 
 
 def _use_exec(client: AsyncClient, spec: ExecSpec, source: str) -> None:

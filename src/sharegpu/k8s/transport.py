@@ -27,12 +27,18 @@ import httpx2
 POOL = 100
 
 
+class CertificateRejected(httpx2.ConnectError):
+    """The API server answered, with a certificate the client's CA does not verify; the message names that CA's
+    source and what to change (retrying cannot help until the kubeconfig changes)."""
+
+
 class AiohttpTransport(httpx2.AsyncBaseTransport):
     """An ``httpx2.AsyncBaseTransport`` over one aiohttp session (created on the first request, in the loop that
     makes it: aiohttp's connections belong to one event loop)."""
 
-    def __init__(self, ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None, ca: str = "") -> None:
         self._ssl = ssl_context
+        self._ca = ca  # where the CA that verifies the server comes from, named when it does not verify it
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
@@ -60,7 +66,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
                 allow_redirects=False,  # httpx follows (or not) by its own setting
             )
         except Exception as e:
-            raise _as_httpx(e, request) from e
+            raise _as_httpx(e, request, self._ca) from e
         return httpx2.Response(
             status_code=response.status,
             headers=[(k, v) for k, v in response.raw_headers],
@@ -103,9 +109,12 @@ def _timeout(t: Any) -> aiohttp.ClientTimeout:
     )
 
 
-def _as_httpx(e: Exception, request: httpx2.Request) -> Exception:
+def _as_httpx(e: Exception, request: httpx2.Request, ca: str = "") -> Exception:
     """The httpx exception that stands for aiohttp's ``e`` (with the request, whose URL names the server)."""
     why = str(e) or type(e).__name__
+    if isinstance(e, aiohttp.ClientConnectorCertificateError):
+        # Retrying cannot help, and "CERTIFICATE_VERIFY_FAILED" names neither the file nor the fix.
+        return CertificateRejected(_certificate_advice(e, request, ca), request=request)
     if isinstance(e, aiohttp.ConnectionTimeoutError):
         return httpx2.ConnectTimeout(why, request=request)
     if isinstance(e, asyncio.TimeoutError):  # aiohttp's read timeouts are TimeoutErrors too
@@ -117,3 +126,20 @@ def _as_httpx(e: Exception, request: httpx2.Request) -> Exception:
     if isinstance(e, aiohttp.ClientError | OSError):  # a reset or a failed write or read: sent or not, unknown
         return httpx2.NetworkError(why, request=request)
     return e
+
+
+def _certificate_advice(e: aiohttp.ClientConnectorCertificateError, request: httpx2.Request, ca: str) -> str:
+    cert_error = e.certificate_error
+    detail = getattr(cert_error, "verify_message", "") or str(cert_error)
+    host = request.url.host
+    if "hostname mismatch" in detail.lower() or "doesn't match" in detail or "IP address mismatch" in detail:
+        return (
+            f"the API server's certificate is not valid for {host} ({detail}); use the server name or address that "
+            "the certificate was issued for in the kubeconfig's server URL"
+        )
+    of = f" by {ca}" if ca else ""
+    return (
+        f"the API server's certificate is not signed{of} ({detail}); set the cluster's certificate-authority (or "
+        "certificate-authority-data) to the CA that signed the API server's certificate (`kubectl config view --raw` "
+        "shows the one kubectl uses)"
+    )
