@@ -356,6 +356,25 @@ def test_prestart_waits_for_a_pod_that_the_api_shows_late(sock_dir: Path) -> Non
     run(sock_dir, body)
 
 
+def test_an_unexpected_failure_fails_one_container_and_the_plugin_keeps_serving(sock_dir: Path) -> None:
+    async def body(rig: Rig) -> None:
+        p = rig.kube.add(pod("a", assignment("a", share(0, rig.uuid(0), Mechanism.TIME_SLICING, 100))))
+        real = rig.kube.pods_on_node
+
+        async def broken(node: str) -> list[PodInfo]:
+            raise RuntimeError("a bug")
+
+        rig.kube.pods_on_node = broken  # type: ignore[method-assign]
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await rig.kubelet.run_container(rig.record, p, "c0", ["t0"])
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        assert e.value.details() == "sharegpu node agent failed: RuntimeError: a bug"
+        rig.kube.pods_on_node = real  # type: ignore[method-assign]
+        assert (await rig.start(p))["env"]["NVIDIA_VISIBLE_DEVICES"] == rig.uuid(0)
+
+    run(sock_dir, body)
+
+
 def test_registers_again_after_the_kubelet_restarts(sock_dir: Path) -> None:
     async def body(rig: Rig) -> None:
         await rig.kubelet.stop(remove_plugin_sockets=True)
