@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from test_cluster_metrics import cluster_view
 
 from sharegpu.k8s.cluster_metrics import ClusterMetrics
@@ -22,8 +23,12 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kuberne
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "sharegpu"
 DASHBOARD = CHART / "dashboards" / "sharegpu.json"
 OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor"}  # CRDs: no schema in kubernetes-validate
+# assumeCrds: an offline rendering cannot see the cluster's APIs (Helm's .Capabilities lacks monitoring.coreos.com/v1).
 ALL_ON = {
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}, "dashboard": {"enabled": True}},
+    "metrics": {
+        "serviceMonitor": {"enabled": True, "assumeCrds": True, "labels": {"release": "kps"}},
+        "dashboard": {"enabled": True},
+    },
     "statusPage": {"enabled": True},
 }
 
@@ -75,6 +80,19 @@ def test_servicemonitor_scrapes_the_extenders_metrics_port_and_not_its_api() -> 
     assert pod_mon["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     ds = by_kind(docs, "DaemonSet")["sg-node-agent"]["spec"]["template"]
     assert pod_mon["spec"]["selector"]["matchLabels"].items() <= ds["metadata"]["labels"].items()
+
+
+def test_monitors_are_left_out_with_a_note_where_the_operator_api_is_not_served() -> None:
+    # The cluster of issue 21 had no Prometheus Operator: the API server refused the whole release for its PodMonitor.
+    out = helm.Chart.load(str(CHART)).render(
+        {"metrics": {"serviceMonitor": {"enabled": True}}}, name="sg", namespace="gpu-system", is_install=True
+    )
+    kinds = {d["kind"] for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d}
+    assert not kinds & OPERATOR_KINDS and "Service" in kinds
+    notes = next(text for path, text in out.items() if path.endswith("NOTES.txt"))
+    assert "does not serve monitoring.coreos.com/v1" in notes and "metrics.serviceMonitor.assumeCrds=true" in notes
+    quiet = helm.Chart.load(str(CHART)).render(ALL_ON, name="sg", namespace="gpu-system", is_install=True)
+    assert "WARNING" not in next(text for path, text in quiet.items() if path.endswith("NOTES.txt"))
 
 
 def test_defaults_export_metrics_but_install_no_operator_objects_dashboard_or_page() -> None:

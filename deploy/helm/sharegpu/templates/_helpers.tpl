@@ -65,3 +65,12 @@ clientKey}, each base64 PEM.
 {{- end -}}
 
 {{- define "sharegpu.extenderClientSecret" -}}{{ include "sharegpu.schedulerName" . }}-extender-client{{- end -}}
+
+{{- /*
+"true" when the ServiceMonitor and PodMonitor are to be made: asked for, and the Prometheus Operator's API is served
+(or assumed, for renderings that cannot see the cluster). Without the CRDs the API server refuses the whole release.
+*/ -}}
+{{- define "sharegpu.monitors" -}}
+{{- $m := .Values.metrics.serviceMonitor -}}
+{{- if and $m.enabled (or $m.assumeCrds (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")) -}}true{{- end -}}
+{{- end -}}
