@@ -17,7 +17,7 @@ from rich.console import Console
 
 from sharegpu.k8s.api import ApiError, LightkubeClusterApi
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
-from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials
+from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials, quiet_http_logging
 from sharegpu.k8s.pod_request import DEFAULT_SCHEDULER_NAME
 from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
@@ -73,9 +73,7 @@ def _fail(message: str) -> typer.Exit:
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # One line per API request (every bind, every watch) is noise at INFO and costs time on a busy scheduler.
-    for noisy in ("httpx", "httpx2"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_http_logging()  # one line per API request is noise at INFO and costs time on a busy scheduler
 
 
 def scheduler_extender(
@@ -246,7 +244,10 @@ def status(
     from sharegpu.k8s.status import FollowedStatus, print_status, status_report, watch_status
     from sharegpu.k8s.view import ClusterView
 
-    logging.basicConfig(level=logging.ERROR)  # problems are part of the report, not log noise
+    if serve is not None:
+        _logging()  # a server: it says where it listens (and what goes wrong) in its log
+    else:
+        logging.basicConfig(level=logging.ERROR)  # problems are part of the report, not log noise
     addr: tuple[str, int] | None = None
     try:
         if sum((as_json, watch, serve is not None)) > 1:

@@ -42,10 +42,23 @@ def _num(q: Any) -> float:
     return float(value) if value is not None else 0.0
 
 
+def _mig_compute_pct(model: str, profile: str) -> float:
+    """The share of its GPU's compute (percent) a MIG instance of ``profile`` holds: its compute slices of the
+    model's (0 where the catalog does not know them)."""
+    from sharegpu.model.catalog import DEFAULT_CATALOG, CatalogError
+
+    try:
+        gpu = DEFAULT_CATALOG.strict(model)
+        return round(100 * gpu.profile(profile).compute_slices / gpu.compute_slices, 1) if gpu.compute_slices else 0.0
+    except (CatalogError, ValueError, KeyError):
+        return 0.0
+
+
 def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per DRA node and GPU: model, memory, what the allocated claims consume, the MIG partitions and the claims."""
     gpus: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, gpu device name) → row
-    mig_parent: dict[tuple[str, str], tuple[str, str, int]] = {}  # (pool, mig device) → (gpu device, profile, start)
+    # (pool, mig device) → (gpu device, profile, start, memory MiB, compute percent)
+    mig_parent: dict[tuple[str, str], tuple[str, str, int, int, float]] = {}
     for s in slices:
         spec = s.get("spec") or {}
         if spec.get("driver") != DRIVER:
@@ -70,7 +83,15 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
             elif kind == "mig":
                 profile = (attrs.get("profile") or {}).get("string", "")
                 start = (attrs.get("placementStart") or {}).get("int", 0)
-                mig_parent[(pool, d["name"])] = (f"gpu-{index}", profile, start)
+                model = (attrs.get("model") or {}).get("string", "")
+                memory = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
+                mig_parent[(pool, d["name"])] = (
+                    f"gpu-{index}",
+                    profile,
+                    start,
+                    memory,
+                    _mig_compute_pct(model, profile),
+                )
     for c in claims:
         meta = c.get("metadata") or {}
         key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
@@ -80,12 +101,15 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
                 continue
             pool, device = str(r.get("pool", "")), str(r.get("device", ""))
             if (pool, device) in mig_parent:
-                parent, profile, start = mig_parent[(pool, device)]
+                parent, profile, start, memory, compute = mig_parent[(pool, device)]
                 row = gpus.get((pool, parent))
                 if row is not None:
                     row["mig"].append({"profile": profile, "start": start, "claim": key})
                     row["claims"].append(key)
                     row["mechanism"] = "mig"
+                    # The instance is the claim's whole: its memory and its share of the GPU's compute are taken.
+                    row["memory_mib_used"] += memory
+                    row["compute_pct_used"] = round(row["compute_pct_used"] + compute, 1)
                 continue
             row = gpus.get((pool, device))
             if row is None:

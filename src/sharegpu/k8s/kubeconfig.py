@@ -30,6 +30,18 @@ DEFAULT_KUBECONFIG = Path("~/.kube/config")
 SHAPE = "a kubeconfig is a mapping with clusters, contexts, users and current-context (as kubectl writes it)"
 
 
+# lightkube's HTTP clients log every request at INFO ("HTTP Request: GET ... 200 OK"): every bind, watch and list.
+HTTP_LOGGERS = ("httpx", "httpx2")
+
+
+def quiet_http_logging() -> None:
+    """Keep the HTTP clients' per-request lines out of every command's log (their warnings stay)."""
+    import logging
+
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class KubeconfigError(Exception):
     """Credentials that cannot be loaded; the message names the file (or source) and what is wrong."""
 

@@ -13,9 +13,11 @@ import contextlib
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.markup import escape
@@ -201,8 +203,17 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
             )
         nodes.append({"name": spec.name, "gpus": gpus})
     pending = pending_pods(view)
+    dra = dra_nodes or []
+    dra_gpus = [g for n in dra for g in n["gpus"]]
+    summary = cluster_summary(view, pending) | {
+        # The DRA path's GPUs are outside the ledger (allocation and fragmentation above are the device plugin's).
+        "dra_nodes": len(dra),
+        "dra_gpus_total": len(dra_gpus),
+        "dra_gpus_in_use": sum(1 for g in dra_gpus if g["claims"]),
+        "dra_claims": len({c for g in dra_gpus for c in g["claims"]}),
+    }
     return {
-        "summary": cluster_summary(view, pending),
+        "summary": summary,
         "nodes": nodes,
         "pending": [{"pod": p.pod, "reason": p.reason, "detail": p.detail} for p in pending],
         "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.dra_view.dra_status
@@ -224,42 +235,93 @@ def summary_line(report: dict[str, Any]) -> str:
         line += f" ({top})"
     if s["gpus_unhealthy"]:
         line += f" · {s['gpus_unhealthy']} GPU(s) unhealthy"
+    if s.get("dra_nodes"):
+        line += (
+            f" · DRA: {s['dra_gpus_in_use']}/{s['dra_gpus_total']} GPUs claimed on {s['dra_nodes']} node(s), "
+            f"{s['dra_claims']} claim(s)"
+        )
     return line
 
 
 def print_status(console: Console, report: dict[str, Any]) -> None:
-    console.print(status_renderable(report))
+    console.print(status_renderable(report, console.width))
 
 
-def status_renderable(report: dict[str, Any]) -> RenderableType:
+def short_uuid(uuid: str) -> str:
+    """A GPU's UUID as a table shows it: enough to tell the GPUs of a node apart (``--json`` has the whole one)."""
+    bare = uuid.removeprefix("GPU-").removeprefix("MIG-")
+    return bare if len(bare) <= 7 else f"{bare[:6]}…"
+
+
+def _gpu_table(title: str, used: str, last: str, rows: Sequence[Sequence[str]], width: int | None) -> Table:
+    """A node's table. In a terminal of ``width`` columns the ones a user reads (model, mechanism, the pods or
+    claims) keep their width: the UUID is short, the MIG column is there only where a GPU has MIG instances, the
+    figures wrap first and a pod's name folds rather than being cut (rich would shrink every column alike)."""
+    mig = any(r[5] != "-" for r in rows)
+    cells = [list(r) if mig else [*r[:5], r[6]] for r in rows]
+    headers = ["GPU", "model", "mechanism", "memory", "compute", *(["MIG layout"] if mig else []), last]
+    natural = [max([len(h), *(len(line) for c in cells for line in c[i].splitlines())]) for i, h in enumerate(headers)]
+    wrapping = ("memory", "MIG layout", last)  # the columns that may wrap; the others keep their width
+    widths: dict[str, int] = {}
+    gaps = 2 * (len(headers) - 1)  # the cells' padding: no box, two spaces between columns
+    if width is not None and sum(natural) + gaps > width:
+        # The figures and the MIG layout wrap at their longest word; the names get what is left (at least 12).
+        for i, h in enumerate(headers):
+            if h in wrapping and h != last:
+                words = [len(w) for c in cells for w in c[i].split()]
+                widths[h] = max([len(h.split()[0]), *words])
+        rest = (
+            width
+            - gaps
+            - sum(widths.values())
+            - sum(n for h, n in zip(headers, natural, strict=True) if h not in wrapping)
+        )
+        widths[last] = max(12, min(natural[-1], rest))
+    table = Table(
+        title=f"{title} · memory and compute {used}",
+        title_justify="left",
+        expand=False,
+        box=None,
+        padding=(0, 2, 0, 0),
+        pad_edge=False,
+        header_style="bold underline",
+    )
+    for h in headers:
+        table.add_column(h, no_wrap=h not in wrapping, overflow="fold", width=widths.get(h))
+    for c in cells:
+        table.add_row(*c[:-1], Text(c[-1]))
+    return table
+
+
+def status_renderable(report: dict[str, Any], width: int | None = None) -> RenderableType:
     """The summary line, one table per node, the pending pods and the problems (what ``print_status`` prints and
-    ``--watch`` redraws)."""
+    ``--watch`` redraws), the tables fitted to ``width`` columns where given."""
     parts: list[RenderableType] = [Text(summary_line(report), style="bold")]
     if not report["nodes"] and not report.get("dra_nodes"):
         parts.append(Text("no node has a sharegpu inventory (is the sharegpu node agent running?)"))
     for node in report["nodes"]:
-        table = Table(title=f"node {node['name']}", title_justify="left", expand=False)
-        for col in ("GPU", "model", "mechanism", "memory used / total", "compute used", "MIG layout", "pods"):
-            table.add_column(col)
-        for g in node["gpus"]:
-            layout = "\n".join(
-                f"{m['profile']}@{m['start']} {m['inner']}{' (static)' if m['static'] else ''}" for m in g["mig"]
-            )
-            table.add_row(
-                f"{g['index']} {g['uuid']}" + ("" if g["healthy"] else " [red](unhealthy)[/]"),
+        rows = [
+            (
+                f"{g['index']} {short_uuid(g['uuid'])}" + ("" if g["healthy"] else " [red](unhealthy)[/]"),
                 g["model"],
                 g["mechanism"],
                 f"{fmt_mib(g['memory_mib_used'])} / {fmt_mib(g['memory_mib_total'])}",
                 f"{g['compute_pct_used']:g}%",
-                layout or "-",
+                "\n".join(
+                    f"{m['profile']}@{m['start']} {m['inner']}{' (static)' if m['static'] else ''}" for m in g["mig"]
+                )
+                or "-",
                 "\n".join(g["pods"]) or "-",
             )
-        parts.append(table)
-    parts.extend(dra_node_tables(report.get("dra_nodes") or []))
+            for g in node["gpus"]
+        ]
+        parts.append(_gpu_table(f"node {node['name']}", "used / total", "pods", rows, width))
+    parts.extend(dra_node_tables(report.get("dra_nodes") or [], width))
     if report["pending"]:
-        table = Table(title="pending", title_justify="left", expand=False)
-        for col in ("pod", "reason", "why"):
-            table.add_column(col)
+        table = Table(title="pending", title_justify="left", expand=False, box=box.SIMPLE_HEAD, pad_edge=False)
+        table.add_column("pod", overflow="fold", min_width=16)
+        table.add_column("reason", no_wrap=True)
+        table.add_column("why")
         for p in report["pending"]:
             table.add_row(Text(p["pod"]), p["reason"], Text(p["detail"]))
         parts.append(table)
@@ -268,15 +330,12 @@ def status_renderable(report: dict[str, Any]) -> RenderableType:
     return Group(*parts)
 
 
-def dra_node_tables(nodes: list[dict[str, Any]]) -> list[Table]:
+def dra_node_tables(nodes: list[dict[str, Any]], width: int | None = None) -> list[Table]:
     tables = []
     for node in nodes:
-        table = Table(title=f"node {node['name']} (DRA)", title_justify="left", expand=False)
-        for col in ("GPU", "model", "mechanism", "memory claimed / total", "compute claimed", "MIG layout", "claims"):
-            table.add_column(col)
-        for g in node["gpus"]:
-            table.add_row(
-                f"{g['index']} {g['uuid']}",
+        rows = [
+            (
+                f"{g['index']} {short_uuid(g['uuid'])}",
                 g["model"],
                 g["mechanism"],
                 f"{fmt_mib(g['memory_mib_used'])} / {fmt_mib(g['memory_mib_total'])}",
@@ -284,7 +343,9 @@ def dra_node_tables(nodes: list[dict[str, Any]]) -> list[Table]:
                 "\n".join(f"{m['profile']}@{m['start']}" for m in g["mig"]) or "-",
                 "\n".join(g["claims"]) or "-",
             )
-        tables.append(table)
+            for g in node["gpus"]
+        ]
+        tables.append(_gpu_table(f"node {node['name']} (DRA)", "claimed / total", "claims", rows, width))
     return tables
 
 
@@ -321,12 +382,12 @@ class FollowedStatus:
         await self.view.follow(api, stop)
 
 
-def snapshot_renderable(snap: StatusSnapshot) -> RenderableType:
+def snapshot_renderable(snap: StatusSnapshot, width: int | None = None) -> RenderableType:
     taken = time.strftime("%H:%M:%S", time.localtime(snap.taken_at))
     head = Text(f"as of {taken}" + ("" if snap.synced else " · NOT IN SYNC with the API server (reconnecting)"))
     if not snap.synced:
         head.stylize("bold yellow")
-    return Group(head, status_renderable(snap.report))
+    return Group(head, status_renderable(snap.report, width))
 
 
 async def watch_status(
@@ -334,11 +395,25 @@ async def watch_status(
 ) -> None:
     """``sharegpu status --watch``: redraw the status every ``interval_s`` until ``stop`` (or Ctrl-C)."""
     follow = asyncio.ensure_future(followed.run(api, stop))
+    if not console.is_terminal:
+        # Piped or logged: nothing to redraw in place (rich's Live prints only at its end there); each refresh is
+        # printed after the last.
+        try:
+            while not stop.is_set() and not follow.done():
+                if followed.view.synced or followed.view.relists:
+                    console.print(snapshot_renderable(followed.snapshot(), console.width))
+                    console.print()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval_s)
+        finally:
+            stop.set()
+            await follow
+        return
     try:
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while not stop.is_set() and not follow.done():
                 if followed.view.synced or followed.view.relists:
-                    live.update(snapshot_renderable(followed.snapshot()), refresh=True)
+                    live.update(snapshot_renderable(followed.snapshot(), console.width), refresh=True)
                 else:
                     live.update(Text("connecting to the API server…"), refresh=True)
                 with contextlib.suppress(TimeoutError):
