@@ -1,7 +1,9 @@
 """Against a real API server: set SHAREGPU_TEST_KUBECONFIG to a kubeconfig (kind, k3d, envtest; cluster-admin).
 
 It creates a Node object (no kubelet behind it: nothing runs, bindings still work), a namespace and pods, drives
-the cluster view, bind and status through lightkube, and deletes everything it made.
+the cluster view, bind and status through lightkube, and deletes everything it made. The rig may hold other sharegpu
+nodes and schedulers (a real node, another test's harness): the pods carry a scheduler name of this test's own, so
+that no running scheduler takes them, and only this test's node and namespace are looked at.
 """
 
 from __future__ import annotations
@@ -48,13 +50,21 @@ def test_against_a_real_api_server() -> None:
     assert KUBECONFIG is not None
     suffix = uuid.uuid4().hex[:6]
     node_name, ns = f"sharegpu-it-{suffix}", f"sharegpu-it-{suffix}"
+    scheduler = f"sharegpu-it-{suffix}"  # no scheduler runs by this name: only this test binds its pods
     spec = node_spec(node_name, gpus=1)
+
+    def mine(v: ClusterView) -> tuple[object, ...]:
+        """This test's node in a ledger (other nodes may come and go on a shared rig meanwhile)."""
+        led = v.ledger
+        n = led.index[node_name]
+        held = sorted(a.to_json() for a in led.assignments.values() if a.node == node_name)
+        return held, led.free_mem[n].tolist(), led.free_milli[n].tolist(), led.mode[n].tolist(), led.cpu_free[n]
 
     async def main() -> None:
         client = AsyncClient(config=KubeConfig.from_file(KUBECONFIG))
         api = LightkubeClusterApi(Path(KUBECONFIG))
         # Watches the server ends after 1-2 s (lightkube resumes them from the last resourceVersion seen).
-        view = ClusterView(policy="bestfit", watch_timeout_s=(1, 2))
+        view = ClusterView(policy="bestfit", watch_timeout_s=(1, 2), scheduler_name=scheduler)
         stop = asyncio.Event()
         follow = asyncio.ensure_future(view.follow(api, stop))
         try:
@@ -66,12 +76,12 @@ def test_against_a_real_api_server() -> None:
             )
             await until(lambda: view.synced and view.node_spec(node_name) is not None, "the node's inventory")
             for name in ("a", "b"):
-                obj = pod_obj(name, ns, memory="50Gi")
+                obj = pod_obj(name, ns, memory="50Gi", scheduler_name=scheduler)
                 for server_set in ("uid", "resourceVersion"):
                     del obj["metadata"][server_set]
                 await client.create(KPod.from_dict(obj | {"status": {}}), namespace=ns)
             await until(lambda: view.pod(f"{ns}/b") is not None, "the pods")
-            ext = Extender(view, api)
+            ext = Extender(view, api, scheduler_name=scheduler)
 
             async def bind(name: str) -> str:
                 pod = await api.get_pod(ns, name)
@@ -94,12 +104,12 @@ def test_against_a_real_api_server() -> None:
             gpu = next(n for n in report["nodes"] if n["name"] == node_name)["gpus"][0]
             assert gpu["pods"] == [f"{ns}/{winner}"]
             # Restart equality against the real server.
-            fresh = ClusterView(policy="bestfit")
-            fresh.reset((await api.list_nodes())[0], (await api.list_pods())[0])
-            assert fresh.ledger.state() == view.ledger.state()
+            fresh = ClusterView(policy="bestfit", scheduler_name=scheduler)
+            fresh.reset((await api.list_nodes())[0], (await api.list_pods(scheduler))[0])
+            assert mine(fresh) == mine(view)
             view.resync()  # a relist (what a new leader does, and what a broken watch leads to)
             await until(lambda: view.synced, "the relist")
-            assert fresh.ledger.state() == view.ledger.state()
+            assert mine(fresh) == mine(view)
             await client.delete(KPod, winner, namespace=ns, grace_period=0)
             await until(lambda: f"{ns}/{winner}" not in view.ledger, "the release")
         finally:
