@@ -222,6 +222,8 @@ class Rig:
     procs: list[Proc] = field(default_factory=list)
     nodes: dict[str, RigNode] = field(default_factory=dict)
     namespaces: list[str] = field(default_factory=list)
+    real_nodes: set[str] = field(default_factory=set)  # served by a real kubelet: never deleted here
+    real_state: dict[str, Path] = field(default_factory=dict)
     _kubelets: KubeletLoop | None = None
     _pki: Pki | None = None
 
@@ -329,9 +331,50 @@ class Rig:
             "--backend", "sim",
             "--sim-config", str(sim),
             "--device-plugin-dir", str(node.plugin_dir),
+            # A fake node's agent has no kubelet records to read and must never touch the host's CDI directory.
+            "--pod-resources-socket", str(node.plugin_dir / "pod-resources.sock"),
+            "--cdi-dir", str(self.work / f"{node.name}.cdi"),
             "--metrics-listen", "",
         )  # fmt: skip
         node.agent = self.spawn(f"agent-{node.name}", argv, env={"SHAREGPU_STATE_DIR": str(state)})
+
+    def attach_real_node(self, real: Any, gpus: list[dict[str, Any]]) -> str:
+        """Serve the rig's real node (``realnode.RealNode``: a real kubelet and containerd) with a node agent on the
+        simulated backend, exactly as the chart's DaemonSet would: the kubelet's device-plugin directory, its
+        pod-resources socket and containerd's CDI directory. The Node object is the kubelet's: never deleted here."""
+        node = RigNode(real.name, gpus, real.plugin_dir)
+        self.nodes[real.name] = node
+        self.real_nodes.add(real.name)
+        sim = self.work / f"{real.name}.yaml"
+        sim.write_text(yaml.safe_dump({"gpus": gpus, "stateFile": str(self.work / f"{real.name}.sim.json")}))
+        state = self.work / f"{real.name}.state"
+        state.mkdir()
+        self.real_state[real.name] = state
+        argv = sharegpu_argv(
+            "node-agent",
+            "--node-name", real.name,
+            "--kubeconfig", str(self.kubeconfig),
+            "--backend", "sim",
+            "--sim-config", str(sim),
+            "--device-plugin-dir", str(real.plugin_dir),
+            "--pod-resources-socket", str(real.pod_resources_socket),
+            "--cdi-dir", str(real.cdi_dir),
+            "--metrics-listen", "",
+        )  # fmt: skip
+        node.agent = self.spawn(f"agent-{real.name}", argv, env={"SHAREGPU_STATE_DIR": str(state)})
+        return real.name
+
+    def restart_real_agent(self, name: str, kill: bool = True) -> None:
+        """Stop the real node's agent (SIGKILL, or SIGTERM) and start it again on the same state."""
+        node = self.nodes[name]
+        assert node.agent is not None
+        if kill:
+            node.agent.kill()
+        else:
+            node.agent.stop()
+        node.agent = self.spawn(
+            f"agent-{name}-{len(self.procs)}", node.agent.argv, env={"SHAREGPU_STATE_DIR": str(self.real_state[name])}
+        )
 
     def wait_nodes_published(self, timeout: float = 60.0) -> None:
         """Until every node with an agent shows its inventory and its ``sharegpu.io/gpu`` capacity."""
@@ -487,6 +530,7 @@ class Rig:
 
     def close(self) -> None:
         from lightkube.resources.core_v1 import Namespace, Node, Pod
+        from lightkube.types import PatchType
 
         for p in reversed(self.procs):
             with contextlib.suppress(Exception):
@@ -499,7 +543,18 @@ class Rig:
                 self.client.deletecollection(Pod, namespace=ns, grace_period=0)
             with contextlib.suppress(Exception):
                 self.client.delete(Namespace, ns)
+        for name in self.real_nodes:
+            # The kubelet's Node stays; what the agent published on it goes, so that later tests see a plain node.
+            with contextlib.suppress(Exception):
+                node = self.node(name)
+                labels = {k: None for k in node["metadata"].get("labels", {}) if k.startswith("sharegpu.io/")}
+                annotations = {k: None for k in node["metadata"].get("annotations", {}) if k.startswith("sharegpu.io/")}
+                self.client.patch(
+                    Node, name, {"metadata": {"labels": labels, "annotations": annotations}}, patch_type=PatchType.MERGE
+                )
         for name in self.nodes:
+            if name in self.real_nodes:
+                continue
             with contextlib.suppress(Exception):
                 self.client.delete(Node, name)
         self.client.close()

@@ -49,7 +49,7 @@ class AgentConfig:
     metrics_listen: tuple[str, int] | None = None
     interval_s: float = 10.0
     tokens_per_gpu: int = TOKENS_PER_GPU
-    allocate_wait_s: float = 15.0
+    allocate_wait_s: float = 10.0  # under the kubelet's 30 s for a PreStartContainer, queueing included
     grant_grace_s: float = 120.0  # how long a fresh grant counts as needed whatever a pod list says
     pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET  # the kubelet's record of whose container starts
     cdi_dir: Path = DEFAULT_CDI_DIR  # where PreStartContainer writes each container's CDI spec
@@ -125,13 +125,23 @@ class NodeAgent:
                     await self.reconcile_once()
                 except (KubeError, BackendError, StateError) as e:
                     log.warning("reconcile failed, retrying in %gs: %s", self.config.interval_s, e)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.config.interval_s)
+                await self._sleep(stop)
         finally:
             stop.set()
             await plugin_task
             if metrics is not None:
                 await metrics.close()
+
+    async def _sleep(self, stop: asyncio.Event) -> None:
+        """Until the next reconcile: the interval, or sooner when a grant waits on room that finished pods hold."""
+        wanted = self.allocator.reconcile_wanted
+        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wanted.wait())}
+        try:
+            await asyncio.wait(waits, timeout=self.config.interval_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        wanted.clear()
 
     async def reconcile_once(self) -> ReconcileResult:
         if not self._recovered:
@@ -159,7 +169,10 @@ class NodeAgent:
     async def _reconcile_units(
         self, pods: list[PodInfo], assignments: list[Assignment], invalid: list[str]
     ) -> list[str]:
-        recent = self.allocator.recent_grants()
+        # A fresh grant counts only for a pod the list lacks (a list older than the pod): where the list has the pod,
+        # its state decides, so a pod that finished frees its MIG room and GPU mode at once, as the scheduler does.
+        listed = {p.uid for p in pods}
+        recent = tuple(g for g in self.allocator.recent_grants() if g.pod_uid not in listed)
         desired = self._desired(assignments, invalid)
         granted_mps: dict[str, MpsLimits] = {}
         for g in recent:

@@ -90,6 +90,12 @@ class RecentGrant:
     mps: tuple[tuple[str, MpsLimits], ...] = ()  # unit UUID and the limits its daemon was given
 
 
+def share_text(s: GpuShare) -> str:
+    """One share as the container sees it in SHAREGPU_SHARES, e.g. ``gpu=GPU-…,mig=3g.40gb@4,sharing=mps,memory=4096Mi,compute=250m``."""
+    mig = f",mig={s.mig.profile}@{s.mig.start}" if s.mig is not None else ""
+    return f"gpu={s.gpu_uuid}{mig},sharing={s.sharing.value},memory={s.memory_mib}Mi,compute={s.compute_milli}m"
+
+
 class Allocator:
     def __init__(
         self,
@@ -120,6 +126,9 @@ class Allocator:
         # One container at a time (two calls must never tie one device ID to two shares); the reconcile loop takes it
         # too around everything that destroys, stops or forgets, so it never acts between a grant's steps.
         self.lock = asyncio.Lock()
+        # Set when a grant waits on MIG room that finished pods may still hold: the agent reconciles at once (the
+        # scheduler frees a finished pod's share at once, the agent's timer would only in up to its interval).
+        self.reconcile_wanted = asyncio.Event()
 
     # ----- the kubelet's calls ---------------------------------------------------------------------------------
     def allocate(self, device_ids: Sequence[str]) -> AllocateAnswer:
@@ -163,6 +172,17 @@ class Allocator:
                 ",".join(ids),
             )
             return grant
+
+    async def _pause(self, reconcile: bool = False) -> None:
+        """Wait a poll period without the lock: the other containers of a burst are served meanwhile (the kubelet gives
+        each PreStartContainer 30 s, so one container waiting for a MIG instance must not hold up the rest)."""
+        if reconcile:
+            self.reconcile_wanted.set()
+        self.lock.release()
+        try:
+            await asyncio.sleep(self._poll_s)
+        finally:
+            await self.lock.acquire()
 
     def recent_grants(self) -> tuple[RecentGrant, ...]:
         """The grants made within the grace period (older ones are dropped here)."""
@@ -211,7 +231,7 @@ class Allocator:
                     f"{f' with UID {owner.uid}' if owner.uid and owner.name else ''} is bound to node "
                     f"{self.node_name} in the API{why}; refusing to guess"
                 )
-            await asyncio.sleep(self._poll_s)
+            await self._pause()
 
     # ----- its assignment --------------------------------------------------------------------------------------
     def _assignment_of(self, pod: PodInfo) -> Assignment:
@@ -282,6 +302,8 @@ class Allocator:
         envs = {
             "NVIDIA_VISIBLE_DEVICES": ",".join(units),
             "SHAREGPU_MECHANISM": ",".join(s.sharing.value for s in shares),
+            # What the container was given, in words it can log: the assignment's shares, one per unit.
+            "SHAREGPU_SHARES": ";".join(share_text(s) for s in shares),
         }
         mounts: list[MountSpec] = []
         mps = [(i, s) for i, s in enumerate(shares) if s.sharing is Mechanism.MPS]
@@ -319,7 +341,7 @@ class Allocator:
                     f"pod {pod.key}: GPU {s.gpu_index} ({s.gpu_uuid}) is in MIG mode and its share is not a MIG "
                     f"instance; refusing to hand out the whole GPU: {why}"
                 )
-            await asyncio.sleep(self._poll_s)
+            await self._pause(reconcile=True)
 
     async def _unit_of(self, pod: PodInfo, s: GpuShare, deadline: float) -> str:
         assert s.mig is not None
@@ -330,4 +352,4 @@ class Allocator:
             except (MigError, BackendError) as e:
                 if isinstance(e, MigInvalid) or time.monotonic() >= deadline:
                     raise AllocationError(f"pod {pod.key}: MIG instance not available: {e}") from None
-            await asyncio.sleep(self._poll_s)
+            await self._pause(reconcile=True)

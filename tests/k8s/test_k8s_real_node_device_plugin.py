@@ -1,0 +1,288 @@
+"""The device-plugin path on a real kubelet and containerd (the rig's real node): every container runs with exactly its
+own pod's share.
+
+Pods go through the real kube-scheduler (the chart's profile) and ``sharegpu scheduler-extender``; ``sharegpu
+node-agent --backend sim`` serves the real kubelet. Each container prints its environment; the test reads every
+container's log back and checks it against its pod's ``sharegpu.io/assignment``. Skipped unless the rig and its real
+node run (``.ci/run`` starts both); one such test at a time (the ``real_node`` fixture holds a machine-wide lock).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from realnode import RealNode, busybox, env_lines, wait_until
+from rig import KUBECONFIG, SKIP_REASON, Rig
+
+from sharegpu.model.assignment import Assignment
+from sharegpu.model.demand import ContainerDemand, running_at_once
+from sharegpu.node.allocation import share_text
+
+pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
+
+# Five GPUs: shares, whole-GPU pods, MIG pods and MPS inside MIG.
+GPUS = [{"model": "H100-80GB", "count": 5}]  # sharegpu switches MIG mode on where MIG pods need it
+PRINT = "env; echo SHAREGPU_DONE"
+
+
+def pod(name: str, node: str, *, containers: list[dict[str, Any]], annotations: dict[str, str] | None = None,
+        init: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    spec: dict[str, Any] = {
+        "schedulerName": "sharegpu-scheduler",
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 0,
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "containers": containers,
+    }
+    if init:
+        spec["initContainers"] = init
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "annotations": annotations or {}},
+            "spec": spec}  # fmt: skip
+
+
+def limits(gpus: int = 1, memory: str | None = None, compute: int | None = None) -> dict[str, str]:
+    out = {"sharegpu.io/gpu": str(gpus)}
+    if memory:
+        out["sharegpu.io/gpu-memory"] = memory
+    if compute:
+        out["sharegpu.io/gpu-compute"] = str(compute)
+    return out
+
+
+def burst(node: str, seed: int, size: int = 20) -> list[dict[str, Any]]:
+    """``size`` pods with distinct shares: MPS (some with an init container, a native sidecar, or two containers),
+    time-sliced, MIG (hardware), MPS inside MIG, and a whole GPU; in a shuffled order."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    k = 0
+
+    def take() -> int:
+        nonlocal k
+        k += 1
+        return k
+
+    # Each pod's memory (and, for MPS, compute) differs from every other's, so a swap cannot go unseen.
+    for _ in range(6):
+        i = take()
+        out.append(pod(f"mps-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi", 2 + i))],
+                       annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+    for _ in range(2):
+        i = take()
+        lim = limits(1, f"{1000 + 97 * i}Mi", 2 + i)
+        out.append(pod(f"mps-init-{i}", node, containers=[busybox("app", PRINT, lim)],
+                       init=[busybox("prep", PRINT, lim)], annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+    for _ in range(2):
+        i = take()
+        lim = limits(1, f"{1000 + 97 * i}Mi", 2 + i)
+        side = busybox("side", f"{PRINT}; sleep 3600", lim, restartPolicy="Always")
+        out.append(pod(f"mps-sidecar-{i}", node, containers=[busybox("app", f"sleep 1; {PRINT}", lim)], init=[side],
+                       annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+    i = take()
+    lim = limits(1, f"{1000 + 97 * i}Mi", 2 + i)
+    out.append(pod(f"mps-two-{i}", node, containers=[busybox("a", PRINT, lim), busybox("b", PRINT, lim)],
+                   annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+    for _ in range(4):
+        i = take()
+        out.append(pod(f"ts-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi"))],
+                       annotations={"sharegpu.io/sharing": "time-slicing"}))  # fmt: skip
+    for _ in range(3):
+        i = take()
+        out.append(pod(f"mig-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{5000 + 97 * i}Mi"))],
+                       annotations={"sharegpu.io/isolation": "hardware"}))  # fmt: skip
+    i = take()
+    out.append(pod(f"mps-in-mig-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi", 2 + i))],
+                   annotations={"sharegpu.io/isolation": "memory", "sharegpu.io/mig-profile": "3g.40gb"}))  # fmt: skip
+    i = take()
+    out.append(pod(f"whole-{i}", node, containers=[busybox("app", PRINT, limits(1))]))
+    while len(out) < size:
+        i = take()
+        out.append(pod(f"mps-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi", 2 + i))],
+                       annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+    rng.shuffle(out)
+    return out[:size]
+
+
+@dataclass
+class Verdict:
+    containers: int = 0
+    wrong: list[str] = field(default_factory=list)
+
+
+def check_pod(p: dict[str, Any], logs: dict[str, str], verdict: Verdict) -> None:
+    """Every container of ``p`` saw shares of its own assignment only, with their limits; containers that run at once
+    hold no share twice."""
+    name = p["metadata"]["name"]
+    a = Assignment.from_json(p["metadata"]["annotations"]["sharegpu.io/assignment"])
+    own = Counter(share_text(s) for s in a.shares)
+    by_text = {share_text(s): s for s in a.shares}
+    spec = p["spec"]
+    demands = [
+        *(ContainerDemand(c["name"], int(c.get("resources", {}).get("limits", {}).get("sharegpu.io/gpu", 0)), init=True,
+                          sidecar=c.get("restartPolicy") == "Always") for c in spec.get("initContainers", [])),
+        *(ContainerDemand(c["name"], int(c.get("resources", {}).get("limits", {}).get("sharegpu.io/gpu", 0)))
+          for c in spec["containers"]),
+    ]  # fmt: skip
+    seen: dict[str, list[str]] = {}
+    for d in demands:
+        verdict.containers += 1
+        env = env_lines(logs.get(d.name, ""))
+        if "SHAREGPU_DONE" not in logs.get(d.name, ""):
+            verdict.wrong.append(f"{name}/{d.name}: did not run to its end: {logs.get(d.name, '')[-300:]!r}")
+            continue
+        texts = env.get("SHAREGPU_SHARES", "").split(";") if env.get("SHAREGPU_SHARES") else []
+        seen[d.name] = texts
+        if len(texts) != d.amount or Counter(texts) - own:
+            verdict.wrong.append(f"{name}/{d.name}: got {texts}, its pod's shares are {sorted(own)}")
+            continue
+        units = env.get("NVIDIA_VISIBLE_DEVICES", "").split(",")
+        for t, unit in zip(texts, units, strict=False):
+            s = by_text[t]
+            if s.mig is None and unit != s.gpu_uuid or s.mig is not None and not unit.startswith("MIG-"):
+                verdict.wrong.append(f"{name}/{d.name}: sees {unit} for share {t}")
+        if any(by_text[t].sharing.value == "mps" for t in texts):
+            s = by_text[texts[0]]
+            want = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, s.compute_milli // 10)),
+                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={s.memory_mib}M"}  # fmt: skip
+            got = {k: env.get(k) for k in want}
+            if got != want:
+                verdict.wrong.append(f"{name}/{d.name}: MPS limits {got}, its share says {want}")
+    for phase in running_at_once(demands):
+        together = Counter(t for c in phase for t in seen.get(c, []))
+        if together - own:
+            verdict.wrong.append(f"{name}: containers {sorted(phase)} running at once hold {dict(together)}")
+
+
+def logs_of(rig: Rig, ns: str, p: dict[str, Any]) -> dict[str, str]:
+    from lightkube.resources.core_v1 import Pod
+
+    out = {}
+    for c in [*p["spec"].get("initContainers", []), *p["spec"]["containers"]]:
+        try:
+            out[c["name"]] = "\n".join(rig.client.log(p["metadata"]["name"], namespace=ns, container=c["name"]))
+        except Exception as e:  # a container that never started has no log
+            out[c["name"]] = f"<no log: {e}>"
+    del Pod
+    return out
+
+
+def run_burst(rig: Rig, node: str, seed: int, size: int, timeout: float = 180) -> tuple[Verdict, float, list[str]]:
+    ns = rig.namespace()
+    pods = burst(node, seed, size)
+    t0 = time.monotonic()
+    rig.create_pods(ns, pods, parallel=size)
+
+    def done() -> list[dict[str, Any]] | None:
+        now = rig.pods(ns)
+        return now if all(p.get("status", {}).get("phase") in ("Succeeded", "Failed") for p in now) else None
+
+    try:
+        settled = wait_until(done, f"burst {seed} to finish", timeout, every=0.5)
+    except AssertionError:
+        states = [(p["metadata"]["name"], p["spec"].get("nodeName"), p.get("status", {}).get("phase"),
+                   [c.get("state") for c in p.get("status", {}).get("containerStatuses", [])][:1]) for p in rig.pods(ns)]
+        events = [(e["involvedObject"]["name"], e.get("reason"), e.get("message")) for e in rig.events(ns)][-30:]
+        raise AssertionError(f"burst {seed} did not finish: {states}\n{events}") from None
+    elapsed = time.monotonic() - t0
+    verdict = Verdict()
+    failed = []
+    for p in settled:
+        if p["status"]["phase"] != "Succeeded":
+            failed.append(f"{p['metadata']['name']}: {p['status'].get('phase')} {p['status'].get('reason', '')} "
+                          f"{p['status'].get('message', '')}")  # fmt: skip
+        check_pod(p, logs_of(rig, ns, p), verdict)
+    from lightkube.resources.core_v1 import Namespace, Pod
+
+    rig.client.deletecollection(Pod, namespace=ns, grace_period=0)
+    rig.client.delete(Namespace, ns)
+    return verdict, elapsed, failed
+
+
+def start(rig: Rig, real_node: RealNode) -> str:
+    node = rig.attach_real_node(real_node, GPUS)
+    rig.wait_nodes_published(90)
+    _, url = rig.start_extender()
+    rig.start_scheduler(url)
+    return node
+
+
+def test_bursts_on_a_real_kubelet_give_every_container_its_own_share(rig: Rig, real_node: RealNode) -> None:
+    """10 bursts of 20 pods created at once onto one real node, mixing MPS (with init containers, native sidecars,
+    two containers), time-sliced, MIG, MPS inside MIG and whole-GPU pods: no container sees another pod's GPU, MIG
+    instance or limits, and every container runs."""
+    node = start(rig, real_node)
+    total = Verdict()
+    failed: list[str] = []
+    rates = []
+    for seed in range(10):
+        v, elapsed, f = run_burst(rig, node, seed, 20)
+        total.containers += v.containers
+        total.wrong += v.wrong
+        failed += f
+        rates.append(20 / elapsed)
+    print(f"bursts of 20 on one real node: pods/s {[round(r, 2) for r in rates]}")
+    assert total.wrong == [], total.wrong[:10]
+    assert failed == [], failed[:10]
+    assert total.containers >= 200
+
+
+def test_a_container_no_pod_holds_is_refused_with_a_reason(real_node: RealNode, tmp_path: Any) -> None:
+    """PreStartContainer for device IDs that no pod holds (as the kubelet would never send, or after a record was
+    lost) is refused with a message that says so: the agent does not guess (real kubelet's pod-resources API)."""
+    import asyncio
+
+    from sharegpu.node.attribution import CHECKPOINT_FILE, AttributionError, Attributor, PodResourcesClient
+
+    attributor = Attributor(
+        "sharegpu.io/gpu", PodResourcesClient(real_node.pod_resources_socket), real_node.plugin_dir / CHECKPOINT_FILE
+    )
+    with pytest.raises(AttributionError, match="no pod on this node holds device IDs GPU-none::0"):
+        asyncio.run(attributor.owner(["GPU-none::0"]))
+
+
+def test_the_agent_restarted_and_the_kubelet_restarted_mid_burst(rig: Rig, real_node: RealNode) -> None:
+    """Restarts on the real node in the middle of bursts: running pods keep their share, new pods get theirs,
+    nothing is handed out twice."""
+    node = start(rig, real_node)
+    ns = rig.namespace()
+    # Long-running pods first: they must keep their shares through both restarts.
+    keep = [pod(f"keep-{i}", node, containers=[busybox("app", f"{PRINT}; sleep 3600",
+                limits(1, f"{2000 + 101 * i}Mi", 5 + i))], annotations={"sharegpu.io/isolation": "memory"})
+            for i in range(4)]  # fmt: skip
+    rig.create_pods(ns, keep)
+    wait_until(lambda: all(p.get("status", {}).get("phase") == "Running" for p in rig.pods(ns)), "keep pods", 120)
+    before = {p["metadata"]["name"]: env_lines(logs_of(rig, ns, p)["app"]) for p in rig.pods(ns)}
+
+    ns2 = rig.namespace()
+    rig.create_pods(ns2, burst(node, 100, 12))
+    time.sleep(1.0)
+    rig.restart_real_agent(node)  # SIGKILL in the middle of the burst
+    time.sleep(2.0)
+    real_node.restart_kubelet()
+    settled = wait_until(
+        lambda: (ps := rig.pods(ns2)) and all(p.get("status", {}).get("phase") in ("Succeeded", "Failed") for p in ps)
+        and ps, "the burst across restarts", 240, every=1.0)  # fmt: skip
+    verdict = Verdict()
+    for p in settled:
+        check_pod(p, logs_of(rig, ns2, p), verdict)
+    assert verdict.wrong == [], verdict.wrong[:10]
+    assert all(p["status"]["phase"] == "Succeeded" for p in settled), [
+        (p["metadata"]["name"], p["status"].get("reason"), p["status"].get("message")) for p in settled
+        if p["status"]["phase"] != "Succeeded"]  # fmt: skip
+    # The long-running pods still run, with what they had; their assignments hold no share twice.
+    now = rig.pods(ns)
+    assert all(p["status"]["phase"] == "Running" for p in now)
+    after = {p["metadata"]["name"]: env_lines(logs_of(rig, ns, p)["app"]) for p in now}
+    assert after == before
+    shares = Counter(
+        share_text(s)
+        for p in now
+        for s in Assignment.from_json(p["metadata"]["annotations"]["sharegpu.io/assignment"]).shares
+    )
+    assert all(n == 1 for n in shares.values()), shares
+    print(json.dumps({"burst": len(settled), "keep": len(now)}))
