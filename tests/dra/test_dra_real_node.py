@@ -469,7 +469,7 @@ def resource_health(s: Session, pod: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for c in s.get("pod", pod)["status"].get("containerStatuses", []) or []:
         for entry in c.get("allocatedResourcesStatus", []) or []:
-            assert entry["name"] == "claim:gpu/gpu", entry  # "claim:<pod claim>/<request>"
+            assert entry["name"] == "claim:gpu", entry  # "claim:<the pod's claim name>" (kubelet v1.36)
             for r in entry.get("resources", []) or []:
                 out[r["resourceID"]] = r.get("health", "")
     return out
@@ -487,7 +487,8 @@ def test_an_unhealthy_simulated_gpu_appears_in_the_pods_status(session: Session)
         pod_obj("p1", node, claim="on-gpu-1", sleep=True),
     )
     s.wait_pods(["p0", "p1"], ("Running",))
-    id0, id1 = f"{DRIVER}/{node}/gpu-0", f"{DRIVER}/{node}/gpu-1"
+    # The kubelet v1.36 names each resource by the CDI device ID the driver answered at Prepare.
+    id0, id1 = (f"sharegpu.io/gpu={s.claim_of(p)['metadata']['uid']}-gpu-gpu-{i}" for i, p in enumerate(("p0", "p1")))
     wait_until(lambda: resource_health(s, "p1") == {id1: "Healthy"}, "p1's GPU reported Healthy", timeout=60)
     assert resource_health(s, "p0") == {id0: "Healthy"}
 

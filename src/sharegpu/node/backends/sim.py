@@ -248,7 +248,7 @@ class SimBackend:
         self._health_seen = (st.st_mtime_ns, st.st_size)
         try:
             data: Any = yaml.safe_load(self._health_file.read_text()) or {}
-            listed = data.get("unhealthy") or [] if isinstance(data, dict) else None
+            listed = (data.get("unhealthy") or []) if isinstance(data, dict) else None
             if not isinstance(listed, list) or set(data) - {"unhealthy"}:
                 raise ValueError("expected a mapping such as unhealthy: [1, GPU-…]")
         except (OSError, ValueError, yaml.YAMLError) as e:
