@@ -109,6 +109,7 @@ class NodeAgent:
         self.registry = new_registry(lambda: self.snapshot)
         self._recovered = False
         self._absent_before: set[str] = set()  # allocated pods missing from the previous pod list
+        self._listed_since_grant: set[str] = set()  # pods of recent grants that a pod list has shown
         self.metrics_server: MetricsServer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -169,10 +170,13 @@ class NodeAgent:
     async def _reconcile_units(
         self, pods: list[PodInfo], assignments: list[Assignment], invalid: list[str]
     ) -> list[str]:
-        # A fresh grant counts only for a pod the list lacks (a list older than the pod): where the list has the pod,
-        # its state decides, so a pod that finished frees its MIG room and GPU mode at once, as the scheduler does.
+        # A fresh grant counts only for a pod no list has shown yet (a list older than the pod): once a list has the
+        # pod, the lists decide (finished or deleted, its MIG room and GPU mode are freed at once, as the scheduler
+        # frees its share).
         listed = {p.uid for p in pods}
-        recent = tuple(g for g in self.allocator.recent_grants() if g.pod_uid not in listed)
+        grants = self.allocator.recent_grants()
+        self._listed_since_grant = (self._listed_since_grant | listed) & {g.pod_uid for g in grants}
+        recent = tuple(g for g in grants if g.pod_uid not in self._listed_since_grant)
         desired = self._desired(assignments, invalid)
         granted_mps: dict[str, MpsLimits] = {}
         for g in recent:
