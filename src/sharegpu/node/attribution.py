@@ -21,6 +21,7 @@ refuses the container with its message rather than guess.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_POD_RESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 _LIST_TIMEOUT_S = 5.0
+_RATE_LIMIT_RETRIES = 6  # 20 ms doubling: about 1.3 s in all
 
 
 class AttributionError(Exception):
@@ -88,13 +90,7 @@ class PodResourcesClient:
 
     async def holders(self, resource: str) -> list[Holder]:
         try:
-            async with grpc.aio.insecure_channel(f"unix://{self.socket}") as channel:
-                call = channel.unary_unary(
-                    "/v1.PodResourcesLister/List",
-                    request_serializer=pr.ListPodResourcesRequest.SerializeToString,
-                    response_deserializer=pr.ListPodResourcesResponse.FromString,
-                )
-                resp = await call(pr.ListPodResourcesRequest(), timeout=self._timeout_s)
+            resp = await self._list()
         except grpc.aio.AioRpcError as e:
             raise AttributionError(
                 f"the kubelet's pod-resources API at {self.socket} did not answer ({e.code().name}: {e.details()}); "
@@ -107,6 +103,26 @@ class PodResourcesClient:
                 if ids:
                     out.append(Holder(p.namespace, p.name, "", c.name, ids))
         return out
+
+
+    async def _list(self) -> pr.ListPodResourcesResponse:
+        # The kubelet rate-limits this API (100 calls/s, bursts of 10): a refusal for the rate is waited out.
+        delay = 0.02
+        async with grpc.aio.insecure_channel(f"unix://{self.socket}") as channel:
+            call = channel.unary_unary(
+                "/v1.PodResourcesLister/List",
+                request_serializer=pr.ListPodResourcesRequest.SerializeToString,
+                response_deserializer=pr.ListPodResourcesResponse.FromString,
+            )
+            for attempt in range(_RATE_LIMIT_RETRIES + 1):
+                try:
+                    return await call(pr.ListPodResourcesRequest(), timeout=self._timeout_s)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == _RATE_LIMIT_RETRIES:
+                        raise
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
 
 
 def read_checkpoint(path: Path, resource: str) -> list[Holder]:
