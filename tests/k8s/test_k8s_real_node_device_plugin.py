@@ -17,17 +17,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from realnode import RealNode, busybox, env_lines, wait_until
 from rig import KUBECONFIG, SKIP_REASON, Rig
 
+from realnode import RealNode, busybox, env_lines, wait_until
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.demand import ContainerDemand, running_at_once
 from sharegpu.node.allocation import share_text
 
 pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
 
-# Five GPUs: shares, whole-GPU pods, MIG pods and MPS inside MIG.
-GPUS = [{"model": "H100-80GB", "count": 5}]  # sharegpu switches MIG mode on where MIG pods need it
+# H100s for shares and whole GPUs, A100s for MIG pods and MPS inside MIG (sharegpu switches their MIG mode on). The
+# pods name their model, so that no GPU goes back and forth between MIG and whole-GPU use from one burst to the next:
+# what is tested here is that each container gets its own share, not how fast MIG mode follows the scheduler.
+GPUS = [{"model": "H100-80GB", "count": 3}, {"model": "A100-80GB", "count": 2}]
+NO_MIG = {"sharegpu.io/gpu-model": "H100-80GB"}
+MIG = {"sharegpu.io/gpu-model": "A100-80GB"}
 PRINT = "env; echo SHAREGPU_DONE"
 
 
@@ -71,39 +75,39 @@ def burst(node: str, seed: int, size: int = 20) -> list[dict[str, Any]]:
     for _ in range(6):
         i = take()
         out.append(pod(f"mps-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi", 2 + i))],
-                       annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+                       annotations={"sharegpu.io/isolation": "memory", **NO_MIG}))  # fmt: skip
     for _ in range(2):
         i = take()
         lim = limits(1, f"{1000 + 97 * i}Mi", 2 + i)
         out.append(pod(f"mps-init-{i}", node, containers=[busybox("app", PRINT, lim)],
-                       init=[busybox("prep", PRINT, lim)], annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+                       init=[busybox("prep", PRINT, lim)], annotations={"sharegpu.io/isolation": "memory", **NO_MIG}))  # fmt: skip
     for _ in range(2):
         i = take()
         lim = limits(1, f"{1000 + 97 * i}Mi", 2 + i)
         side = busybox("side", f"{PRINT}; sleep 3600", lim, restartPolicy="Always")
         out.append(pod(f"mps-sidecar-{i}", node, containers=[busybox("app", f"sleep 1; {PRINT}", lim)], init=[side],
-                       annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+                       annotations={"sharegpu.io/isolation": "memory", **NO_MIG}))  # fmt: skip
     i = take()
     lim = limits(1, f"{1000 + 97 * i}Mi", 2 + i)
     out.append(pod(f"mps-two-{i}", node, containers=[busybox("a", PRINT, lim), busybox("b", PRINT, lim)],
-                   annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+                   annotations={"sharegpu.io/isolation": "memory", **NO_MIG}))  # fmt: skip
     for _ in range(4):
         i = take()
         out.append(pod(f"ts-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi"))],
-                       annotations={"sharegpu.io/sharing": "time-slicing"}))  # fmt: skip
+                       annotations={"sharegpu.io/sharing": "time-slicing", **NO_MIG}))  # fmt: skip
     for _ in range(3):
         i = take()
         out.append(pod(f"mig-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{5000 + 97 * i}Mi"))],
-                       annotations={"sharegpu.io/isolation": "hardware"}))  # fmt: skip
+                       annotations={"sharegpu.io/isolation": "hardware", **MIG}))  # fmt: skip
     i = take()
     out.append(pod(f"mps-in-mig-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi", 2 + i))],
-                   annotations={"sharegpu.io/isolation": "memory", "sharegpu.io/mig-profile": "3g.40gb"}))  # fmt: skip
+                   annotations={"sharegpu.io/isolation": "memory", "sharegpu.io/mig-profile": "3g.40gb", **MIG}))  # fmt: skip
     i = take()
-    out.append(pod(f"whole-{i}", node, containers=[busybox("app", PRINT, limits(1))]))
+    out.append(pod(f"whole-{i}", node, containers=[busybox("app", PRINT, limits(1))], annotations=NO_MIG))
     while len(out) < size:
         i = take()
         out.append(pod(f"mps-{i}", node, containers=[busybox("app", PRINT, limits(1, f"{1000 + 97 * i}Mi", 2 + i))],
-                       annotations={"sharegpu.io/isolation": "memory"}))  # fmt: skip
+                       annotations={"sharegpu.io/isolation": "memory", **NO_MIG}))  # fmt: skip
     rng.shuffle(out)
     return out[:size]
 
@@ -143,7 +147,7 @@ def check_pod(p: dict[str, Any], logs: dict[str, str], verdict: Verdict) -> None
         units = env.get("NVIDIA_VISIBLE_DEVICES", "").split(",")
         for t, unit in zip(texts, units, strict=False):
             s = by_text[t]
-            if s.mig is None and unit != s.gpu_uuid or s.mig is not None and not unit.startswith("MIG-"):
+            if (s.mig is None and unit != s.gpu_uuid) or (s.mig is not None and not unit.startswith("MIG-")):
                 verdict.wrong.append(f"{name}/{d.name}: sees {unit} for share {t}")
         if any(by_text[t].sharing.value == "mps" for t in texts):
             s = by_text[texts[0]]
@@ -184,8 +188,15 @@ def run_burst(rig: Rig, node: str, seed: int, size: int, timeout: float = 180) -
     try:
         settled = wait_until(done, f"burst {seed} to finish", timeout, every=0.5)
     except AssertionError:
-        states = [(p["metadata"]["name"], p["spec"].get("nodeName"), p.get("status", {}).get("phase"),
-                   [c.get("state") for c in p.get("status", {}).get("containerStatuses", [])][:1]) for p in rig.pods(ns)]
+        states = [
+            (
+                p["metadata"]["name"],
+                p["spec"].get("nodeName"),
+                p.get("status", {}).get("phase"),
+                [c.get("state") for c in p.get("status", {}).get("containerStatuses", [])][:1],
+            )
+            for p in rig.pods(ns)
+        ]
         events = [(e["involvedObject"]["name"], e.get("reason"), e.get("message")) for e in rig.events(ns)][-30:]
         raise AssertionError(f"burst {seed} did not finish: {states}\n{events}") from None
     elapsed = time.monotonic() - t0
@@ -252,7 +263,7 @@ def test_the_agent_restarted_and_the_kubelet_restarted_mid_burst(rig: Rig, real_
     ns = rig.namespace()
     # Long-running pods first: they must keep their shares through both restarts.
     keep = [pod(f"keep-{i}", node, containers=[busybox("app", f"{PRINT}; sleep 3600",
-                limits(1, f"{2000 + 101 * i}Mi", 5 + i))], annotations={"sharegpu.io/isolation": "memory"})
+                limits(1, f"{2000 + 101 * i}Mi", 5 + i))], annotations={"sharegpu.io/isolation": "memory", **NO_MIG})
             for i in range(4)]  # fmt: skip
     rig.create_pods(ns, keep)
     wait_until(lambda: all(p.get("status", {}).get("phase") == "Running" for p in rig.pods(ns)), "keep pods", 120)

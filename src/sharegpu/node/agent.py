@@ -9,7 +9,6 @@ that still answer, containers already allocated) and changes nothing a running p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
