@@ -115,7 +115,7 @@ def test_absurd_seed_ranges_are_refused_at_once(tmp_path: Path) -> None:
     refused(runner.invoke(app, ["sim", "--seeds", "0-100000"]), "100,001 seeds", "at most 10,000")
     refused(runner.invoke(app, ["sim", "--seeds", "0-99999999999999"]), "at most 10,000")  # never built
     r = runner.invoke(app, ["sim", "--seeds", "0-5000"])
-    refused(r, "25,005 run(s) (5 policies × 5,001 seeds)", "placement decisions", "--large")
+    refused(r, "25,005 runs (5 policies × 5,001 seeds)", "placement decisions", "--large")
     r = runner.invoke(app, ["sim", "--seeds", "0-5000", "--large"])
     assert isinstance(r.exception, RunsStarted)  # --large lets it through
 
@@ -123,7 +123,7 @@ def test_absurd_seed_ranges_are_refused_at_once(tmp_path: Path) -> None:
 def test_the_size_of_the_run_is_said_before_it_starts(tmp_path: Path) -> None:
     r = sim(tmp_path, "--policy", "fgd,bestfit", "--seeds", "1-3", "--out", str(tmp_path / "o"))
     assert r.exit_code == 0, r.output
-    said = re.search(r"simulating 6 run\(s\) \(2 policies × 3 seeds\) of about (\d+) pods each", r.stderr)
+    said = re.search(r"simulating 6 runs \(2 policies × 3 seeds\) of about (\d+) pods each", r.stderr)
     assert said is not None, r.stderr
     pods = [run["pods"] for run in json.loads((tmp_path / "o" / "report.json").read_text())["runs"]]
     assert all(abs(int(said[1]) - p) <= 2 for p in pods), (said[1], pods)  # the estimate, to within a pod or two

@@ -160,9 +160,11 @@ class RunSize:
 
     def __str__(self) -> str:
         about = "about " if self.estimated else ""
+        policies = f"{self.policies} polic{'y' if self.policies == 1 else 'ies'}"
+        seeds = f"{self.seeds:,} seed{'' if self.seeds == 1 else 's'}"
         return (
-            f"{self.runs:,} run(s) ({self.policies} policies × {self.seeds:,} seeds) of {about}{self.pods_per_run:,} "
-            f"pods each: {self.decisions:,} placement decisions"
+            f"{self.runs:,} run{'' if self.runs == 1 else 's'} ({policies} × {seeds}) of {about}"
+            f"{self.pods_per_run:,} pods each: {self.decisions:,} placement decisions"
         )
 
 
