@@ -51,9 +51,9 @@ class UsageError(Exception):
 
 def sim(
     nodes: str | None = typer.Option(
-        None, "--nodes", help="Node list CSV (openb format). Default: the embedded scenario."
+        None, "--nodes", metavar="FILE", help="Node list CSV (openb format). Default: the embedded scenario."
     ),
-    pods: str | None = typer.Option(None, "--pods", help="Pod list CSV (openb format)."),
+    pods: str | None = typer.Option(None, "--pods", metavar="FILE", help="Pod list CSV (openb format)."),
     policy: str | None = typer.Option(
         None,
         "--policy",
@@ -74,11 +74,15 @@ def sim(
         "scenario (so that every seed passes 130 %).",
     ),
     json_out: str | None = typer.Option(
-        None, "--json", help="Write the JSON report to this file, and the plot beside it (same name, .png)."
+        None,
+        "--json",
+        metavar="FILE",
+        help="Write the JSON report to this file, and the plot beside it (same name, .png).",
     ),
     out: str | None = typer.Option(
         None,
         "--out",
+        metavar="DIR",
         help=f"Folder for the report: report.json and allocation.png. Default: {DEFAULT_OUT}. Not with --json.",
     ),
     replay: bool = typer.Option(
@@ -391,7 +395,9 @@ def _shares_table(title: str, rows: dict[str, Shares]) -> Table:
 @trace_app.command("vary")
 def trace_vary(
     base: Path = typer.Argument(..., help="The base pod list (openb format), e.g. openb_pod_list_default.csv."),
-    out_text: str = typer.Option(..., "--out", "-o", help="Where to write the variant (a pod list CSV)."),
+    out_text: str = typer.Option(
+        ..., "--out", "-o", metavar="FILE", help="Where to write the variant (a pod list CSV)."
+    ),
     cpu_only: float | None = typer.Option(None, "--cpu-only", help="CPU-only pods, % of all pods."),
     sharing: float | None = typer.Option(
         None, "--sharing", help="Sharing pods (one GPU, gpu_milli < 1000), % of the GPU demand."
