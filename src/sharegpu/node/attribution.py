@@ -104,7 +104,6 @@ class PodResourcesClient:
                     out.append(Holder(p.namespace, p.name, "", c.name, ids))
         return out
 
-
     async def _list(self) -> pr.ListPodResourcesResponse:
         # The kubelet rate-limits this API (100 calls/s, bursts of 10): a refusal for the rate is waited out.
         delay = 0.02
