@@ -45,13 +45,6 @@ class AllocationError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class MountSpec:
-    container_path: str
-    host_path: str
-    read_only: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class AllocateAnswer:
     """What Allocate returns for one container: the CDI device that PreStartContainer fills in, and an environment
     that hides every GPU should the runtime not apply it."""
@@ -69,7 +62,7 @@ class ContainerGrant:
     container: str
     units: tuple[str, ...]  # GPU-… or MIG-… UUIDs, in the order of the container's shares
     envs: Mapping[str, str] = field(default_factory=dict)
-    mounts: tuple[MountSpec, ...] = ()
+    mounts: tuple[CdiMount, ...] = ()
     device_nodes: tuple[str, ...] = ()
     cdi_name: str = ""
 
@@ -157,7 +150,7 @@ class Allocator:
                         grant.cdi_name,
                         tuple(grant.envs.items()),
                         grant.device_nodes,
-                        tuple(CdiMount(m.container_path, m.host_path, m.read_only) for m in grant.mounts),
+                        grant.mounts,
                     )
                 )
             except CdiError as e:
@@ -305,7 +298,7 @@ class Allocator:
             # What the container was given, in words it can log: the assignment's shares, one per unit.
             "SHAREGPU_SHARES": ";".join(share_text(s) for s in shares),
         }
-        mounts: list[MountSpec] = []
+        mounts: list[CdiMount] = []
         mps = [(i, s) for i, s in enumerate(shares) if s.sharing is Mechanism.MPS]
         if mps:
             if len(shares) > 1:
@@ -320,7 +313,7 @@ class Allocator:
                 spec = await self._mps.ensure(units[i], MpsLimits.of_share(s.compute_milli, s.memory_mib))
             except MpsError as e:
                 raise AllocationError(f"pod {pod.key}: {e}") from None
-            mounts.append(MountSpec(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
+            mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
             envs["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
             # Rounded down: a client may use less than promised, never more.
             envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, s.compute_milli // 10))
