@@ -256,10 +256,6 @@ def test_a_container_no_pod_holds_is_refused_with_a_reason(real_node: RealNode, 
         asyncio.run(attributor.owner(["GPU-none::0"]))
 
 
-@pytest.mark.skip(
-    reason="written but not yet run to the end on the real node (the session ran out of time after the bursts "
-    "passed); run it by hand with the README's real-node commands and remove this mark once it passes"
-)
 def test_the_agent_restarted_and_the_kubelet_restarted_mid_burst(rig: Rig, real_node: RealNode) -> None:
     """Restarts on the real node in the middle of bursts: running pods keep their share, new pods get theirs,
     nothing is handed out twice."""
