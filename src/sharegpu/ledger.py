@@ -97,6 +97,8 @@ class Ledger:
         self.healthy = np.zeros((n_nodes, width), dtype=bool)
         self.model_id = np.full((n_nodes, width), -1, dtype=np.int16)
         self.gpu_mem_total = np.zeros((n_nodes, width), dtype=np.int64)
+        # GPUs an administrator put in MIG mode: they stay in MIG mode when empty, so no non-MIG share lands there.
+        self.mig_pinned = np.zeros((n_nodes, width), dtype=bool)
         for i, n in enumerate(self.nodes):
             for g in n.gpus:
                 model = catalog.get(g.model)
@@ -108,6 +110,7 @@ class Ledger:
                 self.healthy[i, g.index] = g.healthy
                 self.model_id[i, g.index] = model_ids[model.name]
                 self.gpu_mem_total[i, g.index] = model.memory_mib
+                self.mig_pinned[i, g.index] = g.mig_pinned
         # A node's model, for nodes of one model (the common case): -1 for none, the first GPU's otherwise.
         self.node_model_id = np.where(self.gpu_count > 0, self.model_id[:, 0] if width else -1, -1)
 
@@ -115,7 +118,7 @@ class Ledger:
         self.mem_free = self.mem_total.copy()
         self.free_milli = np.where(self.present, FULL_MILLI, 0).astype(np.int64)
         self.free_mem = self.gpu_mem_total.copy()
-        self.mode = np.zeros((n_nodes, width), dtype=np.int8)
+        self.mode = np.where(self.mig_pinned, GpuMode.MIG, GpuMode.FREE).astype(np.int8)
         self.clients = np.zeros((n_nodes, width), dtype=np.int16)
         self.mig_slots_used = np.zeros((n_nodes, width), dtype=np.int16)  # bitmask on the memory-slot axis
         self.mig_slices_used = np.zeros((n_nodes, width), dtype=np.int8)
@@ -235,6 +238,10 @@ class Ledger:
             self._apply_mig(n, g, model, mode, s)
             return
         want = MODE_OF[s.mechanism]
+        if self.mig_pinned[n, g]:
+            raise LedgerConflict(
+                f"GPU {s.gpu_uuid} is in MIG mode by an administrator's choice: only MIG shares can go there"
+            )
         if mode not in (GpuMode.FREE, want) or (want is GpuMode.EXCLUSIVE and mode is not GpuMode.FREE):
             raise LedgerConflict(f"GPU {s.gpu_uuid} is in use as {mode.name.lower()}, not {s.mechanism}")
         if want is GpuMode.EXCLUSIVE and (s.compute_milli != FULL_MILLI or s.memory_mib != model.memory_mib):
@@ -345,7 +352,7 @@ class Ledger:
         self.mig_slices_used[n, g] -= inst.profile.compute_slices
         if not insts:
             del self.instances[(n, g)]
-            self.mode[n, g] = GpuMode.FREE
+            self.mode[n, g] = GpuMode.MIG if self.mig_pinned[n, g] else GpuMode.FREE
         self._refresh_mig_free(n, g, model)
 
     def _refresh_mig_free(self, n: int, g: int, model: GpuModel) -> None:
@@ -412,7 +419,10 @@ class Ledger:
                         raise InvariantViolation(f"free compute or memory of MIG GPU {dev.uuid} disagrees")
                     continue
                 shares = plain.get((n, g), [])
-                expect_mode = MODE_OF[shares[0].mechanism] if shares else GpuMode.FREE
+                if self.mig_pinned[n, g] and shares:
+                    raise InvariantViolation(f"GPU {dev.uuid} is pinned in MIG mode but holds non-MIG shares")
+                idle = GpuMode.MIG if self.mig_pinned[n, g] else GpuMode.FREE
+                expect_mode = MODE_OF[shares[0].mechanism] if shares else idle
                 if self.mode[n, g] != expect_mode or self.clients[n, g] != len(shares):
                     raise InvariantViolation(f"mode or client count of {dev.uuid} disagrees with its shares")
                 if use_milli[n, g] > FULL_MILLI or use_mem[n, g] > model.memory_mib:

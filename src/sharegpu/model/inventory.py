@@ -46,6 +46,9 @@ class GpuDevice:
     mig_enabled: bool = False
     # Every MIG instance present now, managed or static, with its UUID.
     mig_devices: tuple[MigDevice, ...] = ()
+    # MIG mode that an administrator turned on: sharegpu never turns it off, so only MIG shares can go here (a GPU
+    # that sharegpu itself put in MIG mode is not pinned: the node agent takes it out again for a non-MIG share).
+    mig_pinned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,7 @@ def _gpu_to_dict(g: GpuDevice) -> dict[str, Any]:
         "memoryMiB": g.memory_mib,
         "sms": g.sms,
         "migEnabled": g.mig_enabled,
+        "migPinned": g.mig_pinned,
         "migStatic": [{"profile": s.profile, "start": s.start} for s in g.mig_instances],
         "migInstances": [
             {"profile": m.profile, "start": m.start, "uuid": m.uuid, "managed": m.managed} for m in g.mig_devices
@@ -160,6 +164,7 @@ def _gpu_from_dict(g: Any, node: str, catalog: Catalog) -> GpuDevice:
         sms=_int(g.get("sms", 0), "sms"),
         product=_str(g.get("product", ""), "product", empty_ok=True),
         mig_enabled=_bool(g.get("migEnabled", False), "migEnabled"),
+        mig_pinned=_bool(g.get("migPinned", False), "migPinned"),
         mig_devices=tuple(
             MigDevice(
                 _str(m["profile"], "profile"),
@@ -184,6 +189,8 @@ def _check_mig(dev: GpuDevice, where: str, catalog: Catalog) -> None:
     if len(static) != len(static_list):
         twice = next(s for s in static_list if static_list.count(s) > 1)
         raise InvalidInventory(f"{where}: static MIG instance {twice[0]}@{twice[1]} is listed twice")
+    if dev.mig_pinned and not dev.mig_enabled:
+        raise InvalidInventory(f"{where}: migPinned needs migEnabled")
     if (dev.mig_devices or dev.mig_instances) and not dev.mig_enabled:
         raise InvalidInventory(f"{where}: lists MIG instances but MIG mode is off")
     if not static <= set(slots) and dev.mig_devices:
