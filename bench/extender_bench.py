@@ -40,7 +40,7 @@ from sharegpu.k8s.view import ClusterView
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.catalog import DEFAULT_CATALOG
-from sharegpu.model.inventory import INVENTORY_ANNOTATION
+from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Decision, Scheduler

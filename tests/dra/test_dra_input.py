@@ -18,12 +18,13 @@ import pytest
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
+from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup, parse_sim_config
 from sharegpu.node.cdi import CdiWriter
 from sharegpu.node.dra.checkpoint import Checkpoint
-from sharegpu.node.dra.claims import ClaimError, Mechanism, plan_claim
+from sharegpu.node.dra.claims import ClaimError, plan_claim
 from sharegpu.node.dra.config import ConfigError, parse_config
 from sharegpu.node.dra.driver import ClaimRef, DraDriver, SimTimeSlicer, printable
 from sharegpu.node.dra.health import HealthService

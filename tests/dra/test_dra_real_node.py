@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 
 from realnode import BUSYBOX, RealNode, env_lines, wait_until
+from sharegpu.model.contract import DEVICE_PATH_LABEL, MIG_CLASS, SHARED_CLASS, WHOLE_CLASS
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup
-from sharegpu.node.dra.classes import MIG_CLASS, SHARED_CLASS, WHOLE_CLASS, device_classes
-from sharegpu.node.dra.service import DEVICE_PATH_LABEL
+from sharegpu.node.dra.classes import device_classes
 
 DRIVER = "gpu.sharegpu.io"
 GIB = 1024

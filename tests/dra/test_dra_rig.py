@@ -22,13 +22,14 @@ import grpc
 import grpc.aio
 import pytest
 
+from sharegpu.model.contract import DEVICE_PATH_LABEL, MIG_CLASS, SHARED_CLASS
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.cli import BackendKind, build_dra_service
-from sharegpu.node.dra.classes import MIG_CLASS, SHARED_CLASS, device_classes
+from sharegpu.node.dra.classes import device_classes
 from sharegpu.node.dra.config import TimeSlice
 from sharegpu.node.dra.driver import SimTimeSlicer
 from sharegpu.node.dra.kube import LightkubeDraApi
-from sharegpu.node.dra.service import DEVICE_PATH_LABEL, DraDriverService
+from sharegpu.node.dra.service import DraDriverService
 from sharegpu.node.mps import SimMpsDaemon
 from sharegpu.node.proto import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
 

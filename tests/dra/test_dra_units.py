@@ -16,13 +16,14 @@ import pytest
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
+from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup
 from sharegpu.node.cdi import CdiWriter
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
-from sharegpu.node.dra.claims import ClaimError, Mechanism, plan_claim
+from sharegpu.node.dra.claims import ClaimError, plan_claim
 from sharegpu.node.dra.config import ConfigError, Isolation, Sharing, configs_for_request, parse_config
 from sharegpu.node.dra.driver import ClaimRef, DraDriver, SimTimeSlicer
 from sharegpu.node.dra.plugin import DraPluginServer, SocketPaths

@@ -40,7 +40,8 @@ from proc_helpers import free_port
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment, InvalidAssignment
 from sharegpu.model.catalog import DEFAULT_CATALOG
-from sharegpu.model.inventory import INVENTORY_ANNOTATION, InvalidInventory, NodeSpec
+from sharegpu.model.contract import INVENTORY_ANNOTATION
+from sharegpu.model.inventory import InvalidInventory, NodeSpec
 from sharegpu.node.proto import deviceplugin_pb2 as pb
 from sharegpu.node.proto import deviceplugin_pb2_grpc as pb_grpc
 

@@ -19,12 +19,11 @@ from k8s_helpers import node_spec, pod_obj
 
 from sharegpu.k8s.api import Conflict, LightkubeClusterApi
 from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION
 from sharegpu.k8s.schema import ExtenderBindingArgs
 from sharegpu.k8s.status import status_report
 from sharegpu.k8s.view import ClusterView
 from sharegpu.model.assignment import Assignment
-from sharegpu.model.inventory import INVENTORY_ANNOTATION
+from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, INVENTORY_ANNOTATION
 
 KUBECONFIG = os.environ.get("SHAREGPU_TEST_KUBECONFIG")
 pytestmark = pytest.mark.skipif(

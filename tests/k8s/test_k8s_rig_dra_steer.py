@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import pytest
 from rig import KUBECONFIG, SKIP_REASON, Rig, wait_for
 
-from sharegpu.k8s.dra_view import DEVICE_PATH_DRA, DEVICE_PATH_LABEL
+from sharegpu.model.contract import DEVICE_PATH_DRA, DEVICE_PATH_LABEL
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.classes import device_classes
 from sharegpu.node.dra.slices import build_slices, resource_slice

@@ -109,9 +109,8 @@ def test_the_real_scheduler_binds_through_the_mutual_tls_extender(client: Any, t
     from lightkube.resources.core_v1 import Event, Namespace, Pod
     from lightkube.resources.core_v1 import Node as KNode
 
-    from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION
     from sharegpu.model.assignment import Assignment
-    from sharegpu.model.inventory import INVENTORY_ANNOTATION
+    from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, INVENTORY_ANNOTATION
 
     docs = helm_chart.render()
     secrets = helm_chart.by_kind(docs, "Secret")

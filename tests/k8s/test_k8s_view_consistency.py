@@ -13,12 +13,12 @@ from k8s_helpers import node_spec, pod_obj
 from starlette.testclient import TestClient
 
 from sharegpu.k8s.api import DELETED, MODIFIED, Unavailable
-from sharegpu.k8s.extender import FENCE_ANNOTATION, Extender, make_app
+from sharegpu.k8s.extender import Extender, make_app
 from sharegpu.k8s.memory import MemoryClusterApi
-from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION
 from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingArgs, Node, Pod
 from sharegpu.k8s.status import status_report
 from sharegpu.k8s.view import ClusterView, Phase
+from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, FENCE_ANNOTATION
 from sharegpu.model.inventory import NodeSpec
 
 

@@ -17,7 +17,8 @@ from node_fakes import (
 )
 
 from sharegpu.model.assignment import Mechanism, MigSlot
-from sharegpu.model.inventory import INVENTORY_ANNOTATION, NodeSpec
+from sharegpu.model.contract import INVENTORY_ANNOTATION
+from sharegpu.model.inventory import NodeSpec
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config

@@ -10,7 +10,7 @@ from node_fakes import SIM_YAML, FakeKube, FakeKubelet, agent_config, assignment
 from prometheus_client.parser import text_string_to_metric_families
 
 from sharegpu.model.assignment import Mechanism, MigSlot
-from sharegpu.model.inventory import INVENTORY_ANNOTATION
+from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config

@@ -18,9 +18,9 @@ from rich.console import Console
 from sharegpu.k8s.api import ApiError, LightkubeClusterApi
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
 from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials, quiet_http_logging
-from sharegpu.k8s.pod_request import DEFAULT_SCHEDULER_NAME
 from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
+from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
 log = logging.getLogger(__name__)

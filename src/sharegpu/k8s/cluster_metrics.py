@@ -36,6 +36,7 @@ from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingResult, ExtenderPre
 from sharegpu.k8s.status import MODE_NAMES, REASON_CLASSES, cluster_summary, pending_pods
 from sharegpu.k8s.view import ClusterView
 from sharegpu.ledger import GpuMode
+from sharegpu.model.contract import GPU_RESOURCE, ISOLATION_ANNOTATION, MIG_PROFILE_ANNOTATION, SHARING_ANNOTATION
 
 MIB = 1024 * 1024
 VERBS = ("filter", "prioritize", "bind", "preempt")
@@ -93,10 +94,10 @@ _BIND_CLASSES: tuple[tuple[BindOutcome, tuple[str, ...]], ...] = (
             "its schedulerName is",
             "asks for no sharegpu.io resource",
             "request '",
-            "sharegpu.io/gpu",
-            "sharegpu.io/isolation",
-            "sharegpu.io/sharing",
-            "sharegpu.io/mig-profile",
+            GPU_RESOURCE,
+            ISOLATION_ANNOTATION,
+            SHARING_ANNOTATION,
+            MIG_PROFILE_ANNOTATION,
         ),
     ),
     (

@@ -36,12 +36,22 @@ from typing import Any
 
 import numpy as np
 
-from sharegpu.k8s.dra_view import DEVICE_PATH_DRA, DEVICE_PATH_LABEL, DRIVER, _mib, _num
+from sharegpu.k8s.dra_view import _mib, _num
 from sharegpu.k8s.pod_request import _cpu_and_memory
 from sharegpu.k8s.schema import Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.model.contract import (
+    DEVICE_PATH_DRA,
+    DEVICE_PATH_LABEL,
+    DRIVER,
+    MIG_CLASS,
+    SHARED_CLASS,
+    WHOLE_CLASS,
+    mig_profile_token,
+    parse_device_name,
+)
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest, Sharing
 from sharegpu.placement.dra_steer import dra_steered_policy
@@ -51,16 +61,10 @@ from sharegpu.placement.mechanism import make_share
 
 log = logging.getLogger(__name__)
 
-SHARED_CLASS = "gpu.sharegpu.io"
-WHOLE_CLASS = "whole-gpu.sharegpu.io"
-MIG_CLASS = "mig.sharegpu.io"
 STEERED_CLASSES = (SHARED_CLASS, WHOLE_CLASS, MIG_CLASS)
 # The profile a MIG claim selects: a CEL selector on the device's ``profile`` attribute, as docs/dra.md shows.
 _PROFILE_SELECTOR = re.compile(r"""\.profile\s*==\s*["']([^"']+)["']""")
 HOLD_S = 10.0  # how long a steered pod's choice counts before its claim is seen allocated
-_GPU_DEVICE = re.compile(r"^gpu-(\d+)$")
-_MIG_DEVICE = re.compile(r"^gpu-(\d+)-mig-")
-_MIG_DEVICE_PARTS = re.compile(r"^gpu-(\d+)-mig-([a-z0-9]+)-(\d+)$")  # slices.mig_device_name
 
 
 class NotSteered(Exception):
@@ -437,7 +441,7 @@ class DraState:
 
 def _profile_names(catalog: Catalog) -> dict[str, str]:
     """MIG profile names by their token in device names ("3g.40gb" → "3g40gb"), over the catalog's models."""
-    return {re.sub(r"[^a-z0-9]", "", p.name.lower()): p.name for m in catalog for p in m.mig_profiles}
+    return {mig_profile_token(p.name): p.name for m in catalog for p in m.mig_profiles}
 
 
 def _parse_use(claim: Mapping[str, Any], catalog: Catalog = DEFAULT_CATALOG) -> _Use | None:
@@ -449,19 +453,18 @@ def _parse_use(claim: Mapping[str, Any], catalog: Catalog = DEFAULT_CATALOG) -> 
         if r.get("driver") != DRIVER:
             continue
         device = str(r.get("device", ""))
-        m = _GPU_DEVICE.match(device) or _MIG_DEVICE.match(device)
-        if m is None:
+        name = parse_device_name(device)
+        if name is None:
             continue
         node = str(r.get("pool", ""))
         consumed = r.get("consumedCapacity") or {}
-        mig = _MIG_DEVICE_PARTS.match(device)
         part = None
-        if mig is not None and mig.group(2) in _profile_names(catalog):
-            part = (_profile_names(catalog)[mig.group(2)], int(mig.group(3)))
-        whole = mig is not None or not consumed
+        if name.mig_token is not None and name.mig_start is not None and name.mig_token in _profile_names(catalog):
+            part = (_profile_names(catalog)[name.mig_token], name.mig_start)
+        whole = name.is_mig or not consumed
         mem = _mib(consumed["memory"]) if "memory" in consumed else 1 << 40  # left out: the whole memory
         compute = round(_num(consumed["compute"]) * 10) if "compute" in consumed else FULL_MILLI
-        devices.append((int(m.group(1)), whole, mem, compute, part))
+        devices.append((name.gpu_index, whole, mem, compute, part))
     return _Use(node, tuple(devices)) if devices else None
 
 

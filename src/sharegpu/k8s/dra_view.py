@@ -13,9 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-DRIVER = "gpu.sharegpu.io"
-DEVICE_PATH_LABEL = "sharegpu.io/device-path"
-DEVICE_PATH_DRA = "dra"
+from sharegpu.model.contract import DEVICE_PATH_DRA, DEVICE_PATH_LABEL, DRIVER
 
 
 def is_dra_node(labels: Mapping[str, str]) -> bool:

@@ -47,7 +47,7 @@ from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
 from sharegpu.k8s.dra_steer import DraState, follow_dra
 from sharegpu.k8s.leader import LeaderElector
-from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, pod_request
+from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.schema import (
     MAX_EXTENDER_PRIORITY,
     ExtenderArgs,
@@ -63,6 +63,7 @@ from sharegpu.k8s.tls import ServerTls
 from sharegpu.k8s.view import ClusterView, Outcome, Phase
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
+from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, FENCE_ANNOTATION
 from sharegpu.model.request import GpuRequest, InvalidRequest
 from sharegpu.placement.framework import BoolArray, CycleState, Decision, IntArray
 
@@ -80,7 +81,6 @@ BIND_ATTEMPTS = 3  # Bindings sent for one bind call (a lost answer or a stale v
 READ_BACK_ATTEMPTS = 3
 READ_BACK_BACKOFF_S = 0.2
 # Written, under the resourceVersion a lost Binding carried as its precondition, to move the pod past that version.
-FENCE_ANNOTATION = "sharegpu.io/bind-fence"
 
 
 _NONE = np.zeros(0, dtype=np.int64)

@@ -17,7 +17,8 @@ from typing import Any
 from sharegpu.k8s.api import ADDED, DELETED, MODIFIED, Conflict, NotFound, Unavailable
 from sharegpu.k8s.leader import LeaseRecord
 from sharegpu.k8s.schema import Node, Pod
-from sharegpu.model.inventory import INVENTORY_ANNOTATION, NodeSpec
+from sharegpu.model.contract import INVENTORY_ANNOTATION
+from sharegpu.model.inventory import NodeSpec
 
 
 class MemoryClusterApi:

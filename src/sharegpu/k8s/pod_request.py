@@ -18,27 +18,20 @@ from lightkube.utils.quantity import parse_quantity
 
 from sharegpu.k8s.schema import Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
+from sharegpu.model.contract import (
+    COMPUTE_RESOURCE,
+    GPU_RESOURCE,
+    ISOLATION_ANNOTATION,
+    MEMORY_RESOURCE,
+    MIG_PROFILE_ANNOTATION,
+    MODEL_ANNOTATION,
+    RESOURCES,
+    SHARING_ANNOTATION,
+)
 from sharegpu.model.demand import ContainerDemand, pod_demand
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
-from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
-
-DEFAULT_SCHEDULER_NAME = "sharegpu-scheduler"  # the scheduler profile that places (and binds) sharegpu pods
-MEMORY_RESOURCE = "sharegpu.io/gpu-memory"
-COMPUTE_RESOURCE = "sharegpu.io/gpu-compute"
-RESOURCES = (GPU_RESOURCE, MEMORY_RESOURCE, COMPUTE_RESOURCE)
-
-ISOLATION_ANNOTATION = "sharegpu.io/isolation"
-SHARING_ANNOTATION = "sharegpu.io/sharing"
-MODEL_ANNOTATION = "sharegpu.io/gpu-model"
-MIG_PROFILE_ANNOTATION = "sharegpu.io/mig-profile"
-REQUEST_ANNOTATIONS = (ISOLATION_ANNOTATION, SHARING_ANNOTATION, MODEL_ANNOTATION, MIG_PROFILE_ANNOTATION)
 
 __all__ = [
-    "ASSIGNMENT_ANNOTATION",
-    "COMPUTE_RESOURCE",
-    "DEFAULT_SCHEDULER_NAME",
-    "GPU_RESOURCE",
-    "MEMORY_RESOURCE",
     "InvalidPodRequest",
     "asks_for_sharegpu",
     "containers_missing_gpu_count",

@@ -27,13 +27,21 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sharegpu.k8s.api import DELETED, ApiError, ClusterApi
-from sharegpu.k8s.dra_view import DEVICE_PATH_DRA, DEVICE_PATH_LABEL, DRIVER, is_dra_node
-from sharegpu.k8s.pod_request import ASSIGNMENT_ANNOTATION, asks_for_sharegpu, pod_request
+from sharegpu.k8s.dra_view import is_dra_node
+from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.k8s.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerConflict, LedgerError
 from sharegpu.model.assignment import Assignment, InvalidAssignment
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
-from sharegpu.model.inventory import INVENTORY_ANNOTATION, InvalidInventory, NodeSpec
+from sharegpu.model.contract import (
+    ASSIGNMENT_ANNOTATION,
+    DEVICE_PATH_DRA,
+    DEVICE_PATH_LABEL,
+    DRIVER,
+    GPU_RESOURCE,
+    INVENTORY_ANNOTATION,
+)
+from sharegpu.model.inventory import InvalidInventory, NodeSpec
 from sharegpu.model.request import GpuRequest, InvalidRequest
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Policy, Scheduler
@@ -197,7 +205,7 @@ class ClusterView:
         if name in self._dra_nodes:
             return (
                 f"node {name} is on the DRA path ({DEVICE_PATH_LABEL}={DEVICE_PATH_DRA}): its GPUs are handed out "
-                f"through ResourceClaims of the {DRIVER} driver, never as sharegpu.io/gpu"
+                f"through ResourceClaims of the {DRIVER} driver, never as {GPU_RESOURCE}"
             )
         if name not in self._node_names:
             return f"node {name} does not exist (the API server lists no node of that name)"

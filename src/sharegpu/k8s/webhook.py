@@ -41,32 +41,33 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.body_limit import WEBHOOK_MAX_BODY, BodyLimit
-from sharegpu.k8s.extender import FENCE_ANNOTATION
-from sharegpu.k8s.pod_request import (
-    ASSIGNMENT_ANNOTATION,
-    DEFAULT_SCHEDULER_NAME,
-    GPU_RESOURCE,
-    MEMORY_RESOURCE,
-    REQUEST_ANNOTATIONS,
-    RESOURCES,
-    _resource,
-    asks_for_sharegpu,
-    containers_missing_gpu_count,
-    pod_request,
-)
+from sharegpu.k8s.pod_request import _resource, asks_for_sharegpu, containers_missing_gpu_count, pod_request
 from sharegpu.k8s.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.model.contract import (
+    ANNOTATION_PREFIX,
+    ASSIGNMENT_ANNOTATION,
+    COMPUTE_RESOURCE,
+    CUDA_VISIBLE_DEVICES_ENV,
+    DEFAULT_SCHEDULER_NAME,
+    FENCE_ANNOTATION,
+    GPU_RESOURCE,
+    MEMORY_RESOURCE,
+    MPS_ENV_PREFIX,
+    NVIDIA_VISIBLE_DEVICES_ENV,
+    REQUEST_ANNOTATIONS,
+    RESOURCES,
+)
 from sharegpu.model.request import GpuRequest, InvalidRequest
 from sharegpu.placement.framework import fmt_mib
 
 log = logging.getLogger(__name__)
 
-FORBIDDEN_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-FORBIDDEN_ENV_PREFIX = "CUDA_MPS_"
+FORBIDDEN_ENV = (CUDA_VISIBLE_DEVICES_ENV, NVIDIA_VISIBLE_DEVICES_ENV)
+FORBIDDEN_ENV_PREFIX = MPS_ENV_PREFIX
 # Written on a pod by the extender alone: the assignment, and the fence that moves a pod past a lost Binding's
 # resourceVersion.
 SYSTEM_ANNOTATIONS = (ASSIGNMENT_ANNOTATION, FENCE_ANNOTATION)
-ANNOTATION_PREFIX = "sharegpu.io/"
 # GPU memory below this is a forgotten unit ("10" is 10 bytes, bound as 1Mi), not a request: a CUDA context alone
 # takes about 300-500 MiB of GPU memory.
 MIN_GPU_MEMORY_MIB = 256
@@ -274,7 +275,7 @@ def _annotation_problems(annotations: dict[str, str], system_ok: bool = False) -
     return out
 
 
-_EXAMPLES = {GPU_RESOURCE: "1", MEMORY_RESOURCE: "10Gi", "sharegpu.io/gpu-compute": "30"}
+_EXAMPLES = {GPU_RESOURCE: "1", MEMORY_RESOURCE: "10Gi", COMPUTE_RESOURCE: "30"}
 
 
 def _nvidia_offenders(pod: Pod) -> list[str]:
@@ -287,7 +288,7 @@ def _nvidia_offenders(pod: Pod) -> list[str]:
             found.append(
                 f"container {c.name!r} asks for {', '.join(names)} in a pod that asks for {GPU_RESOURCE}: sharegpu "
                 f"nodes offer their GPUs as {GPU_RESOURCE} only, so no node could host the pod; ask for "
-                f"{GPU_RESOURCE} alone (with sharegpu.io/gpu-memory or sharegpu.io/gpu-compute for a share)"
+                f"{GPU_RESOURCE} alone (with {MEMORY_RESOURCE} or {COMPUTE_RESOURCE} for a share)"
             )
     return found
 

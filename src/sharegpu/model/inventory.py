@@ -13,7 +13,6 @@ from typing import Any
 from sharegpu.model.assignment import MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
 
-INVENTORY_ANNOTATION = "sharegpu.io/inventory"
 INVENTORY_VERSION = 1
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from sharegpu.model.assignment import Assignment, InvalidAssignment, Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
 from sharegpu.node.allocation import Allocator
 from sharegpu.node.attribution import CHECKPOINT_FILE, DEFAULT_POD_RESOURCES_SOCKET, Attributor, PodResourcesClient
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import DEFAULT_CDI_DIR, CdiError, CdiWriter
 from sharegpu.node.device_plugin import TOKENS_PER_GPU, DevicePluginServer, device_tokens
-from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, KubeApi, KubeError, PodInfo
+from sharegpu.node.kube import KubeApi, KubeError, PodInfo
 from sharegpu.node.metrics import (
     GpuSample,
     MetricsServer,

@@ -26,10 +26,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sharegpu.model.assignment import Assignment, GpuShare, InvalidAssignment, Mechanism
+from sharegpu.model.contract import (
+    ASSIGNMENT_ANNOTATION,
+    GPU_RESOURCE,
+    MECHANISM_ENV,
+    MPS_MEMORY_LIMIT_ENV,
+    MPS_PIPE_DIRECTORY_ENV,
+    MPS_THREAD_PERCENTAGE_ENV,
+    NVIDIA_VISIBLE_DEVICES_ENV,
+    SHARES_ENV,
+)
 from sharegpu.node.attribution import AttributionError, Attributor, Owner
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, allocation_name
-from sharegpu.node.kube import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, KubeApi, KubeError, PodInfo
+from sharegpu.node.kube import KubeApi, KubeError, PodInfo
 from sharegpu.node.mig import MigError, MigInvalid, MigManager, MigNeed
 from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
 from sharegpu.node.state import AgentState
@@ -128,7 +138,7 @@ class Allocator:
         if not device_ids:
             raise AllocationError(f"the kubelet asked for 0 {GPU_RESOURCE}; at least 1 is needed")
         name = allocation_name(device_ids)
-        return AllocateAnswer(f"{self.cdi.kind}={name}", {"NVIDIA_VISIBLE_DEVICES": NO_GPU})
+        return AllocateAnswer(f"{self.cdi.kind}={name}", {NVIDIA_VISIBLE_DEVICES_ENV: NO_GPU})
 
     async def prestart(self, device_ids: Sequence[str]) -> ContainerGrant:
         """The container that holds ``device_ids`` is about to be created: make its share ready and write its CDI
@@ -293,10 +303,10 @@ class Allocator:
             except BackendError as e:
                 raise AllocationError(f"pod {pod.key}: GPU {dev.uuid}: {e}") from None
         envs = {
-            "NVIDIA_VISIBLE_DEVICES": ",".join(units),
-            "SHAREGPU_MECHANISM": ",".join(s.sharing.value for s in shares),
+            NVIDIA_VISIBLE_DEVICES_ENV: ",".join(units),
+            MECHANISM_ENV: ",".join(s.sharing.value for s in shares),
             # What the container was given, in words it can log: the assignment's shares, one per unit.
-            "SHAREGPU_SHARES": ";".join(share_text(s) for s in shares),
+            SHARES_ENV: ";".join(share_text(s) for s in shares),
         }
         mounts: list[CdiMount] = []
         mps = [(i, s) for i, s in enumerate(shares) if s.sharing is Mechanism.MPS]
@@ -314,11 +324,11 @@ class Allocator:
             except MpsError as e:
                 raise AllocationError(f"pod {pod.key}: {e}") from None
             mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
-            envs["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
+            envs[MPS_PIPE_DIRECTORY_ENV] = MPS_PIPE_IN_CONTAINER
             # Rounded down: a client may use less than promised, never more.
-            envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, s.compute_milli // 10))
+            envs[MPS_THREAD_PERCENTAGE_ENV] = str(max(1, s.compute_milli // 10))
             if s.memory_mib > 0:
-                envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={s.memory_mib}M"
+                envs[MPS_MEMORY_LIMIT_ENV] = f"0={s.memory_mib}M"
         return ContainerGrant(
             pod.key, pod.uid, container, tuple(units), envs, tuple(mounts), tuple(dict.fromkeys(nodes)), cdi_name
         )

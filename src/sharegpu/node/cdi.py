@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sharegpu.model.contract import CDI_KIND
+
 CDI_VERSION = "0.6.0"
-CDI_KIND = "sharegpu.io/gpu"
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 _FILE_PREFIX = "sharegpu.io-gpu_"  # DRA claims
 _DP_FILE_PREFIX = "sharegpu.io-dp_"  # device-plugin allocations

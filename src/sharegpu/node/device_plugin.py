@@ -23,9 +23,9 @@ from typing import Protocol
 import grpc
 import grpc.aio
 
+from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.node.allocation import AllocateAnswer, AllocationError, ContainerGrant
 from sharegpu.node.backends.base import DeviceInfo
-from sharegpu.node.kube import GPU_RESOURCE
 from sharegpu.node.proto import deviceplugin_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -13,10 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.model.demand import ContainerDemand, pod_demand
-
-GPU_RESOURCE = "sharegpu.io/gpu"
-ASSIGNMENT_ANNOTATION = "sharegpu.io/assignment"
 
 
 class KubeError(Exception):

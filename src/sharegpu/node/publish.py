@@ -13,13 +13,13 @@ from collections.abc import Callable, Mapping
 
 from sharegpu.model.assignment import MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
-from sharegpu.model.inventory import INVENTORY_ANNOTATION, GpuDevice, MigDevice, NodeSpec
+from sharegpu.model.contract import GPU_LABEL_PREFIX, INVENTORY_ANNOTATION
+from sharegpu.model.inventory import GpuDevice, MigDevice, NodeSpec
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.kube import KubeApi
 
 log = logging.getLogger(__name__)
 
-LABEL_PREFIX = "sharegpu.io/gpu"
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -71,15 +71,15 @@ def build_node_spec(
 def node_labels(spec: NodeSpec) -> dict[str, str]:
     """Labels for node selectors: GPU count, the model (or "mixed") and a count per model."""
     if not spec.gpus:
-        return {f"{LABEL_PREFIX}.present": "false", f"{LABEL_PREFIX}.count": "0"}
+        return {f"{GPU_LABEL_PREFIX}.present": "false", f"{GPU_LABEL_PREFIX}.count": "0"}
     per_model = Counter(_label_value(g.model) for g in spec.gpus)
     labels = {
-        f"{LABEL_PREFIX}.present": "true",
-        f"{LABEL_PREFIX}.count": str(len(spec.gpus)),
-        f"{LABEL_PREFIX}.model": next(iter(per_model)) if len(per_model) == 1 else "mixed",
+        f"{GPU_LABEL_PREFIX}.present": "true",
+        f"{GPU_LABEL_PREFIX}.count": str(len(spec.gpus)),
+        f"{GPU_LABEL_PREFIX}.model": next(iter(per_model)) if len(per_model) == 1 else "mixed",
     }
     for model, n in per_model.items():
-        labels[f"{LABEL_PREFIX}.count.{model}"] = str(n)
+        labels[f"{GPU_LABEL_PREFIX}.count.{model}"] = str(n)
     return labels
 
 
@@ -99,7 +99,7 @@ class InventoryPublisher:
         want = node_labels(spec)
         labels: dict[str, str | None] = {k: v for k, v in want.items() if current_labels.get(k) != v}
         # Labels of hardware that is gone (a per-model count) must go too.
-        labels.update({k: None for k in current_labels if k.startswith(f"{LABEL_PREFIX}.") and k not in want})
+        labels.update({k: None for k in current_labels if k.startswith(f"{GPU_LABEL_PREFIX}.") and k not in want})
         text = spec.to_json()
         annotations: dict[str, str | None] = {}
         if current_annotations.get(INVENTORY_ANNOTATION) != text:

@@ -14,7 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sharegpu.node.dra.claims import ClaimPlan, DevicePlan, Mechanism
+from sharegpu.model.assignment import Mechanism
+from sharegpu.node.dra.claims import ClaimPlan, DevicePlan
 from sharegpu.node.dra.config import TimeSlice
 
 VERSION = 1

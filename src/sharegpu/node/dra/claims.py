@@ -9,24 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from typing import Any
 
+from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.model.contract import DRIVER
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.config import ConfigError, EffectiveConfig, Isolation, Sharing, TimeSlice, configs_for_request
-from sharegpu.node.dra.slices import COMPUTE_FULL, DRIVER, PublishedDevice, node_devices
+from sharegpu.node.dra.slices import COMPUTE_FULL, PublishedDevice, node_devices
 
 
 class ClaimError(Exception):
     """This claim cannot be prepared; the message goes back to the kubelet (and the pod's events) for this claim only."""
-
-
-class Mechanism(StrEnum):
-    EXCLUSIVE = "exclusive"
-    MPS = "mps"
-    TIME_SLICING = "time-slicing"
-    MIG = "mig"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from sharegpu.node.dra.config import API_VERSION, KIND
-from sharegpu.node.dra.slices import DRIVER, RESOURCE_API
-
-SHARED_CLASS = "gpu.sharegpu.io"
-WHOLE_CLASS = "whole-gpu.sharegpu.io"
-MIG_CLASS = "mig.sharegpu.io"
+from sharegpu.model.contract import (
+    DRA_CONFIG_API_VERSION,
+    DRA_CONFIG_KIND,
+    DRIVER,
+    MIG_CLASS,
+    SHARED_CLASS,
+    WHOLE_CLASS,
+)
+from sharegpu.node.dra.slices import RESOURCE_API
 
 
 def selector(device_type: str) -> str:
@@ -27,7 +30,12 @@ def device_classes() -> list[dict[str, Any]]:
         spec: dict[str, Any] = {"selectors": [{"cel": {"expression": selector(device_type)}}]}
         if config is not None:
             spec["config"] = [
-                {"opaque": {"driver": DRIVER, "parameters": {"apiVersion": API_VERSION, "kind": KIND, **config}}}
+                {
+                    "opaque": {
+                        "driver": DRIVER,
+                        "parameters": {"apiVersion": DRA_CONFIG_API_VERSION, "kind": DRA_CONFIG_KIND, **config},
+                    }
+                }
             ]
         return {"apiVersion": RESOURCE_API, "kind": "DeviceClass", "metadata": {"name": name}, "spec": spec}
 

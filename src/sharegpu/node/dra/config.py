@@ -14,10 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from sharegpu.node.dra.slices import DRIVER
-
-API_VERSION = f"{DRIVER}/v1alpha1"
-KIND = "GpuConfig"
+from sharegpu.model.contract import DRA_CONFIG_API_VERSION, DRA_CONFIG_KIND, DRIVER
 
 
 class ConfigError(ValueError):
@@ -53,6 +50,7 @@ class GpuConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # Literal types cannot name a constant: these are contract.DRA_CONFIG_API_VERSION and DRA_CONFIG_KIND.
     apiVersion: Literal["gpu.sharegpu.io/v1alpha1"]
     kind: Literal["GpuConfig"]
     sharing: Sharing | None = None
@@ -77,13 +75,13 @@ def parse_config(parameters: Mapping[str, Any], where: str) -> GpuConfig:
     # and silently taking the class's MPS for it would hand out a mechanism they did not ask for.
     if not isinstance(parameters, Mapping):
         raise ConfigError(
-            f"{where}: the opaque parameters must be an object such as {{apiVersion: {API_VERSION}, kind: {KIND}}}, "
+            f"{where}: the opaque parameters must be an object such as {{apiVersion: {DRA_CONFIG_API_VERSION}, kind: {DRA_CONFIG_KIND}}}, "
             f"not {type(parameters).__name__}"
         )
     nulls = sorted(str(k) for k, v in parameters.items() if v is None and k in _FIELD_VALUES)
     if nulls:
         raise ConfigError(
-            f"{where}: invalid {API_VERSION} config: "
+            f"{where}: invalid {DRA_CONFIG_API_VERSION} config: "
             + "; ".join(
                 f"{k}: null is not a value; leave the field out to keep the class's (or the default) or use "
                 f"{_FIELD_VALUES[k]}"
@@ -96,7 +94,7 @@ def parse_config(parameters: Mapping[str, Any], where: str) -> GpuConfig:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {_hint(err)}" for err in e.errors(include_url=False)
         )
-        raise ConfigError(f"{where}: invalid {API_VERSION} config: {problems}") from None
+        raise ConfigError(f"{where}: invalid {DRA_CONFIG_API_VERSION} config: {problems}") from None
 
 
 _FIELD_VALUES = {
@@ -108,7 +106,7 @@ _FIELD_VALUES = {
 
 def _hint(err: Any) -> str:
     field = str(err["loc"][-1]) if err["loc"] else ""
-    accepted = {"apiVersion": API_VERSION, "kind": KIND, **_FIELD_VALUES}
+    accepted = {"apiVersion": DRA_CONFIG_API_VERSION, "kind": DRA_CONFIG_KIND, **_FIELD_VALUES}
     if err["type"] == "extra_forbidden":
         return f"unknown field; the fields are {', '.join(accepted)}"
     if field in accepted:

@@ -16,13 +16,20 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sharegpu.model.assignment import MigSlot
+from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
+from sharegpu.model.contract import (
+    MECHANISM_ENV,
+    MPS_MEMORY_LIMIT_ENV,
+    MPS_PIPE_DIRECTORY_ENV,
+    MPS_THREAD_PERCENTAGE_ENV,
+    NVIDIA_VISIBLE_DEVICES_ENV,
+)
 from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, cdi_name
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
-from sharegpu.node.dra.claims import ClaimError, ClaimPlan, Mechanism, plan_claim
+from sharegpu.node.dra.claims import ClaimError, ClaimPlan, plan_claim
 from sharegpu.node.dra.config import TimeSlice
 from sharegpu.node.mig import MigError, MigManager, MigNeed
 from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
@@ -273,16 +280,16 @@ class DraDriver:
 
     def _cdi_devices(self, plan: ClaimPlan, units: tuple[str, ...]) -> tuple[CdiDevice, ...]:
         # Every device of the claim names all its units, so that merging their edits never hides one of them.
-        visible = ("NVIDIA_VISIBLE_DEVICES", ",".join(dict.fromkeys(units)))
+        visible = (NVIDIA_VISIBLE_DEVICES_ENV, ",".join(dict.fromkeys(units)))
         out: list[CdiDevice] = []
         for d, unit in zip(plan.devices, units, strict=True):
-            env = [visible, ("SHAREGPU_MECHANISM", d.mechanism.value)]
+            env = [visible, (MECHANISM_ENV, d.mechanism.value)]
             mounts: list[CdiMount] = []
             if d.mechanism is Mechanism.MPS:
                 spec = self._mps.spec(unit)
-                env.append(("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_IN_CONTAINER))
-                env.append(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(d.compute_percent)))
-                env.append(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", f"0={d.memory_mib}M"))
+                env.append((MPS_PIPE_DIRECTORY_ENV, MPS_PIPE_IN_CONTAINER))
+                env.append((MPS_THREAD_PERCENTAGE_ENV, str(d.compute_percent)))
+                env.append((MPS_MEMORY_LIMIT_ENV, f"0={d.memory_mib}M"))
                 mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
             nodes = self.backend.device_nodes(d.gpu_index)  # only nodes the host has: the runtime stats each one
             out.append(CdiDevice(cdi_name(plan.uid, d.request, d.device), tuple(env), nodes, tuple(mounts)))

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from sharegpu.node.dra.slices import DRIVER
+from sharegpu.model.contract import DRIVER
 from sharegpu.node.kube import KubeError
 
 FIELD_MANAGER = "sharegpu-dra-driver"

@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from sharegpu.model.contract import DRIVER
 from sharegpu.node.dra.driver import ClaimRef, DraDriver
 from sharegpu.node.dra.health import HealthService
-from sharegpu.node.dra.slices import DRIVER
 from sharegpu.node.proto import dra_v1_pb2 as v1
 from sharegpu.node.proto import dra_v1beta1_pb2 as v1beta1
 from sharegpu.node.proto import pluginregistration_pb2 as reg

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from sharegpu.model.contract import DEVICE_PATH_DRA, DEVICE_PATH_LABEL
 from sharegpu.node.backends.base import BackendError
 from sharegpu.node.dra.driver import DraDriver
 from sharegpu.node.dra.kube import DraKube
@@ -22,8 +23,6 @@ from sharegpu.node.kube import KubeError
 
 log = logging.getLogger(__name__)
 
-DEVICE_PATH_LABEL = "sharegpu.io/device-path"  # "dra": this node's GPUs are handed out through DRA only
-DEVICE_PATH_DRA = "dra"
 REGISTRATION_RECHECKS_S = (0.5, 1.0, 2.0, 4.0)  # after a (re)registration: check the slices again this much later
 
 

@@ -15,15 +15,14 @@ The builder is pure (no I/O); :mod:`sharegpu.node.dra.publisher` writes the slic
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel, MigProfile
+from sharegpu.model.contract import DRIVER, gpu_device_name, mig_device_name
 from sharegpu.node.backends.base import DeviceInfo
 
-DRIVER = "gpu.sharegpu.io"
 RESOURCE_API = "resource.k8s.io/v1"
 COMPUTE_FULL = 100  # compute capacity is percent of the GPU
 MEMORY_STEP_MIB = 1  # MPS limits memory in MiB
@@ -48,15 +47,6 @@ _ARCH: Mapping[str, tuple[str, str]] = {
 
 def memory_counter(slot: int) -> str:
     return f"memory-slice-{slot}"
-
-
-def gpu_device_name(index: int) -> str:
-    return f"gpu-{index}"
-
-
-def mig_device_name(index: int, profile: str, start: int) -> str:
-    # Device names are DNS labels: "3g.40gb" becomes "3g40gb".
-    return f"gpu-{index}-mig-{re.sub(r'[^a-z0-9]', '', profile.lower())}-{start}"
 
 
 def counter_set_name(index: int) -> str:
