@@ -29,12 +29,11 @@ from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.k8s.view import ClusterView
 from sharegpu.ledger import GpuMode, Ledger
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
-from sharegpu.placement.fragmentation import Workload
+from sharegpu.placement.fragmentation import Workload, fragmentation_of
 from sharegpu.placement.framework import Scheduler
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.reasons import ReasonKind, fmt_mib
 from sharegpu.placement.scorers import FragmentationModel
-from sharegpu.sim.runner import fragmentation_of
 
 MODE_NAMES = {
     GpuMode.FREE: "free",
