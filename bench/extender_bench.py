@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.schema import Node, Pod
 from sharegpu.k8s.serving import Listener, Site, serve_bound
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.catalog import DEFAULT_CATALOG

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "k8s"))
 from k8s_helpers import node_obj, node_spec, pod_obj
 
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
-from sharegpu.k8s.schema import ExtenderArgs, ExtenderPreemptionArgs
+from sharegpu.kube.schema import ExtenderArgs, ExtenderPreemptionArgs
 
 MAX_NAME = 253  # a node name is a DNS subdomain
 MAX_PODS = 250  # victims per node: the most pods a node runs (kubelet maxPods; 110 by default)

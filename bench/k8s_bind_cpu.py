@@ -1,4 +1,4 @@
-"""CPU per Binding: the extender's own client (lightkube over aiohttp, :mod:`sharegpu.k8s.transport`) against lightkube
+"""CPU per Binding: the extender's own client (lightkube over aiohttp, :mod:`sharegpu.kube.transport`) against lightkube
 on httpx's default transport, side by side against the rig's real API server.
 
 Needs a running ../shared/k8s-rig and SHAREGPU_TEST_KUBECONFIG set to its kubeconfig.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from rig import KUBECONFIG, Rig
 
-from sharegpu.k8s.api import LightkubeClusterApi
+from sharegpu.kube.api import LightkubeClusterApi
 
 ASSIGNMENT = json.dumps({"gpus": [{"index": 0, "memory_mib": 2048, "compute_milli": 50}], "mechanism": "mps"})
 
@@ -41,8 +41,8 @@ def httpx_default(kubeconfig: Path) -> LightkubeClusterApi:
     from lightkube import AsyncClient
 
     api = LightkubeClusterApi(kubeconfig)
-    config = api._client._client.config
-    api._client = AsyncClient(config=config, field_manager="sharegpu-scheduler-extender")
+    config = api.client.lightkube._client.config
+    api.client.lightkube = AsyncClient(config=config, field_manager="sharegpu-scheduler-extender")
     return api
 
 

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extender_bench import DATA, node_json, placed_pod_json, pod_json
 from sharegpu.k8s.cluster_metrics import ClusterMetrics
-from sharegpu.k8s.schema import Node, Pod
 from sharegpu.k8s.status import status_report
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Decision, Scheduler

@@ -13,8 +13,8 @@ from k8s_helpers import pod_obj
 
 from sharegpu.k8s.cluster_metrics import ClusterMetrics
 from sharegpu.k8s.extender import NOT_SYNCED
-from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingResult, ExtenderFilterResult
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingResult, ExtenderFilterResult
 
 m = ClusterMetrics(ClusterView(policy="bestfit"))
 args = ExtenderArgs.model_validate({"Pod": pod_obj("p", memory="5Gi"), "NodeNames": [f"n{i}" for i in range(1213)]})

@@ -7,7 +7,7 @@ from importlib.metadata import version
 import typer
 
 from sharegpu.k8s.cli import scheduler_extender, status, webhook
-from sharegpu.k8s.kubeconfig import quiet_http_logging
+from sharegpu.kube.kubeconfig import quiet_http_logging
 from sharegpu.node.cli import dra_driver, node_agent
 from sharegpu.sim.cli import sim, trace_app
 

@@ -8,8 +8,8 @@ import pytest
 
 from sharegpu.k8s.dra_steer import DraState, NotSteered, claim_names, claim_request
 from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.schema import ExtenderArgs, Pod
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import ExtenderArgs, Pod
 from sharegpu.model.request import GpuRequest
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.slices import build_slices, resource_slice

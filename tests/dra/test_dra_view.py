@@ -7,9 +7,9 @@ from typing import Any
 from rich.console import Console
 
 from sharegpu.k8s.dra_view import dra_status
-from sharegpu.k8s.schema import Node
 from sharegpu.k8s.status import print_status, status_report
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import Node
 from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.node.backends.base import DeviceInfo

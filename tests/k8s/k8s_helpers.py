@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 
-from sharegpu.k8s.schema import Node, Pod
 from sharegpu.k8s.serving import Listener, Site, serve_bound
 from sharegpu.k8s.tls import ServerTls
+from sharegpu.kube.schema import Node, Pod
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 

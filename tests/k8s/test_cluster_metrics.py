@@ -171,7 +171,7 @@ def test_every_bind_path_of_the_extender_lands_in_its_outcome(
     srv.call(lambda: setattr(view, "synced", True))
 
     from sharegpu.k8s.cluster_metrics import bind_outcome
-    from sharegpu.k8s.schema import ExtenderBindingResult
+    from sharegpu.kube.schema import ExtenderBindingResult
 
     for want, error in cases:
         assert bind_outcome(ExtenderBindingResult(Error=error)) == want, error

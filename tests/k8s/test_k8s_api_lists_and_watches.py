@@ -1,5 +1,5 @@
 """Lists and watches of :class:`LightkubeClusterApi` read as plain JSON: pages joined, a watch the server ends resumed
-from the last version seen, an ERROR event (a version too old) raised as an :class:`ApiError`.
+from the last version seen, an ERROR event (a version too old) raised as an :class:`KubeError`.
 
 Against a scripted API server over real HTTP (what each request asked, what it answered), and against a real API
 server (SHAREGPU_TEST_KUBECONFIG) for the objects themselves, compared with what lightkube's typed client reads."""
@@ -22,9 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sharegpu.k8s import api as api_module
-from sharegpu.k8s.api import ADDED, DELETED, MODIFIED, ApiError, LightkubeClusterApi
-from sharegpu.k8s.schema import Pod
+from sharegpu.kube import client as client_module
+from sharegpu.kube.api import ADDED, DELETED, MODIFIED, LightkubeClusterApi
+from sharegpu.kube.errors import KubeError
+from sharegpu.kube.schema import Pod
 
 KUBECONFIG = os.environ.get("SHAREGPU_TEST_KUBECONFIG")
 
@@ -82,7 +83,7 @@ class ScriptedApiServer:
 def test_a_list_is_read_page_by_page_and_a_watch_resumes_from_the_last_version_seen(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(api_module, "LIST_CHUNK", 2)
+    monkeypatch.setattr(client_module, "LIST_CHUNK", 2)
     server = ScriptedApiServer(
         [_pod(f"p{i}", 10 + i) for i in range(5)],
         [
@@ -98,7 +99,7 @@ def test_a_list_is_read_page_by_page_and_a_watch_resumes_from_the_last_version_s
         async def main() -> tuple[list[Pod], str, list[tuple[str, str, str]], str]:
             pods, version = await api.list_pods("sharegpu-scheduler")
             seen: list[tuple[str, str, str]] = []
-            with pytest.raises(ApiError) as broke:
+            with pytest.raises(KubeError) as broke:
                 async for kind, pod in api.watch_pods(version, timeout_s=7, scheduler_name="sharegpu-scheduler"):
                     seen.append((kind, pod.metadata.name, pod.metadata.resource_version))
             await api.close()
@@ -127,7 +128,7 @@ def test_against_a_real_api_server_lists_and_watches_read_what_lightkube_reads(m
     from lightkube.resources.core_v1 import Pod as KPod
 
     assert KUBECONFIG is not None
-    monkeypatch.setattr(api_module, "LIST_CHUNK", 2)  # five pods: three pages
+    monkeypatch.setattr(client_module, "LIST_CHUNK", 2)  # five pods: three pages
     ns = f"sharegpu-lw-{uuid.uuid4().hex[:6]}"
     scheduler = f"sched-{ns}"  # a field selector that only this test's pods match
 

@@ -107,8 +107,8 @@ def test_nodes_outside_the_ledger_are_told_apart_by_bind(cluster: Cluster, node:
 
 
 def test_a_node_deleted_or_relabelled_changes_its_reason(cluster: Cluster) -> None:
-    from sharegpu.k8s.api import DELETED, MODIFIED
-    from sharegpu.k8s.schema import Node
+    from sharegpu.kube.api import DELETED, MODIFIED
+    from sharegpu.kube.schema import Node
 
     view = cluster.view
     view.apply_node(DELETED, Node.model_validate(cluster.api.nodes["cpu-only"]))

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from k8s_helpers import node_spec, pod_obj
 
-from sharegpu.k8s.api import Conflict, LightkubeClusterApi
 from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.schema import ExtenderBindingArgs
 from sharegpu.k8s.status import status_report
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.api import LightkubeClusterApi
+from sharegpu.kube.errors import Conflict
+from sharegpu.kube.schema import ExtenderBindingArgs
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, INVENTORY_ANNOTATION
 

@@ -11,8 +11,8 @@ from starlette.testclient import TestClient
 from sharegpu.k8s.extender import Extender, make_app
 from sharegpu.k8s.leader import LeaderElector
 from sharegpu.k8s.memory import MemoryClusterApi
-from sharegpu.k8s.schema import Node
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import Node
 
 
 class Clock:

@@ -6,7 +6,7 @@ import pytest
 from k8s_helpers import pod_obj
 
 from sharegpu.k8s.pod_request import InvalidPodRequest, asks_for_sharegpu, containers_missing_gpu_count, pod_request
-from sharegpu.k8s.schema import Pod
+from sharegpu.kube.schema import Pod
 from sharegpu.model.request import InvalidRequest, Isolation, Sharing
 
 

@@ -12,8 +12,8 @@ from k8s_helpers import node_spec, pod_obj
 from sharegpu.k8s.extender import Extender
 from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.schema import ExtenderArgs, Node, Pod
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import ExtenderArgs, Node, Pod
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import InvalidRequest
 

@@ -53,7 +53,7 @@ def until(get: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
 
 def _rig_env() -> dict[str, str]:
     """The rig scripts' environment: its directory and its port offset (read off the API server's port)."""
-    from sharegpu.k8s.kubeconfig import load_credentials
+    from sharegpu.kube.kubeconfig import load_credentials
 
     assert KUBECONFIG and RIG
     port = int(load_credentials(Path(KUBECONFIG)).server.rsplit(":", 1)[1])

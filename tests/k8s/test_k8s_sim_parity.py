@@ -12,8 +12,8 @@ from k8s_helpers import node_spec, nodes, pod_obj
 from sharegpu.k8s.extender import Extender
 from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingArgs, Pod
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingArgs, Pod
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION

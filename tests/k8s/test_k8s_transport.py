@@ -1,4 +1,4 @@
-"""lightkube's requests over aiohttp (:mod:`sharegpu.k8s.transport`), against servers over real sockets: mutual TLS
+"""lightkube's requests over aiohttp (:mod:`sharegpu.kube.transport`), against servers over real sockets: mutual TLS
 with the kubeconfig's certificates and token, a Binding's body as sent, gzip answers, watch streams read as they come
 and cut in the middle, timeouts and refused connections raised as the httpx errors callers handle."""
 
@@ -20,9 +20,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tls_helpers import Pki, make_pki_or_skip
 
-from sharegpu.k8s.api import ADDED, ApiError, LightkubeClusterApi, Unavailable
 from sharegpu.k8s.tls import ServerTls
-from sharegpu.k8s.transport import AiohttpTransport
+from sharegpu.kube.api import ADDED, LightkubeClusterApi
+from sharegpu.kube.errors import KubeError, Unavailable
+from sharegpu.kube.transport import AiohttpTransport
 
 
 def _kubeconfig(path: Path, server: str, user: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:
@@ -179,7 +180,7 @@ def test_watch_events_are_read_as_they_come_and_a_stream_cut_mid_event_is_an_api
             async for _, pod in api.watch_pods("1"):
                 names.append(pod.metadata.name)
                 first_read.set()
-        except ApiError as e:
+        except KubeError as e:
             return names, str(e)
         finally:
             await api.close()

@@ -11,8 +11,8 @@ from k8s_helpers import node_spec, pod_obj
 
 from sharegpu.k8s.extender import Extender
 from sharegpu.k8s.memory import MemoryClusterApi
-from sharegpu.k8s.schema import ExtenderBindingArgs
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import ExtenderBindingArgs
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION
 from sharegpu.model.inventory import GpuDevice, NodeSpec

@@ -12,12 +12,13 @@ import pytest
 from k8s_helpers import node_spec, pod_obj
 from starlette.testclient import TestClient
 
-from sharegpu.k8s.api import DELETED, MODIFIED, Unavailable
 from sharegpu.k8s.extender import Extender, make_app
 from sharegpu.k8s.memory import MemoryClusterApi
-from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingArgs, Node, Pod
 from sharegpu.k8s.status import status_report
 from sharegpu.k8s.view import ClusterView, Phase
+from sharegpu.kube.api import DELETED, MODIFIED
+from sharegpu.kube.errors import Unavailable
+from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingArgs, Node, Pod
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, FENCE_ANNOTATION
 from sharegpu.model.inventory import NodeSpec
 

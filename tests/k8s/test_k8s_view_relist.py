@@ -14,8 +14,8 @@ from k8s_helpers import pod_obj, with_assignment
 
 from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.schema import Node, Pod
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.request import InvalidRequest
 from sharegpu.placement.framework import Decision

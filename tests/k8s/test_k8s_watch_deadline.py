@@ -12,10 +12,10 @@ import pytest
 from k8s_helpers import node_spec, pod_obj
 
 from sharegpu.k8s import view as view_module
-from sharegpu.k8s.api import LightkubeClusterApi
 from sharegpu.k8s.memory import MemoryClusterApi
-from sharegpu.k8s.schema import Pod
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.api import LightkubeClusterApi
+from sharegpu.kube.schema import Pod
 
 
 async def until(cond: object, what: str, timeout: float = 5.0) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from sharegpu.kube.errors import KubeError
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
 from sharegpu.node.agent import AgentConfig, NodeAgent
@@ -22,7 +23,7 @@ from sharegpu.node.allocation import AllocateAnswer, Allocator, ContainerGrant
 from sharegpu.node.attribution import CHECKPOINT_FILE, Attributor, PodResourcesClient
 from sharegpu.node.cdi import allocation_name
 from sharegpu.node.device_plugin import answer_to_response
-from sharegpu.node.kube import ContainerInfo, KubeError, NodeInfo, PodInfo
+from sharegpu.node.kube import ContainerInfo, NodeInfo, PodInfo
 from sharegpu.node.proto import deviceplugin_pb2 as pb
 from sharegpu.node.proto import deviceplugin_pb2_grpc as pb_grpc
 from sharegpu.node.proto import podresources_v1_pb2 as pr

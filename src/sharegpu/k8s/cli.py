@@ -15,11 +15,12 @@ import typer
 import uvloop
 from rich.console import Console
 
-from sharegpu.k8s.api import ApiError, LightkubeClusterApi
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
-from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials, quiet_http_logging
 from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
+from sharegpu.kube.api import LightkubeClusterApi
+from sharegpu.kube.errors import ConfigError, KubeError
+from sharegpu.kube.kubeconfig import load_credentials, quiet_http_logging
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
@@ -154,7 +155,7 @@ def scheduler_extender(
         dra_client = load_credentials(kubeconfig).client("sharegpu-dra-steering") if dra_steering else None
     except (SetupError, UnknownPolicy, TlsError) as e:
         raise _fail(str(e)) from None
-    except KubeconfigError as e:
+    except ConfigError as e:
         raise _fail(f"cannot load Kubernetes credentials: {e}") from None
     log.info("API server %s (credentials: %s); following its nodes and pods", api.server, api.credentials_source)
     elector = None
@@ -260,7 +261,7 @@ def status(
         raise _fail(str(e)) from None
     try:
         api = LightkubeClusterApi(kubeconfig)
-    except KubeconfigError as e:
+    except ConfigError as e:
         raise _fail(f"cannot load Kubernetes credentials: {e}") from None
 
     async def load() -> dict[str, object]:
@@ -287,7 +288,7 @@ def status(
     if watch or addr is not None:
         try:
             asyncio.run(follow())
-        except ApiError as e:
+        except KubeError as e:
             raise _fail(str(e)) from None
         except OSError as e:
             raise _fail(f"cannot serve the status page on {serve}: {e}") from None
@@ -296,7 +297,7 @@ def status(
         return
     try:
         report = asyncio.run(load())
-    except ApiError as e:
+    except KubeError as e:
         where = "" if api.server in str(e) else f"API server {api.server}, "
         raise _fail(f"{e} ({where}credentials: {api.credentials_source})") from None
     if as_json:

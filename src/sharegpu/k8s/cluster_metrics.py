@@ -32,9 +32,9 @@ from starlette.routing import Route
 
 from sharegpu.k8s.answers import FilterAnswer
 from sharegpu.k8s.pod_request import asks_for_sharegpu
-from sharegpu.k8s.schema import ExtenderArgs, ExtenderBindingResult, ExtenderPreemptionResult
 from sharegpu.k8s.status import MODE_NAMES, REASON_CLASSES, cluster_summary, pending_pods
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingResult, ExtenderPreemptionResult
 from sharegpu.ledger import GpuMode
 from sharegpu.model.contract import GPU_RESOURCE, ISOLATION_ANNOTATION, MIG_PROFILE_ANNOTATION, SHARING_ANNOTATION
 

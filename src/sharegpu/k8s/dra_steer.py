@@ -38,7 +38,7 @@ import numpy as np
 
 from sharegpu.k8s.dra_view import _mib, _num
 from sharegpu.k8s.pod_request import _cpu_and_memory
-from sharegpu.k8s.schema import Pod
+from sharegpu.kube.schema import Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog

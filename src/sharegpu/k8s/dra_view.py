@@ -129,22 +129,18 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
 
 async def load_dra_status(kubeconfig: Path | None) -> list[dict[str, Any]]:
     """Read the driver's ResourceSlices and every ResourceClaim; a cluster without DRA shows nothing."""
-    from lightkube.core.exceptions import ApiError
     from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
-    from sharegpu.k8s.api import _translate
-    from sharegpu.k8s.kubeconfig import load_credentials
+    from sharegpu.kube.client import KubeClient
+    from sharegpu.kube.errors import NotFound
 
-    client = load_credentials(kubeconfig).client("sharegpu-status")
+    client = KubeClient(kubeconfig, "sharegpu-status")
+    what = "list DRA ResourceSlices and ResourceClaims"
     try:
-        slices = [s.to_dict() async for s in client.list(ResourceSlice, fields={"spec.driver": DRIVER})]
-        claims = [c.to_dict() async for c in client.list(ResourceClaim, namespace="*")]
-    except ApiError as e:
-        if e.status.code == 404:  # resource.k8s.io/v1 not served: no DRA nodes
-            return []
-        raise _translate(e, "list DRA ResourceSlices and ResourceClaims") from None
-    except Exception as e:  # the connection, or credentials (an exec plugin) that gave out since the nodes' list
-        raise _translate(e, "list DRA ResourceSlices and ResourceClaims") from None
+        slices, _ = await client.list(ResourceSlice, what, fields={"spec.driver": DRIVER})
+        claims, _ = await client.list(ResourceClaim, what, namespace="*")
+    except NotFound:  # resource.k8s.io/v1 not served: no DRA nodes
+        return []
     finally:
         await client.close()
     return dra_status(slices, claims)

@@ -1,6 +1,6 @@
 """The kube-scheduler extender: filter, prioritize, bind and preempt over HTTP, on the simulator's ledger and policies.
 
-Protocol: k8s.io/kube-scheduler/extender/v1 (see :mod:`sharegpu.k8s.schema`), JSON over HTTP POST to
+Protocol: k8s.io/kube-scheduler/extender/v1 (see :mod:`sharegpu.kube.schema`), JSON over HTTP POST to
 ``<urlPrefix>/<verb>``. Works with ``nodeCacheCapable: true`` (node names in, node names out) and ``false``
 (whole Node objects in, the passing ones out, unchanged).
 
@@ -42,13 +42,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
-from sharegpu.k8s.api import ApiError, ClusterApi, Conflict, NotFound, Unavailable
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
 from sharegpu.k8s.dra_steer import DraState, follow_dra
 from sharegpu.k8s.leader import LeaderElector
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.schema import (
+from sharegpu.k8s.tls import ServerTls
+from sharegpu.k8s.view import ClusterView, Outcome, Phase
+from sharegpu.kube.api import ClusterApi
+from sharegpu.kube.errors import Conflict, KubeError, NotFound, Unavailable
+from sharegpu.kube.schema import (
     MAX_EXTENDER_PRIORITY,
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -59,8 +62,6 @@ from sharegpu.k8s.schema import (
     MetaVictims,
     Pod,
 )
-from sharegpu.k8s.tls import ServerTls
-from sharegpu.k8s.view import ClusterView, Outcome, Phase
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, FENCE_ANNOTATION
@@ -371,7 +372,7 @@ class Extender:
         if pod is None or pod.spec.node_name:
             try:
                 pod = await self.api.get_pod(args.PodNamespace, args.PodName)
-            except ApiError as e:
+            except KubeError as e:
                 return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
         refused = self._refuse(key, args, pod)
         if refused:
@@ -448,7 +449,7 @@ class Extender:
                 rv = fresh.metadata.resource_version  # unbound, the same pod: bind again at its current version
                 if rv != lost_rv:
                     lost_rv = ""  # the pod moved past the lost Binding's precondition: that one never applies
-            except ApiError as e:
+            except KubeError as e:
                 outcome, why = (Outcome.UNKNOWN, str(e)) if lost_rv else (Outcome.FAILED, str(e))
                 break
             else:
@@ -483,7 +484,7 @@ class Extender:
                 pod = await self.api.get_pod(ns, name)
             except NotFound:
                 return Outcome.FAILED, "it was deleted", None
-            except ApiError as e:
+            except KubeError as e:
                 why = str(e)
                 continue
             if uid and pod.metadata.uid and pod.metadata.uid != uid:
@@ -521,7 +522,7 @@ class Extender:
                 try:
                     pod = await self.api.patch_pod_annotations(ns, name, {FENCE_ANNOTATION: rv}, rv)
                     outcome = Outcome.FAILED
-                except ApiError as e:
+                except KubeError as e:
                     log.info("pod %s: cannot fence its lost Binding yet: %s", key, e)
         if outcome is not None and self.view.phase(key) is Phase.UNKNOWN:
             self.view.settle(key, outcome, pod=pod, rv=rv)

@@ -18,39 +18,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Protocol
 
-from sharegpu.k8s.api import ApiError, Conflict, NotFound
+from sharegpu.kube.errors import Conflict, KubeError, NotFound
+from sharegpu.kube.lease import LeaseApi, LeaseRecord
 
 log = logging.getLogger(__name__)
 
 LEASE_S = 10.0
 RENEW_DEADLINE_S = 6.0
 RETRY_S = 1.5
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseRecord:
-    holder: str
-    lease_s: int
-    acquired: datetime | None
-    renewed: datetime | None
-    transitions: int
-    resource_version: str = ""
-
-
-class LeaseApi(Protocol):
-    async def get_lease(self, namespace: str, name: str) -> LeaseRecord:
-        """The Lease, or :class:`NotFound`."""
-        ...
-
-    async def create_lease(self, namespace: str, name: str, record: LeaseRecord) -> LeaseRecord: ...
-
-    async def update_lease(self, namespace: str, name: str, record: LeaseRecord) -> LeaseRecord:
-        """Replace the Lease under ``record.resource_version`` (:class:`Conflict` if it changed since)."""
-        ...
 
 
 class LeaderElector:
@@ -101,7 +79,7 @@ class LeaderElector:
             current: LeaseRecord | None = await self.api.get_lease(self.namespace, self.name)
         except NotFound:
             current = None
-        except ApiError as e:
+        except KubeError as e:
             log.warning("leader election: cannot read lease %s/%s: %s", self.namespace, self.name, e)
             return False
         mine = LeaseRecord(self.identity, round(self.lease_s), wall, wall, 0)
@@ -123,7 +101,7 @@ class LeaderElector:
                 )
         except Conflict:
             return False  # another replica wrote it first
-        except ApiError as e:
+        except KubeError as e:
             log.warning("leader election: cannot write lease %s/%s: %s", self.namespace, self.name, e)
             return False
         self._observed, self._observed_at = record, now
@@ -137,7 +115,7 @@ class LeaderElector:
             self._renewed_at = None
             return
         self._renewed_at = None
-        with contextlib.suppress(ApiError):
+        with contextlib.suppress(KubeError):
             await self.api.update_lease(
                 self.namespace, self.name, replace(self._observed, holder="", lease_s=1, renewed=datetime.now(UTC))
             )

@@ -1,4 +1,4 @@
-"""An in-memory API server: the :class:`~sharegpu.k8s.api.ClusterApi` that tests and the benchmark run against.
+"""An in-memory API server: the :class:`~sharegpu.kube.api.ClusterApi` that tests and the benchmark run against.
 
 It keeps objects as JSON dicts with a cluster-wide resourceVersion, enforces the preconditions the real server
 enforces (resourceVersion on patches and bindings, one Binding per pod, UID on bindings, a Binding's
@@ -14,9 +14,10 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from sharegpu.k8s.api import ADDED, DELETED, MODIFIED, Conflict, NotFound, Unavailable
-from sharegpu.k8s.leader import LeaseRecord
-from sharegpu.k8s.schema import Node, Pod
+from sharegpu.kube.api import ADDED, DELETED, MODIFIED
+from sharegpu.kube.errors import Conflict, NotFound, Unavailable
+from sharegpu.kube.lease import LeaseRecord
+from sharegpu.kube.schema import Node, Pod
 from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec
 

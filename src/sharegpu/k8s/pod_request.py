@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 
 from lightkube.utils.quantity import parse_quantity
 
-from sharegpu.k8s.schema import Container, Pod
+from sharegpu.kube.schema import Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
 from sharegpu.model.contract import (
     COMPUTE_RESOURCE,

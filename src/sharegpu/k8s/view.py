@@ -26,10 +26,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sharegpu.k8s.api import DELETED, ApiError, ClusterApi
 from sharegpu.k8s.dra_view import is_dra_node
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
-from sharegpu.k8s.schema import Node, Pod
+from sharegpu.kube.api import DELETED, ClusterApi
+from sharegpu.kube.errors import KubeError
+from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerConflict, LedgerError
 from sharegpu.model.assignment import Assignment, InvalidAssignment
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
@@ -67,7 +68,7 @@ class Problem:
     reason: str
 
 
-class WatchEnded(ApiError):
+class WatchEnded(KubeError):
     """A watch ended without an error (the server's timeout) or went silent; the view relists and stays in sync."""
 
 
@@ -657,7 +658,7 @@ class ClusterView:
             except WatchEnded as e:
                 log.debug("%s; relisting", e)  # still in sync: relist at once (a failing list marks it out of sync)
             except Exception as e:  # an API error, or an object the view cannot read: relist rather than go stale
-                if not isinstance(e, ApiError):
+                if not isinstance(e, KubeError):
                     log.exception("cluster view: unexpected error while following the API server; relisting")
                 if self.synced:
                     log.warning("lost the API server (%s); no new binds until the view is back in sync", e)
@@ -706,7 +707,7 @@ class ClusterView:
                 self._relist.clear()
                 raise WatchEnded("asked to relist")
             for t in done:
-                t.result()  # re-raises a watch's ApiError (or WatchEnded)
+                t.result()  # re-raises a watch's KubeError (or WatchEnded)
         finally:
             current[0] = False
             for t in tasks:

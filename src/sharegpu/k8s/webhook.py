@@ -42,7 +42,7 @@ from starlette.routing import Route
 
 from sharegpu.k8s.body_limit import WEBHOOK_MAX_BODY, BodyLimit
 from sharegpu.k8s.pod_request import _resource, asks_for_sharegpu, containers_missing_gpu_count, pod_request
-from sharegpu.k8s.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
+from sharegpu.kube.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
     ANNOTATION_PREFIX,
@@ -59,7 +59,7 @@ from sharegpu.model.contract import (
     RESOURCES,
 )
 from sharegpu.model.request import GpuRequest, InvalidRequest
-from sharegpu.placement.reasons import fmt_mib
+from sharegpu.placement.framework import fmt_mib
 
 log = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sharegpu.kube.errors import KubeError
 from sharegpu.model.assignment import Assignment, InvalidAssignment, Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
@@ -21,7 +22,7 @@ from sharegpu.node.attribution import CHECKPOINT_FILE, DEFAULT_POD_RESOURCES_SOC
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import DEFAULT_CDI_DIR, CdiError, CdiWriter
 from sharegpu.node.device_plugin import TOKENS_PER_GPU, DevicePluginServer, device_tokens
-from sharegpu.node.kube import KubeApi, KubeError, PodInfo
+from sharegpu.node.kube import KubeApi, PodInfo
 from sharegpu.node.metrics import (
     GpuSample,
     MetricsServer,

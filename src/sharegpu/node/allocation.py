@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sharegpu.kube.errors import KubeError
 from sharegpu.model.assignment import Assignment, GpuShare, InvalidAssignment, Mechanism
 from sharegpu.model.contract import (
     ASSIGNMENT_ANNOTATION,
@@ -39,7 +40,8 @@ from sharegpu.model.contract import (
 from sharegpu.node.attribution import AttributionError, Attributor, Owner
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, allocation_name
-from sharegpu.node.kube import KubeApi, KubeError, PodInfo
+from sharegpu.node.errors import NodeError
+from sharegpu.node.kube import KubeApi, PodInfo
 from sharegpu.node.mig import MigError, MigInvalid, MigManager, MigNeed
 from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
 from sharegpu.node.state import AgentState
@@ -50,7 +52,7 @@ MPS_PIPE_IN_CONTAINER = "/run/sharegpu/mps"
 NO_GPU = "void"  # NVIDIA_VISIBLE_DEVICES value under which the NVIDIA runtime exposes no GPU
 
 
-class AllocationError(Exception):
+class AllocationError(NodeError):
     """Allocate or PreStartContainer cannot serve a container; the message goes to the kubelet and the pod's events."""
 
 

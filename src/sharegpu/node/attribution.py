@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from sharegpu.node.errors import NodeError
 from sharegpu.node.proto import podresources_v1_pb2 as pr
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ _LIST_TIMEOUT_S = 5.0
 _RATE_LIMIT_RETRIES = 6  # 20 ms doubling: about 1.3 s in all
 
 
-class AttributionError(Exception):
+class AttributionError(NodeError):
     """The kubelet's records do not name exactly one pod for these device IDs; the message says what they show."""
 
 

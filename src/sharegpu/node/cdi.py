@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sharegpu.model.contract import CDI_KIND
+from sharegpu.node.errors import NodeError
 
 CDI_VERSION = "0.6.0"
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
@@ -32,7 +33,7 @@ _DP_FILE_PREFIX = "sharegpu.io-dp_"  # device-plugin allocations
 _DP_NAME_PREFIX = "dp-"
 
 
-class CdiError(Exception):
+class CdiError(NodeError):
     """A CDI spec cannot be written or removed; the message names the file."""
 
 

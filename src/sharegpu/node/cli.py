@@ -21,14 +21,14 @@ import typer
 
 from sharegpu.node.agent import AgentConfig, NodeAgent
 from sharegpu.node.attribution import DEFAULT_POD_RESOURCES_SOCKET
-from sharegpu.node.backends.base import BackendError, GpuBackend
-from sharegpu.node.backends.sim_config import SimConfigError
+from sharegpu.node.backends.base import GpuBackend
 from sharegpu.node.cdi import DEFAULT_CDI_DIR
-from sharegpu.node.device_plugin import DEFAULT_PLUGIN_DIR, DevicePluginError, check_plugin_dir
-from sharegpu.node.kube import KubeApi, KubeError
-from sharegpu.node.metrics import MetricsError, parse_listen
-from sharegpu.node.mps import MPS_CONTROL, MpsDaemon, MpsError, MpsManager, NvidiaMpsDaemon, SimMpsDaemon
-from sharegpu.node.state import AgentState, StateError
+from sharegpu.node.device_plugin import DEFAULT_PLUGIN_DIR, check_plugin_dir
+from sharegpu.node.errors import COMMAND_ERRORS, NodeError
+from sharegpu.node.kube import KubeApi
+from sharegpu.node.metrics import parse_listen
+from sharegpu.node.mps import MPS_CONTROL, MpsDaemon, MpsManager, NvidiaMpsDaemon, SimMpsDaemon
+from sharegpu.node.state import AgentState
 
 if TYPE_CHECKING:
     from sharegpu.node.dra.kube import DraKube
@@ -43,7 +43,7 @@ class BackendKind(StrEnum):
     SIM = "sim"
 
 
-class AgentSetupError(Exception):
+class AgentSetupError(NodeError):
     """A flag or file that stops the agent from starting; the message says which and what to change."""
 
 
@@ -83,16 +83,7 @@ def node_agent(
             cdi_dir=cdi_dir,
         )
         asyncio.run(_serve(agent))
-    except (
-        AgentSetupError,
-        SimConfigError,
-        BackendError,
-        KubeError,
-        DevicePluginError,
-        MetricsError,
-        StateError,
-        MpsError,
-    ) as e:
+    except COMMAND_ERRORS as e:
         typer.echo(f"sharegpu node-agent: {e}", err=True)
         raise typer.Exit(2) from None
 
@@ -206,10 +197,6 @@ def dra_driver(
     interval_s: float = typer.Option(10.0, "--interval", help="Seconds between ResourceSlice and cleanup passes."),
 ) -> None:
     """Run the sharegpu DRA driver (gpu.sharegpu.io): ResourceSlices, kubelet plugin, MIG/MPS enforcement."""
-    from sharegpu.node.cdi import CdiError
-    from sharegpu.node.dra.checkpoint import CheckpointError
-    from sharegpu.node.dra.plugin import PluginSocketError
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         service = build_dra_service(
@@ -224,17 +211,7 @@ def dra_driver(
             interval_s,
         )
         asyncio.run(_serve_dra(service))
-    except (
-        AgentSetupError,
-        SimConfigError,
-        BackendError,
-        KubeError,
-        StateError,
-        MpsError,
-        PluginSocketError,
-        CdiError,
-        CheckpointError,
-    ) as e:
+    except COMMAND_ERRORS as e:
         typer.echo(f"sharegpu dra-driver: {e}", err=True)
         raise typer.Exit(2) from None
 

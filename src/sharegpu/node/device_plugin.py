@@ -26,6 +26,7 @@ import grpc.aio
 from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.node.allocation import AllocateAnswer, AllocationError, ContainerGrant
 from sharegpu.node.backends.base import DeviceInfo
+from sharegpu.node.errors import NodeError
 from sharegpu.node.proto import deviceplugin_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 NO_KUBELET_WARN_EVERY_S = 60.0  # while kubelet.sock is missing, say so at start and then this often
 
 
-class DevicePluginError(Exception):
+class DevicePluginError(NodeError):
     """The device plugin cannot listen or register; the message says where and why."""
 
 

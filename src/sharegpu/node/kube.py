@@ -13,12 +13,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from sharegpu.kube.errors import ConfigError
 from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.model.demand import ContainerDemand, pod_demand
-
-
-class KubeError(Exception):
-    """The API server could not be reached or refused a request; the message says which and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,58 +141,36 @@ def _time(t: Any) -> str:
 
 
 class LightkubeApi:
-    """:class:`KubeApi` over ``lightkube.AsyncClient`` (in-cluster config, or a kubeconfig file)."""
+    """:class:`KubeApi` over :class:`~sharegpu.kube.client.KubeClient` (in-cluster config, or a kubeconfig file)."""
 
     def __init__(self, kubeconfig: Path | None = None) -> None:
-        from sharegpu.k8s.kubeconfig import KubeconfigError, load_credentials
+        from sharegpu.kube.client import KubeClient
 
         try:
-            creds = load_credentials(kubeconfig)
-            self._client = creds.client("sharegpu-node-agent")
-        except KubeconfigError as e:
-            raise KubeError(f"cannot load Kubernetes credentials: {e}") from None
-        self.server = creds.server
+            self._client = KubeClient(kubeconfig, "sharegpu-node-agent")
+        except ConfigError as e:
+            raise ConfigError(f"cannot load Kubernetes credentials: {e}") from None
+        self.server = self._client.server
 
     async def get_node(self, name: str) -> NodeInfo:
         from lightkube.resources.core_v1 import Node
 
-        try:
-            node = await self._client.get(Node, name)
-        except Exception as e:
-            raise KubeError(f"cannot read node {name}: {_why(e)}") from None
-        return node_info_from_dict(node.to_dict())
+        return node_info_from_dict(await self._client.get(Node, name, f"read node {name}"))
 
     async def patch_node_metadata(
         self, name: str, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
     ) -> None:
         from lightkube.resources.core_v1 import Node
-        from lightkube.types import PatchType
 
         body = {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}}
-        try:
-            await self._client.patch(Node, name, body, patch_type=PatchType.MERGE)
-        except Exception as e:
-            raise KubeError(f"cannot update node {name}: {_why(e)}") from None
+        await self._client.merge_patch(Node, name, body, f"update node {name}")
 
     async def pods_on_node(self, node: str) -> list[PodInfo]:
         from lightkube.resources.core_v1 import Pod
 
-        try:
-            return [
-                pod_info_from_dict(p.to_dict())
-                async for p in self._client.list(Pod, namespace="*", fields={"spec.nodeName": node})
-            ]
-        except Exception as e:
-            raise KubeError(f"cannot list the pods of node {node}: {_why(e)}") from None
+        what = f"list the pods of node {node}"
+        pods, _ = await self._client.list(Pod, what, namespace="*", fields={"spec.nodeName": node})
+        return [pod_info_from_dict(p) for p in pods]
 
     async def close(self) -> None:
         await self._client.close()
-
-
-def _why(e: Exception) -> str:
-    # lightkube raises ApiError (with the server's Status message) or httpx errors; both read well as text.
-    from sharegpu.k8s.kubeconfig import request_server
-
-    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    server = request_server(e)
-    return f"the API server at {server} did not answer: {why}" if server else why

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from sharegpu.node.errors import NodeError
 from sharegpu.node.mps import MpsDaemonStatus
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 MIB = 1024 * 1024
 
 
-class MetricsError(Exception):
+class MetricsError(NodeError):
     """The metrics endpoint cannot listen; the message names the address."""
 
 

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from sharegpu.model.assignment import MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
 from sharegpu.node.backends.base import BackendError, GpuBackend, MigInstanceInfo, MigModePending, device
+from sharegpu.node.errors import NodeError
 from sharegpu.node.state import AgentState
 
 log = logging.getLogger(__name__)
 
 
-class MigError(Exception):
+class MigError(NodeError):
     """A MIG instance an assignment needs cannot be made; the message says what is in the way."""
 
 

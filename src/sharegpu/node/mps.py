@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from sharegpu.node.errors import NodeError
+
 log = logging.getLogger(__name__)
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 _COMMAND_TIMEOUT_S = 10.0
 
 
-class MpsError(Exception):
+class MpsError(NodeError):
     """An MPS daemon cannot be started or stopped; the message carries what the daemon said."""
 
 

@@ -14,8 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sharegpu.node.errors import NodeError
 
-class StateError(Exception):
+
+class StateError(NodeError):
     """The agent's state file cannot be read or written."""
 
 

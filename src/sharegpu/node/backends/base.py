@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from sharegpu.node.errors import NodeError
 
-class BackendError(Exception):
+
+class BackendError(NodeError):
     """A GPU operation failed; the message says what and, where it can, what to do."""
 
 

@@ -26,11 +26,12 @@ import yaml
 
 from sharegpu.model.assignment import MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
+from sharegpu.node.errors import NodeError
 
 MAX_SIM_GPUS = 64
 
 
-class SimConfigError(ValueError):
+class SimConfigError(NodeError, ValueError):
     """A simulated-node configuration that cannot be used; the message names the file and the entry."""
 
 

@@ -17,11 +17,12 @@ from typing import Any
 from sharegpu.model.assignment import Mechanism
 from sharegpu.node.dra.claims import ClaimPlan, DevicePlan
 from sharegpu.node.dra.config import TimeSlice
+from sharegpu.node.errors import NodeError
 
 VERSION = 1
 
 
-class CheckpointError(Exception):
+class CheckpointError(NodeError):
     """The checkpoint cannot be read or written; the message says which file and what to do."""
 
 

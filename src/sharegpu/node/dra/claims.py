@@ -17,9 +17,10 @@ from sharegpu.model.contract import DRIVER
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.config import ConfigError, EffectiveConfig, Isolation, Sharing, TimeSlice, configs_for_request
 from sharegpu.node.dra.slices import COMPUTE_FULL, PublishedDevice, node_devices
+from sharegpu.node.errors import NodeError
 
 
-class ClaimError(Exception):
+class ClaimError(NodeError):
     """This claim cannot be prepared; the message goes back to the kubelet (and the pod's events) for this claim only."""
 
 

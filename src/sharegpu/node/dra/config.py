@@ -15,9 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sharegpu.model.contract import DRA_CONFIG_API_VERSION, DRA_CONFIG_KIND, DRIVER
+from sharegpu.node.errors import NodeError
 
 
-class ConfigError(ValueError):
+class ConfigError(NodeError, ValueError):
     """An opaque config that cannot be used; the message names the field and the values it accepts."""
 
 

@@ -22,6 +22,7 @@ import grpc.aio
 from sharegpu.model.contract import DRIVER
 from sharegpu.node.dra.driver import ClaimRef, DraDriver
 from sharegpu.node.dra.health import HealthService
+from sharegpu.node.errors import NodeError
 from sharegpu.node.proto import dra_v1_pb2 as v1
 from sharegpu.node.proto import dra_v1beta1_pb2 as v1beta1
 from sharegpu.node.proto import pluginregistration_pb2 as reg
@@ -34,7 +35,7 @@ DEFAULT_KUBELET_DIR = Path("/var/lib/kubelet")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 
 
-class PluginSocketError(Exception):
+class PluginSocketError(NodeError):
     """A socket cannot be served; the message says which path and which flag changes it."""
 
 

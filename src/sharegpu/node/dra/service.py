@@ -13,13 +13,13 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from sharegpu.kube.errors import KubeError
 from sharegpu.model.contract import DEVICE_PATH_DRA, DEVICE_PATH_LABEL
 from sharegpu.node.backends.base import BackendError
 from sharegpu.node.dra.driver import DraDriver
 from sharegpu.node.dra.kube import DraKube
 from sharegpu.node.dra.plugin import DraPluginServer
 from sharegpu.node.dra.publisher import SlicePublisher
-from sharegpu.node.kube import KubeError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ pod, and its watches carry every pod event. lightkube keeps building the request
 plugins) and reading the answers; only the bytes on the wire move here.
 
 httpx decodes ``Content-Encoding`` itself, so aiohttp hands the body over as it came. Errors are raised as the
-httpx exceptions lightkube's callers already handle (:func:`sharegpu.k8s.kubeconfig.request_server` reads the
+httpx exceptions lightkube's callers already handle (:func:`sharegpu.kube.errors.request_server` reads the
 request from them to name the server).
 """
 

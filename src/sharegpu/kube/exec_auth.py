@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx2
 
-from sharegpu.k8s.api import Unavailable
+from sharegpu.kube.errors import Unavailable
 
 V1 = "client.authentication.k8s.io/v1"
 VERSIONS = (V1, "client.authentication.k8s.io/v1beta1", "client.authentication.k8s.io/v1alpha1")

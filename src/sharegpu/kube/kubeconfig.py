@@ -3,7 +3,7 @@ loaded for lightkube, with errors that name the file and say what is wrong in it
 
 lightkube reads a kubeconfig with ``yaml.safe_load`` and indexes the result: a file that is not YAML, ``[]``, ``{}``
 or one whose context names a missing cluster ends in a traceback, and a directory is reported as "not found".
-Everything is checked here first; the one exception type, :class:`KubeconfigError`, carries a message a user can act
+Everything is checked here first; the one exception type, :class:`~sharegpu.kube.errors.ConfigError`, carries a message a user can act
 on. The node agent and the control plane both load their credentials through :func:`load_credentials`.
 """
 
@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from sharegpu.kube.errors import ConfigError
+
 if TYPE_CHECKING:
     from lightkube import AsyncClient
     from lightkube.config.kubeconfig import SingleConfig
 
-    from sharegpu.k8s.exec_auth import ExecSpec
+    from sharegpu.kube.exec_auth import ExecSpec
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
@@ -42,15 +44,11 @@ def quiet_http_logging() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-class KubeconfigError(Exception):
-    """Credentials that cannot be loaded; the message names the file (or source) and what is wrong."""
-
-
 @dataclass(frozen=True, slots=True)
 class Credentials:
     config: SingleConfig
     source: str  # where they came from, for messages: "kubeconfig /x", "the in-cluster service account"
-    # The user's exec plugin, run by sharegpu.k8s.exec_auth (lightkube's own runs neither v1 nor KUBERNETES_EXEC_INFO)
+    # The user's exec plugin, run by sharegpu.kube.exec_auth (lightkube's own runs neither v1 nor KUBERNETES_EXEC_INFO)
     exec_spec: ExecSpec | None = None
 
     @property
@@ -59,13 +57,13 @@ class Credentials:
         return str(self.config.cluster.server)
 
     def client(self, field_manager: str) -> AsyncClient:
-        """A lightkube client whose requests travel over aiohttp (:mod:`sharegpu.k8s.transport`); certificate and key
+        """A lightkube client whose requests travel over aiohttp (:mod:`sharegpu.kube.transport`); certificate and key
         files the credentials name are read (and checked) here."""
         from lightkube import AsyncClient
         from lightkube.config.client_adapter import verify_cluster
-        from lightkube.core.exceptions import ConfigError
+        from lightkube.core.exceptions import ConfigError as LkConfigError
 
-        from sharegpu.k8s.transport import AiohttpTransport
+        from sharegpu.kube.transport import AiohttpTransport
 
         config = self.config
         try:
@@ -79,8 +77,8 @@ class Credentials:
             )
             transport = AiohttpTransport(tls, ca=_ca_of(config, self.source))
             client = AsyncClient(config=config, field_manager=field_manager, transport=transport)
-        except (ConfigError, OSError, ValueError) as e:  # ssl.SSLError is an OSError
-            raise KubeconfigError(f"cannot use the credentials of {self.source}: {_reason(e)}") from None
+        except (LkConfigError, OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            raise ConfigError(f"cannot use the credentials of {self.source}: {_reason(e)}") from None
         if self.exec_spec is not None:
             _use_exec(client, self.exec_spec, self.source)
         return client
@@ -102,11 +100,11 @@ def _use_exec(client: AsyncClient, spec: ExecSpec, source: str) -> None:
     here, by name, rather than sending requests without credentials)."""
     import httpx2
 
-    from sharegpu.k8s.exec_auth import ExecAuth
+    from sharegpu.kube.exec_auth import ExecAuth
 
     inner = getattr(getattr(client, "_client", None), "_client", None)
     if not isinstance(inner, httpx2.AsyncClient):
-        raise KubeconfigError(f"{source}: cannot install its exec plugin on this lightkube's client")
+        raise ConfigError(f"{source}: cannot install its exec plugin on this lightkube's client")
     inner.auth = ExecAuth(spec, source)
 
 
@@ -123,7 +121,7 @@ def load_credentials(path: Path | None) -> Credentials:
         return _from_file(Path(first), f"kubeconfig {first} (from $KUBECONFIG)")
     default = DEFAULT_KUBECONFIG.expanduser()
     if not default.exists():
-        raise KubeconfigError(
+        raise ConfigError(
             "no Kubernetes credentials: not running in a pod (no service account), $KUBECONFIG is unset and "
             f"{default} does not exist; pass --kubeconfig FILE"
         )
@@ -132,14 +130,12 @@ def load_credentials(path: Path | None) -> Credentials:
 
 def _in_cluster() -> Credentials:
     from lightkube import KubeConfig
-    from lightkube.core.exceptions import ConfigError
+    from lightkube.core.exceptions import ConfigError as LkConfigError
 
     try:
         config = KubeConfig.from_service_account(str(SERVICE_ACCOUNT)).get()
-    except (ConfigError, OSError, KeyError) as e:
-        raise KubeconfigError(
-            f"cannot load the in-cluster service account from {SERVICE_ACCOUNT}: {_reason(e)}"
-        ) from None
+    except (LkConfigError, OSError, KeyError) as e:
+        raise ConfigError(f"cannot load the in-cluster service account from {SERVICE_ACCOUNT}: {_reason(e)}") from None
     assert config is not None
     return Credentials(config, "the in-cluster service account")
 
@@ -147,21 +143,21 @@ def _in_cluster() -> Credentials:
 def _from_file(path: Path, source: str) -> Credentials:
     path = path.expanduser()
     if path.is_dir():
-        raise KubeconfigError(f"{source} is a directory, not a file (kubectl's file is usually {path / 'config'})")
+        raise ConfigError(f"{source} is a directory, not a file (kubectl's file is usually {path / 'config'})")
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise KubeconfigError(f"{source} does not exist; pass the path of a kubeconfig file") from None
+        raise ConfigError(f"{source} does not exist; pass the path of a kubeconfig file") from None
     except OSError as e:
-        raise KubeconfigError(f"cannot read {source}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read {source}: {e.strerror or e}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise KubeconfigError(f"{source} is not a text file (byte {e.start} is not UTF-8); {SHAPE}") from None
+        raise ConfigError(f"{source} is not a text file (byte {e.start} is not UTF-8); {SHAPE}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise KubeconfigError(f"{source} is not valid YAML: {_yaml_reason(e)}") from None
+        raise ConfigError(f"{source} is not valid YAML: {_yaml_reason(e)}") from None
     data = _validated(data, source)
     config = _select(data, path, source)
     spec = _exec_spec(data, config, source)
@@ -169,7 +165,7 @@ def _from_file(path: Path, source: str) -> Credentials:
         import msgspec
 
         assert config.user is not None
-        # lightkube would run the plugin itself, and refuse a v1 one: sharegpu.k8s.exec_auth runs it instead.
+        # lightkube would run the plugin itself, and refuse a v1 one: sharegpu.kube.exec_auth runs it instead.
         config = config._replace(user=msgspec.structs.replace(config.user, exec=None))
     return Credentials(config, source, spec)
 
@@ -177,7 +173,7 @@ def _from_file(path: Path, source: str) -> Credentials:
 def _exec_spec(data: dict[str, Any], config: SingleConfig, source: str) -> ExecSpec | None:
     """The exec plugin of the current context's user, when its credentials come from one (a token given with it
     wins, as in lightkube)."""
-    from sharegpu.k8s.exec_auth import ExecSpec, ExecSpecError
+    from sharegpu.kube.exec_auth import ExecSpec, ExecSpecError
 
     user = config.user
     if user is None or user.exec is None or user.token is not None or user.token_file is not None:
@@ -191,12 +187,12 @@ def _exec_spec(data: dict[str, Any], config: SingleConfig, source: str) -> ExecS
     try:
         return ExecSpec.parse(raw.get("exec"), info)
     except ExecSpecError as e:
-        raise KubeconfigError(f"{source}: user {ctx.get('user')!r}: {e}") from None
+        raise ConfigError(f"{source}: user {ctx.get('user')!r}: {e}") from None
 
 
 def _validated(data: Any, source: str) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise KubeconfigError(f"{source} holds {_describe(data)}, not a kubeconfig; {SHAPE}")
+        raise ConfigError(f"{source} holds {_describe(data)}, not a kubeconfig; {SHAPE}")
     for section, key, required in (
         ("clusters", "cluster", True),
         ("contexts", "context", True),
@@ -205,18 +201,18 @@ def _validated(data: Any, source: str) -> dict[str, Any]:
         entries = data.get(section)
         if entries is None:
             if required:
-                raise KubeconfigError(f"{source} has no {section}; {SHAPE}")
+                raise ConfigError(f"{source} has no {section}; {SHAPE}")
             continue
         if not isinstance(entries, list):
-            raise KubeconfigError(f"{source}: {section} is {_describe(entries)}, not a list of {{name, {key}}}")
+            raise ConfigError(f"{source}: {section} is {_describe(entries)}, not a list of {{name, {key}}}")
         for i, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
-                raise KubeconfigError(f"{source}: {section}[{i}] has no name")
+                raise ConfigError(f"{source}: {section}[{i}] has no name")
             if not isinstance(entry.get(key), dict):
-                raise KubeconfigError(f"{source}: {section}[{i}] ({entry['name']}) has no {key} mapping")
+                raise ConfigError(f"{source}: {section}[{i}] ({entry['name']}) has no {key} mapping")
     current = data.get("current-context")
     if current is not None and not isinstance(current, str):
-        raise KubeconfigError(f"{source}: current-context is {_describe(current)}, not a context name")
+        raise ConfigError(f"{source}: current-context is {_describe(current)}, not a context name")
     return data
 
 
@@ -228,25 +224,25 @@ def _select(data: dict[str, Any], path: Path, source: str) -> SingleConfig:
     try:
         kc = KubeConfig.from_dict(data, fname=path)
     except msgspec.ValidationError as e:
-        raise KubeconfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{source}: {e}") from None
     name = kc.current_context
     if not name:
-        raise KubeconfigError(f"{source} sets no current-context; choose one: kubectl config use-context NAME")
+        raise ConfigError(f"{source} sets no current-context; choose one: kubectl config use-context NAME")
     ctx = kc.contexts.get(name)
     if ctx is None:
-        raise KubeconfigError(f"{source}: current-context {name!r} is not among its contexts ({_names(kc.contexts)})")
+        raise ConfigError(f"{source}: current-context {name!r} is not among its contexts ({_names(kc.contexts)})")
     cluster = kc.clusters.get(ctx.cluster)
     if cluster is None:
-        raise KubeconfigError(
+        raise ConfigError(
             f"{source}: context {name!r} names cluster {ctx.cluster!r}, which is not among its clusters "
             f"({_names(kc.clusters)})"
         )
     if ctx.user and ctx.user not in kc.users:
-        raise KubeconfigError(
+        raise ConfigError(
             f"{source}: context {name!r} names user {ctx.user!r}, which is not among its users ({_names(kc.users)})"
         )
     if not cluster.server.startswith(("https://", "http://")):
-        raise KubeconfigError(
+        raise ConfigError(
             f"{source}: cluster {ctx.cluster!r} has server {cluster.server!r}, not an https:// URL (or http:// for a "
             "plain-HTTP endpoint such as kubectl proxy)"
         )
@@ -261,7 +257,7 @@ def _select(data: dict[str, Any], path: Path, source: str) -> SingleConfig:
     files += [(who, "tokenFile", config.user.token_file)]
     for owner, key, name in files:
         if name and not Path(config.abs_file(name)).is_file():
-            raise KubeconfigError(f"{source}: the {key} of {owner}, {config.abs_file(name)}, is not a file")
+            raise ConfigError(f"{source}: the {key} of {owner}, {config.abs_file(name)}, is not a file")
     inline = [(f"cluster {ctx.cluster!r}", "certificate-authority-data", cluster.certificate_auth_data, "CERTIFICATE")]
     inline += [(who, "client-certificate-data", config.user.client_cert_data, "CERTIFICATE")]
     inline += [(who, "client-key-data", config.user.client_key_data, "PRIVATE KEY")]
@@ -278,14 +274,14 @@ def _check_inline_pem(value: str, kind: str, what: str) -> None:
     try:
         pem = base64.b64decode("".join(value.split()), validate=True).decode("ascii")
     except (binascii.Error, ValueError):
-        raise KubeconfigError(f"{what} is not base64; {how}") from None
+        raise ConfigError(f"{what} is not base64; {how}") from None
     if f"-----BEGIN {kind}-----" not in pem and not (kind == "PRIVATE KEY" and "PRIVATE KEY-----" in pem):
-        raise KubeconfigError(f"{what} holds no PEM {kind.lower()} once decoded; {how}")
+        raise ConfigError(f"{what} holds no PEM {kind.lower()} once decoded; {how}")
     if kind == "CERTIFICATE":
         try:
             ssl.create_default_context(cadata=pem)
         except (ssl.SSLError, ValueError) as e:
-            raise KubeconfigError(f"{what} holds a certificate that does not parse ({_reason(e)}); {how}") from None
+            raise ConfigError(f"{what} holds a certificate that does not parse ({_reason(e)}); {how}") from None
 
 
 def _names(mapping: dict[str, Any]) -> str:
@@ -313,15 +309,3 @@ def _reason(e: Exception) -> str:
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
     return str(e) or type(e).__name__
-
-
-def request_server(e: Exception) -> str:
-    """scheme://host:port of the API server a connection error (httpx's RequestError, which lightkube raises) was
-    trying to reach; "" for anything else, such as an answer with an error status (it carries a response)."""
-    if getattr(e, "response", None) is not None:
-        return ""
-    try:
-        url = e.request.url  # type: ignore[attr-defined]  # httpx's RequestError; raises when no request is set
-    except (AttributeError, RuntimeError):
-        return ""
-    return f"{url.scheme}://{url.netloc.decode()}"
