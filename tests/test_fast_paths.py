@@ -18,9 +18,10 @@ from sharegpu.model.catalog import GIB
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest, InvalidRequest, Isolation, Sharing
 from sharegpu.placement.fragmentation import Workload
-from sharegpu.placement.framework import BoolArray, CycleState, Decision, Scheduler, Unschedulable, _node_reason
+from sharegpu.placement.framework import BoolArray, CycleState, Decision, Scheduler, Unschedulable
 from sharegpu.placement.mechanism import Route, mig_choice, route_for, share_modes, usable_gpus
 from sharegpu.placement.policies import PolicyContext, make_policy
+from sharegpu.placement.reasons import FilterReason, NodeRoom, RoomArrays, node_kinds, node_reason
 from sharegpu.sim.engine import replay_timed
 from sharegpu.sim.openb import TraceTask
 
@@ -37,6 +38,13 @@ def random_cluster(rnd: random.Random, n: int) -> list[NodeSpec]:
         gpus = tuple(dataclasses.replace(g, healthy=rnd.random() > 0.1) for g in gpus)
         nodes.append(NodeSpec(name, rnd.choice([8000, 32_000, 96_000]), rnd.choice([16, 64, 256]) * GIB, gpus))
     return nodes
+
+
+def one_node_reason(req: GpuRequest, room: NodeRoom) -> FilterReason:
+    """The rule table applied to one node alone (the reference for the vectorised explanations)."""
+    one = RoomArrays(*(np.array([v]) for v in (room.n_allowed, room.n_usable, room.cpu_free, room.mem_free)))
+    kind = next((kind for kind, mask in node_kinds(req, one) if mask[0]), None)
+    return node_reason(req, room, kind)
 
 
 def random_request(rnd: random.Random, name: str) -> GpuRequest:
@@ -148,9 +156,9 @@ def test_reasons_counted_at_once_equal_reasons_node_by_node(seed: int) -> None:
             sched.ledger.place(d.assignment)
             continue
         expected: dict[str, int] = {}
-        for kind, _ in sched._node_reasons(req, usable_gpus(sched.ledger, req), every):
-            if kind:
-                expected[kind] = expected.get(kind, 0) + 1
+        for reason in sched._node_reasons(req, usable_gpus(sched.ledger, req), every):
+            if reason.kind is not None:
+                expected[reason.kind.summary(req)] = expected.get(reason.kind.summary(req), 0) + 1
         assert d.reasons == expected
         assert list(d.reasons) == list(expected)  # same order: ties in the summary go to the first node's reason
 
@@ -235,18 +243,16 @@ def test_reasons_worded_once_per_distinct_state_equal_reasons_worded_per_node(se
         for n in range(len(led.nodes)):
             gpu_ok = allowed[led.model_id[n]] & led.present[n]
             healthy = gpu_ok & led.healthy[n]
-            expected.append(
-                _node_reason(
-                    req,
-                    int(gpu_ok.sum()),
-                    int(healthy.sum()),
-                    int(usable[n].sum()),
-                    int(np.where(healthy, led.free_mem[n], -1).max(initial=-1)),
-                    int(np.where(healthy, led.free_milli[n], -1).max(initial=-1)),
-                    int(led.cpu_free[n]),
-                    int(led.mem_free[n]),
-                )
+            room = NodeRoom(
+                int(gpu_ok.sum()),
+                int(healthy.sum()),
+                int(usable[n].sum()),
+                int(np.where(healthy, led.free_mem[n], -1).max(initial=-1)),
+                int(np.where(healthy, led.free_milli[n], -1).max(initial=-1)),
+                int(led.cpu_free[n]),
+                int(led.mem_free[n]),
             )
+            expected.append(one_node_reason(req, room))
         assert sched._node_reasons(req, usable, every) == expected
         d = sched.decide(req)
         if isinstance(d, Decision):

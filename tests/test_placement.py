@@ -17,6 +17,7 @@ from sharegpu.model.request import GpuRequest, Isolation, Sharing
 from sharegpu.placement.fragmentation import Workload, node_fragmentation
 from sharegpu.placement.framework import Decision, NoFit, Scheduler, Unschedulable
 from sharegpu.placement.policies import POLICIES, PolicyContext, UnknownPolicy, make_policy, parse_policies
+from sharegpu.placement.reasons import ReasonCode, ReasonKind
 
 
 def node(name: str, model: str, gpus: int, cpu: int = 64_000, mem: int = 256 * GIB) -> NodeSpec:
@@ -179,6 +180,35 @@ def test_unschedulable_reasons_are_counted_and_name_the_nearest_miss() -> None:
     assert "largest free share is 16Gi" in d.reason  # T4 (16Gi) beats the V100's 12Gi left
     d = s.decide(GpuRequest("q", 1, allowed_models=frozenset({"A100-80GB"})))
     assert isinstance(d, Unschedulable) and d.reasons == {"no GPU of an allowed model": 2}
+
+
+def test_node_reasons_are_typed_and_say_whether_eviction_could_help() -> None:
+    s = scheduler([node("t4", "T4", 1), node("v100", "V100-32GB", 2), node("small", "T4", 1, cpu=1_000)])
+    held = place(s, GpuRequest("x", 1, compute_milli=500, memory_mib=8 * GIB, isolation=Isolation.MEMORY))
+    every = np.array([s.ledger.index[n] for n in ("t4", "v100", "small")], dtype=np.int64)
+
+    def why(req: GpuRequest) -> list[tuple[ReasonCode, bool, str]]:
+        return [(r.code, r.unresolvable, r.text) for r in s.explain_nodes(req, s.feasible(req)[1], every)]
+
+    assert why(GpuRequest("m", 1, allowed_models=frozenset({"V100-32GB"}))) == [
+        (ReasonCode.NO_ALLOWED_MODEL, True, "no GPU of an allowed model (V100-32GB)"),
+        (ReasonCode.FITS, False, "fits"),
+        (ReasonCode.NO_ALLOWED_MODEL, True, "no GPU of an allowed model (V100-32GB)"),
+    ]
+    assert why(GpuRequest("two", 2, cpu_milli=2_000)) == [
+        (ReasonCode.TOO_FEW_HEALTHY, True, "1 healthy GPU(s) of an allowed model < 2 asked"),
+        (ReasonCode.FITS, False, "fits"),
+        (ReasonCode.CPU, False, "free CPU 1000m < 2000m asked"),
+    ]
+    busy = GpuRequest("big", 1, memory_mib=12 * GIB, isolation=Isolation.MEMORY, allowed_models=frozenset({"T4"}))
+    on = np.array([held.node_index], dtype=np.int64)
+    (reason,) = s.explain_nodes(busy, s.feasible(busy)[1], on)
+    assert (reason.code, reason.unresolvable, reason.text) == (
+        ReasonCode.SHARE_MEMORY,
+        False,
+        "largest free share 8Gi < 12Gi asked",
+    )
+    assert reason.kind is ReasonKind.GPU_ROOM
 
 
 # ----- policies -----------------------------------------------------------------------------------------------

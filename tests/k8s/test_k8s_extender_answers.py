@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from k8s_helpers import node_obj, nodes, pod_obj
 
 from sharegpu.k8s import answers
-from sharegpu.k8s.answers import event_safe, never_fits
+from sharegpu.k8s.answers import event_safe
 from sharegpu.k8s.extender import Extender
 from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
@@ -54,7 +54,7 @@ def reference_filter(view: ClusterView, pod: Pod, names: list[str]) -> dict:
             passed.append(name)
         else:
             reason = sched.explain_nodes(req, usable, np.array([n]))[0]
-            (unresolvable if never_fits(reason) else failed)[name] = event_safe(reason)
+            (unresolvable if reason.unresolvable else failed)[name] = event_safe(reason.text)
     return {
         "Nodes": None,
         "NodeNames": passed,
@@ -190,8 +190,5 @@ def test_nodes_mode_answers_equal_node_name_mode_answers() -> None:
         assert by_nodes["FailedAndUnresolvableNodes"] == by_names["FailedAndUnresolvableNodes"]
 
 
-def test_reasons_with_a_percent_are_event_safe_and_classified_on_the_raw_words() -> None:
+def test_reasons_with_a_percent_are_event_safe() -> None:
     assert event_safe("most free compute 0% < 10% asked") == "most free compute 0 percent < 10 percent asked"
-    assert never_fits("1 healthy GPU(s) of an allowed model < 2 asked")
-    assert never_fits("no GPU of an allowed model (T4)") and never_fits("no sharegpu GPUs")
-    assert not never_fits("largest free share 12Gi < 20Gi asked")

@@ -25,6 +25,7 @@ from sharegpu.kube.schema import MAX_EXTENDER_PRIORITY, ExtenderFilterResult
 from sharegpu.ledger import Ledger
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.framework import BoolArray, IntArray, Scheduler
+from sharegpu.placement.reasons import FilterReason
 
 ObjArray = npt.NDArray[np.object_]
 
@@ -37,16 +38,6 @@ def event_safe(reason: str) -> str:
     if "%" not in reason:
         return reason
     return reason.replace("%", " percent").replace("  percent", " percent")
-
-
-def never_fits(reason: str) -> bool:
-    """Whether a filter reason says the node cannot host the pod whatever is evicted (no GPU of an allowed model,
-    or fewer healthy ones than it asks for)."""
-    return (
-        reason.startswith("no GPU of an allowed model")
-        or reason == "no sharegpu GPUs"
-        or " healthy GPU(s) of an allowed model < " in reason
-    )
 
 
 def encode(value: object) -> bytes:
@@ -99,7 +90,7 @@ class Fragments:
         self.names = _objects(names)
         self.keys = _objects(encode(n) for n in names)  # b'"name"'
         self.hosts = _objects(b'{"Host":' + k + b',"Score":' for k in self.keys)
-        self._reason_ids: dict[str, int] = {}
+        self._reason_ids: dict[FilterReason, int] = {}
         self._texts: list[str] = []  # readable (event-safe)
         self._values: list[bytes] = []  # b':"readable"'
         self._never: list[bool] = []
@@ -127,23 +118,23 @@ class Fragments:
         versions, ids = entry
         stale = nodes[versions[nodes] != led.version[nodes]]
         if len(stale):
-            texts = sched.explain_nodes(req, usable, stale)
-            for text in dict.fromkeys(texts):  # the distinct ones (few): interned one by one
-                self._intern(text)
-            ids[stale] = list(map(self._reason_ids.__getitem__, texts))
+            reasons = sched.explain_nodes(req, usable, stale)
+            for reason in dict.fromkeys(reasons):  # the distinct ones (few): interned one by one
+                self._intern(reason)
+            ids[stale] = list(map(self._reason_ids.__getitem__, reasons))
             versions[stale] = led.version[stale]
         out: npt.NDArray[np.int32] = ids[nodes]
         return out
 
-    def _intern(self, reason: str) -> int:
+    def _intern(self, reason: FilterReason) -> int:
         rid = self._reason_ids.get(reason)
         if rid is None:
             rid = len(self._texts)
             self._reason_ids[reason] = rid
-            readable = event_safe(reason)
+            readable = event_safe(reason.text)
             self._texts.append(readable)
             self._values.append(b":" + encode(readable))
-            self._never.append(never_fits(reason))
+            self._never.append(reason.unresolvable)
             self._arrays = None
         return rid
 

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from sharegpu.k8s.status import REASON_CLASSES, FollowedStatus, StatusSnapshot, summary_line
 from sharegpu.kube.api import ClusterApi
-from sharegpu.placement.framework import fmt_mib
+from sharegpu.placement.reasons import fmt_mib
 
 DEFAULT_REFRESH_S = 5.0
 

@@ -29,11 +29,11 @@ from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.api import ClusterApi
 from sharegpu.ledger import GpuMode, Ledger
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
-from sharegpu.placement.fragmentation import Workload
-from sharegpu.placement.framework import Scheduler, fmt_mib
+from sharegpu.placement.fragmentation import Workload, fragmentation_of
+from sharegpu.placement.framework import Scheduler
 from sharegpu.placement.policies import PolicyContext, make_policy
+from sharegpu.placement.reasons import ReasonKind, fmt_mib
 from sharegpu.placement.scorers import FragmentationModel
-from sharegpu.sim.runner import fragmentation_of
 
 MODE_NAMES = {
     GpuMode.FREE: "free",
@@ -55,13 +55,13 @@ REASON_CLASSES = {
     "invalid-request": "the pod's sharegpu request can never be valid",
     "fits": "sharegpu has room now; the pod waits on the kube-scheduler (queue, back-off, taints, affinity)",
 }
-# The framework's kinds of node reasons (placement.framework._node_reason) → classes, nearest miss first.
+# The framework's kinds of node reasons (placement.reasons) → classes, nearest miss first.
 _KIND_CLASSES = (
-    ("fewer than ", "gpu-busy"),
-    ("not enough host memory", "host-memory"),
-    ("not enough CPU", "cpu"),
-    ("no GPU of an allowed model", "gpu-model"),
-    ("no GPUs", "no-gpus"),
+    (ReasonKind.GPU_ROOM, "gpu-busy"),
+    (ReasonKind.HOST_MEMORY, "host-memory"),
+    (ReasonKind.CPU, "cpu"),
+    (ReasonKind.NO_ALLOWED_MODEL, "gpu-model"),
+    (ReasonKind.NO_GPUS, "no-gpus"),
 )
 
 
@@ -117,8 +117,8 @@ def _judge(sched: Scheduler, req: GpuRequest) -> tuple[str, str]:
     if ok.any():
         return "fits", f"{int(ok.sum())} node(s) have room for it now"
     why = sched.explain(req, usable)
-    for prefix, reason in _KIND_CLASSES:
-        if any(kind.startswith(prefix) for kind in why.reasons):
+    for kind, reason in _KIND_CLASSES:
+        if kind in why.kinds:
             return reason, why.reason
     return "no-gpus", why.reason  # no sharegpu node at all
 

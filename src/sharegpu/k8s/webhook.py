@@ -59,7 +59,7 @@ from sharegpu.model.contract import (
     RESOURCES,
 )
 from sharegpu.model.request import GpuRequest, InvalidRequest
-from sharegpu.placement.framework import fmt_mib
+from sharegpu.placement.reasons import fmt_mib
 
 log = logging.getLogger(__name__)
 

@@ -83,12 +83,15 @@ def plan_consolidation(
     max_moves: int = 4,
     max_targets: int = 8,
     rank: Sequence[int] | IntArray | None = None,
+    max_candidates: int | None = None,
 ) -> ConsolidationPlan:
     """A plan of at most ``max_moves`` moves of pods from ``movable`` (pod → the request it was placed with) after
     which ``request`` fits; raises :class:`AlreadyFits`, :class:`NotEnoughRoom` or :class:`NoPlan`.
 
     ``policy`` places the waiting pod on its target and each moved pod elsewhere. ``rank`` is the tie-break order of
-    nodes (default: name order). The caller's ledger is never changed.
+    nodes (default: name order). ``max_candidates`` stops the search for targets once that many are found within
+    ``max_moves`` (nodes with the fewest movable pods are searched first); default: every node. The caller's ledger
+    is never changed.
     """
     if max_moves < 1 or max_targets < 1:
         raise ValueError(f"max_moves ({max_moves}) and max_targets ({max_targets}) must be at least 1")
@@ -110,7 +113,10 @@ def plan_consolidation(
     for p in placed:
         by_node.setdefault(ledger.index[ledger.assignments[p].node], []).append(p)
     targets: list[tuple[int, int, int, int, list[str]]] = []  # (moves, GPU milli moved, rank, node, pods)
-    for node in np.flatnonzero(maybe).tolist():
+    search = sorted(np.flatnonzero(maybe).tolist(), key=lambda n: (len(by_node.get(n, ())), int(order[n])))
+    for node in search:
+        if max_candidates is not None and len(targets) >= max_candidates:
+            break
         # Largest first: the most wanted back, since a large pod is the hardest to place elsewhere.
         pool = sorted(by_node.get(node, []), key=lambda p: (-ledger.gpu_milli_of(ledger.assignments[p]), p))
         gone = remove_minimal(work, sched, request, node, pool)

@@ -11,11 +11,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from sharegpu.model.request import GpuRequest
+
+if TYPE_CHECKING:  # types only: scorers builds on this module
+    from sharegpu.ledger import Ledger
+    from sharegpu.placement.scorers import FragmentationModel
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -234,3 +239,15 @@ def fgd_score(before: FloatArray, after: FloatArray) -> IntArray:
     """The reference's integer score: int(100 · sigmoid((F_before − F_after) / 1000)); higher is better."""
     x = (before - after) / 1000.0
     return (100.0 / (1.0 + np.exp(-x))).astype(np.int64)
+
+
+def fragmentation_of(model: FragmentationModel) -> Callable[[Ledger], float]:
+    """The cluster's fragmentation measure (free GPU milli the workload's typical shapes cannot use, summed over
+    nodes): what ``sharegpu sim`` reports as fragmentation_pct × capacity and ``sharegpu status`` shows live."""
+
+    def measure(ledger: Ledger) -> float:
+        if ledger.present.size == 0:
+            return 0.0  # no nodes or no GPUs: nothing to fragment
+        return float(model.before(ledger, np.arange(len(ledger.nodes), dtype=np.int64)).sum())
+
+    return measure

@@ -20,6 +20,15 @@ from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.mechanism import UsablePlan, make_share
+from sharegpu.placement.reasons import (
+    FilterReason,
+    NodeRoom,
+    ReasonCode,
+    ReasonKind,
+    RoomArrays,
+    node_kinds,
+    node_reason,
+)
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -116,7 +125,12 @@ class Decision:
 class Unschedulable:
     request: GpuRequest
     reason: str  # a summary a user can act on, e.g. "largest free share is 12Gi on node-3"
-    reasons: dict[str, int]  # reason → how many nodes it rejected
+    kinds: dict[ReasonKind, int]  # kind of reason → how many nodes it rejected, in the order of each one's first node
+
+    @property
+    def reasons(self) -> dict[str, int]:
+        """The same counts under the words of the summary (e.g. "not enough CPU")."""
+        return {kind.summary(self.request): count for kind, count in self.kinds.items()}
 
 
 class NoFit(Exception):
@@ -152,7 +166,7 @@ class Scheduler:
             raise ValueError("rank must be a permutation of the node indices")
         self.memo = NodeMemo(ledger)
         self._feasible: dict[tuple[object, ...], _Feasibility] = {}
-        self._reasons: dict[tuple[str, tuple[object, ...]], tuple[IntArray, list[str]]] = {}
+        self._reasons: dict[tuple[str, tuple[object, ...]], tuple[IntArray, list[FilterReason]]] = {}
 
     def with_policy(self, policy: Policy, seed: int = 0) -> Scheduler:
         """A scheduler of ``policy`` over the same ledger that keeps what does not depend on the policy: the
@@ -220,10 +234,12 @@ class Scheduler:
 
     def explain(self, req: GpuRequest, usable: BoolArray) -> Unschedulable:
         """Why no node fits, counted per kind of reason, with the nearest miss named."""
-        reasons = self._reason_counts(req, usable)
-        summary = "; ".join(f"{c} node(s): {r}" for r, c in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        kinds = self._kind_counts(req, usable)
+        summary = "; ".join(
+            f"{c} node(s): {kind.summary(req)}" for kind, c in sorted(kinds.items(), key=lambda kv: -kv[1])
+        )
         hint = self._nearest_miss(req)
-        return Unschedulable(req, f"{summary or 'no nodes'}{hint}", reasons)
+        return Unschedulable(req, f"{summary or 'no nodes'}{hint}", kinds)
 
     def _nearest_miss(self, req: GpuRequest) -> str:
         led = self.ledger
@@ -285,12 +301,13 @@ class Scheduler:
         f = self._feasibility(req)
         if not f.ok[node]:
             reason = self.explain_nodes(req, f.usable, np.array([node], dtype=np.int64))[0]
-            return Unschedulable(req, f"{self.ledger.nodes[node].name}: {reason}", {reason: 1})
+            kinds = {reason.kind: 1} if reason.kind is not None else {}
+            return Unschedulable(req, f"{self.ledger.nodes[node].name}: {reason.text}", kinds)
         state = CycleState(req, f.usable, self.rng, memo=self.memo)
         nodes = np.array([node], dtype=np.int64)
         return Decision(self.assignment_on(state, node), node, int(self.scores(state, nodes)[0]), int(f.ok.sum()))
 
-    def explain_nodes(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[str]:
+    def explain_nodes(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[FilterReason]:
         """Why each of ``nodes`` (rejected by :meth:`feasible`) cannot host ``req``, in words a user can act on.
 
         A node's reason depends only on its state and the request's shape, so reasons are cached per shape and
@@ -301,64 +318,54 @@ class Scheduler:
         key = ("explain", req.shape_key())
         cache = self._reasons.get(key)
         if cache is None or len(cache[0]) != len(led.nodes):
-            cache = (np.full(len(led.nodes), -1, dtype=np.int64), [""] * len(led.nodes))
+            unknown = FilterReason(ReasonCode.FITS, "")  # a placeholder until the node is explained
+            cache = (np.full(len(led.nodes), -1, dtype=np.int64), [unknown] * len(led.nodes))
             self._reasons[key] = cache
         versions, reasons = cache
         stale = nodes[versions[nodes] != led.version[nodes]]
         if len(stale):
-            for n, (_, text) in zip(stale.tolist(), self._node_reasons(req, usable, stale), strict=True):
-                reasons[n] = text
+            for n, reason in zip(stale.tolist(), self._node_reasons(req, usable, stale), strict=True):
+                reasons[n] = reason
             versions[stale] = led.version[stale]
         return [reasons[n] for n in nodes.tolist()]
 
-    def _reason_counts(self, req: GpuRequest, usable: BoolArray) -> dict[str, int]:
-        """How many nodes each kind of reason rejects (as :func:`_node_reason` words it), in the order of the first
-        node that gives it; vectorised, since a request that fits nowhere is explained over every node."""
+    def _kind_counts(self, req: GpuRequest, usable: BoolArray) -> dict[ReasonKind, int]:
+        """How many nodes each kind of reason rejects, in the order of the first node that gives it; vectorised
+        (a request that fits nowhere is explained over every node) by the same gates that explain one node."""
         led = self.ledger
-        cpu_short = led.cpu_free < req.cpu_milli
-        mem_short = led.mem_free < req.host_memory_mib
-        rules: list[tuple[str, BoolArray]] = []
-        open_: BoolArray = np.ones(len(led.nodes), dtype=bool)
-        if req.gpu_count > 0:
-            allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
-            no_model: BoolArray = (allowed[led.model_id] & led.present).sum(axis=1) == 0
-            rules.append(("no GPU of an allowed model" if req.allowed_models else "no GPUs", no_model))
-            open_ = ~no_model
-        rules.append(("not enough CPU", open_ & cpu_short))
-        open_ &= ~cpu_short
-        rules.append(("not enough host memory", open_ & mem_short))
-        open_ &= ~mem_short
-        if req.gpu_count > 0:
-            rules.append(
-                (
-                    f"fewer than {req.gpu_count} GPU(s) with room for the share",
-                    open_ & (usable.sum(axis=1) < req.gpu_count),
-                )
-            )
-        firsts = [(int(np.argmax(mask)), kind, int(mask.sum())) for kind, mask in rules if mask.any()]
-        return {kind: count for _, kind, count in sorted(firsts)}
+        allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
+        room = RoomArrays(
+            (allowed[led.model_id] & led.present).sum(axis=1), usable.sum(axis=1), led.cpu_free, led.mem_free
+        )
+        firsts = [(int(np.argmax(mask)), kind, int(mask.sum())) for kind, mask in node_kinds(req, room) if mask.any()]
+        return {kind: count for _, kind, count in sorted(firsts, key=lambda f: f[0])}
 
-    def _node_reasons(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[tuple[str, str]]:
-        """(kind, words) per node: the kind counts nodes alike in a summary, the words explain one node."""
+    def _node_reasons(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[FilterReason]:
+        """Each node's reason: its kind by the gates (vectorised over ``nodes``), then worded by the rule table."""
         led = self.ledger
         allowed = np.array([req.allows_model(m) for m in led.model_names] + [False], dtype=bool)
         gpu_ok = allowed[led.model_id[nodes]] & led.present[nodes]
         healthy = gpu_ok & led.healthy[nodes]
-        free_mem = np.where(healthy, led.free_mem[nodes], -1).max(axis=1, initial=-1).tolist()
-        free_milli = np.where(healthy, led.free_milli[nodes], -1).max(axis=1, initial=-1).tolist()
-        n_allowed = gpu_ok.sum(axis=1).tolist()
-        n_healthy = healthy.sum(axis=1).tolist()
-        n_usable = usable[nodes].sum(axis=1).tolist()
-        cpu_free = led.cpu_free[nodes].tolist()
-        mem_free = led.mem_free[nodes].tolist()
+        free_mem = np.where(healthy, led.free_mem[nodes], -1).max(axis=1, initial=-1)
+        free_milli = np.where(healthy, led.free_milli[nodes], -1).max(axis=1, initial=-1)
+        n_allowed = gpu_ok.sum(axis=1)
+        n_healthy = healthy.sum(axis=1)
+        n_usable = usable[nodes].sum(axis=1)
+        cpu_free = led.cpu_free[nodes]
+        mem_free = led.mem_free[nodes]
+        kinds: list[ReasonKind | None] = [None] * len(nodes)
+        for gated, mask in node_kinds(req, RoomArrays(n_allowed, n_usable, cpu_free, mem_free)):
+            for i in np.flatnonzero(mask).tolist():
+                kinds[i] = gated
         # A reason is a function of these seven numbers, and nodes of one kind in one state share them (empty
         # nodes, full ones): each distinct tuple is worded once.
-        worded: dict[tuple[int, ...], tuple[str, str]] = {}
+        worded: dict[tuple[int, ...], FilterReason] = {}
         out = []
-        for row in zip(n_allowed, n_healthy, n_usable, free_mem, free_milli, cpu_free, mem_free, strict=True):
+        columns = (n_allowed, n_healthy, n_usable, free_mem, free_milli, cpu_free, mem_free)
+        for row, kind in zip(zip(*(c.tolist() for c in columns), strict=True), kinds, strict=True):
             reason = worded.get(row)
             if reason is None:
-                reason = worded[row] = _node_reason(req, *row)
+                reason = worded[row] = node_reason(req, NodeRoom(*row), kind)
             out.append(reason)
         return out
 
@@ -369,49 +376,3 @@ class Scheduler:
             raise NoFit(d)
         self.ledger.place(d.assignment)
         return d
-
-
-def fmt_mib(mib: int) -> str:
-    """Memory as a user writes it: 12Gi, 1.5Gi or 512Mi."""
-    if mib >= 1024:
-        return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib / 1024:.1f}Gi"
-    return f"{mib}Mi"
-
-
-def _node_reason(
-    req: GpuRequest,
-    n_allowed: int,
-    n_healthy: int,
-    n_usable: int,
-    free_mem: int,
-    free_milli: int,
-    cpu_free: int,
-    mem_free: int,
-) -> tuple[str, str]:
-    """One node's reason, most fundamental first (no GPUs of the model before "GPUs are busy"); the kind is
-    empty for a node that fits."""
-    if req.gpu_count > 0 and n_allowed == 0:
-        if req.allowed_models:
-            return "no GPU of an allowed model", f"no GPU of an allowed model ({', '.join(sorted(req.allowed_models))})"
-        return "no GPUs", "no sharegpu GPUs"
-    if cpu_free < req.cpu_milli:
-        return "not enough CPU", f"free CPU {cpu_free}m < {req.cpu_milli}m asked"
-    if mem_free < req.host_memory_mib:
-        return "not enough host memory", f"free memory {fmt_mib(mem_free)} < {fmt_mib(req.host_memory_mib)} asked"
-    if req.gpu_count == 0 or n_usable >= req.gpu_count:
-        return "", "fits"
-    short = f"fewer than {req.gpu_count} GPU(s) with room for the share"
-    if n_healthy < req.gpu_count:
-        return short, f"{n_healthy} healthy GPU(s) of an allowed model < {req.gpu_count} asked"
-    if req.memory_mib is not None and free_mem < req.memory_mib:
-        return short, f"largest free share {fmt_mib(free_mem)} < {fmt_mib(req.memory_mib)} asked"
-    if req.compute_milli is not None and free_milli < req.compute_milli:
-        return short, f"most free compute {free_milli / 10:g}% < {req.compute_milli / 10:g}% asked"
-    if req.is_whole:
-        return short, f"{n_usable} idle GPU(s) < {req.gpu_count} asked (whole GPUs need idle ones)"
-    if n_usable == 0:
-        return short, (
-            "no GPU has room for this share as its mechanism needs (GPUs with room are shared another way, "
-            "or no free MIG placement fits)"
-        )
-    return short, f"{n_usable} GPU(s) with room for the share < {req.gpu_count} asked"

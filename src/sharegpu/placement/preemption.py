@@ -229,6 +229,12 @@ class _Candidate:
         )
 
 
+def kube_candidate_limit(n_nodes: int) -> int:
+    """How many candidate nodes the kube-scheduler's dry run looks for before it picks one: 10 % of the nodes
+    (minCandidateNodesPercentage), at least 100 (minCandidateNodesAbsolute), at most all of them."""
+    return max(1, min(n_nodes, max(100, n_nodes // 10)))
+
+
 def _importance(v: Victim) -> tuple[float, float, str]:
     # MoreImportantPod: higher priority first, then the pod that started earlier (unknown start: now, the latest).
     return (-v.priority, math.inf if v.start_time is None else v.start_time, v.pod)
@@ -242,6 +248,7 @@ def plan_preemption(
     *,
     nodes: Collection[int] | None = None,
     rank: Sequence[int] | IntArray | None = None,
+    max_candidates: int | None = None,
 ) -> PreemptionPlan:
     """Where ``preemptor`` gets room by evicting pods of lower priority, and whom to evict; raises
     :class:`PreemptionNotAllowed` or :class:`NoCandidates` when it cannot.
@@ -249,12 +256,22 @@ def plan_preemption(
     ``policy`` chooses the preemptor's GPUs on the chosen node (its selector), ``nodes`` limits the nodes looked at
     (default: all), ``rank`` is the final tie-break order of nodes (default: name order). A node where the
     preemptor fits already is a candidate with no victims, and wins.
+
+    ``max_candidates`` stops the search once that many candidate nodes are found, as the kube-scheduler's dry run
+    does (:func:`kube_candidate_limit`); default: every node. Nodes are searched fewest lower-priority pods first
+    (then in ``rank`` order), so that a capped search meets the nodes likely to need the fewest victims early.
     """
     req = preemptor.request
     if preemptor.policy is PreemptionPolicy.NEVER:
         raise PreemptionNotAllowed(f"{req.name} has preemptionPolicy Never: it waits for room instead")
+    if max_candidates is not None and max_candidates < 1:
+        raise ValueError(f"max_candidates {max_candidates} must be at least 1 (or None: no limit)")
     order: IntArray = np.arange(len(ledger.nodes), dtype=np.int64) if rank is None else np.asarray(rank, dtype=np.int64)
-    lower = [p for p in ledger.assignments if facts.priority_of(p) < preemptor.priority]
+    if nodes is None:
+        pods: Iterable[str] = ledger.assignments
+    else:
+        pods = [p for n in sorted(set(nodes)) for p in sorted(ledger.node_pods[n])]
+    lower = [p for p in pods if facts.priority_of(p) < preemptor.priority]
     work = copy_ledger(ledger)
     sched = Scheduler(work, policy, rank=order)
     maybe = room_bound(ledger, req, lower, sched)
@@ -262,12 +279,13 @@ def plan_preemption(
         keep = np.zeros(len(ledger.nodes), dtype=bool)
         keep[np.fromiter(nodes, dtype=np.int64, count=len(nodes))] = True
         maybe &= keep
-    by_node: dict[int, list[Victim]] = {}
+    by_node: dict[int, list[str]] = {}
     for p in lower:
-        by_node.setdefault(ledger.index[ledger.assignments[p].node], []).append(facts.victim(p))
+        by_node.setdefault(ledger.index[ledger.assignments[p].node], []).append(p)
+    search = sorted(np.flatnonzero(maybe).tolist(), key=lambda n: (len(by_node.get(n, ())), int(order[n])))
     found: list[_Candidate] = []
-    for node in np.flatnonzero(maybe).tolist():
-        pool = sorted(by_node.get(node, []), key=_importance)
+    for node in search:
+        pool = sorted((facts.victim(p) for p in by_node.get(node, ())), key=_importance)
         # Reprieve PDB-protected pods first, so that they are the last to be chosen (filterPodsWithPDBViolation).
         pool = [v for v in pool if v.violates_pdb] + [v for v in pool if not v.violates_pdb]
         gone = remove_minimal(work, sched, req, node, [v.pod for v in pool])
@@ -276,6 +294,8 @@ def plan_preemption(
         restore(work, ledger, gone)
         facts_of = {v.pod: v for v in pool}
         found.append(_Candidate(node, tuple(sorted((facts_of[p] for p in gone), key=_importance))))
+        if max_candidates is not None and len(found) >= max_candidates:
+            break
     if not found:
         raise NoCandidates(
             f"{req.name} (priority {preemptor.priority}) fits on no node even if every pod of lower priority were "

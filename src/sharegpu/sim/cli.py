@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from sharegpu.sim.openb import (
     replay_gaps,
     unplaceable_models,
 )
+from sharegpu.sim.priority import PriorityOptions
 from sharegpu.sim.protocol import MAX_SEEDS, parse_seeds
 from sharegpu.sim.report import print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
@@ -43,6 +45,10 @@ MAX_TUNE = 100.0
 # Above this many placement decisions (runs × pods per run) a run needs --large: at 0.1-0.5 ms a decision that is
 # more than half an hour on 2 cores, and more likely a typo (--seeds 0-5000) than a plan.
 MAX_DECISIONS = 10_000_000
+MAX_MOVES = 16
+MAX_LOAD = 10.0
+MAX_ARRIVALS = 1_000_000
+DEFAULT_ARRIVALS = 20_000
 
 
 class UsageError(Exception):
@@ -88,6 +94,40 @@ def sim(
     replay: bool = typer.Option(
         False, "--replay", help="Honour creation/deletion times (pods leave, a pending queue retries) instead."
     ),
+    high_share: float | None = typer.Option(
+        None,
+        "--high-priority-share",
+        metavar="SHARE",
+        help="Replay only: mark this share of the pods (0-1, seeded per run) high priority; the pending queue then "
+        "retries higher priority first, and the report gives their waiting time.",
+    ),
+    preemption: bool = typer.Option(
+        False,
+        "--preemption",
+        help="Replay only, with --high-priority-share: a high-priority pod that fits nowhere evicts lower-priority "
+        "pods (they re-enter the queue and restart).",
+    ),
+    consolidation: bool = typer.Option(
+        False,
+        "--consolidation",
+        help="Replay only: a pod that fits nowhere while enough GPU room is free in all gets up to --max-moves moves "
+        "of other pods (lower-priority ones when priorities are marked).",
+    ),
+    max_moves: int | None = typer.Option(
+        None, "--max-moves", help=f"With --consolidation: moves per plan, 1 to {MAX_MOVES}. Default: 2."
+    ),
+    load: float | None = typer.Option(
+        None,
+        "--load",
+        help=f"Replay only: redraw the trace's pods with their lifetimes, arriving so that the GPU busy on average is "
+        f"this multiple of the cluster's (above 0, at most {MAX_LOAD:g}); the trace as recorded never fills its "
+        "cluster.",
+    ),
+    arrivals: int | None = typer.Option(
+        None,
+        "--arrivals",
+        help=f"With --load: pods in the redraw, 1 to {MAX_ARRIVALS:,}. Default: {DEFAULT_ARRIVALS:,}.",
+    ),
     jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
     large: bool = typer.Option(
         False,
@@ -107,6 +147,7 @@ def sim(
         inputs = {"--nodes": nodes_path, "--pods": pods_path}
         check_not_inputs(paths, {flag: path for flag, path in inputs.items() if path is not None})
         exp = _experiment(nodes_path, pods_path, policy, seeds, tune, replay, warnings.append)
+        exp = _priority(exp, high_share, preemption, consolidation, max_moves, load, arrivals)
         size = run_size(exp)
         if size.decisions > MAX_DECISIONS and not large:
             raise UsageError(
@@ -123,6 +164,10 @@ def sim(
     runs = _run_with_progress(_err(), exp, jobs)
     title = f"{exp.name}: {exp.total_gpus} GPUs on {len(exp.nodes)} nodes, {len(exp.tasks)} tasks"
     title += ", replay" if exp.replay else f", tune {exp.tune}"
+    if exp.load is not None:
+        title += f" of {exp.arrivals:,} pods at load {exp.load:g}"
+    if exp.priority is not None:
+        title += f", {exp.priority.label()}"
     print_table(console, runs, title, exp.total_gpus)
     meta: dict[str, object] = {
         "experiment": exp.name,
@@ -131,6 +176,8 @@ def sim(
         "tasks": len(exp.tasks),
         "tune": exp.tune,
         "mode": "replay" if exp.replay else "fgd-protocol",
+        **({"load": exp.load, "arrivals": exp.arrivals} if exp.load is not None else {}),
+        **({"priority": dataclasses.asdict(exp.priority)} if exp.priority is not None else {}),
         "policies": list(exp.policies),
         "seeds": list(exp.seeds),
         "total_wall_s": round(time.perf_counter() - started, 3),
@@ -141,6 +188,65 @@ def sim(
     except OSError as e:
         raise _error(f"cannot write the report: {e}") from None
     console.print(f"report: {paths.json} (JSON), {paths.plot} (plot)")
+
+
+def _priority(
+    exp: Experiment,
+    high_share: float | None,
+    preemption: bool,
+    consolidation: bool,
+    max_moves: int | None,
+    load: float | None,
+    arrivals: int | None,
+) -> Experiment:
+    """The replay options of issue 19, checked: each needs --replay, and each its companion."""
+    given = [
+        flag
+        for flag, value in (
+            ("--high-priority-share", high_share is not None),
+            ("--preemption", preemption),
+            ("--consolidation", consolidation),
+            ("--max-moves", max_moves is not None),
+            ("--load", load is not None),
+            ("--arrivals", arrivals is not None),
+        )
+        if value
+    ]
+    if given and not exp.replay:
+        raise UsageError(f"{', '.join(given)}: only with --replay (they change how pods wait, which a replay measures)")
+    if high_share is not None and not 0 <= high_share <= 1:  # also NaN
+        raise UsageError(
+            f"--high-priority-share {high_share!r} is out of range: it is the share of pods marked high priority, "
+            "from 0 to 1 (0.2 marks one pod in five)"
+        )
+    if preemption and not high_share:
+        raise UsageError(
+            "--preemption needs --high-priority-share above 0: only a pod of higher priority may evict others"
+        )
+    if max_moves is not None and not consolidation:
+        raise UsageError("--max-moves bounds the moves of --consolidation; give --consolidation too, or leave it out")
+    if max_moves is not None and not 1 <= max_moves <= MAX_MOVES:
+        raise UsageError(f"--max-moves {max_moves} is out of range: 1 to {MAX_MOVES} moves per plan")
+    if arrivals is not None and load is None:
+        raise UsageError("--arrivals sets the size of the --load redraw; give --load too, or leave it out")
+    if load is not None and not 0 < load <= MAX_LOAD:
+        raise UsageError(
+            f"--load {load!r} is out of range: the GPU busy on average as a multiple of the cluster's (1.5: demand "
+            f"half again the capacity), above 0 and at most {MAX_LOAD:g}"
+        )
+    if arrivals is not None and not 1 <= arrivals <= MAX_ARRIVALS:
+        raise UsageError(f"--arrivals {arrivals} is out of range: 1 to {MAX_ARRIVALS:,} pods")
+    if load is not None and not any(t.deletion_time is not None for t in exp.tasks):
+        raise UsageError("--load redraws pods with their lifetimes, and no pod of the trace has a deletion_time")
+    priority = None
+    if high_share is not None or preemption or consolidation:
+        priority = PriorityOptions(high_share or 0.0, preemption, consolidation, max_moves or 2)
+    return dataclasses.replace(
+        exp,
+        priority=priority,
+        load=load,
+        arrivals=(arrivals or DEFAULT_ARRIVALS) if load is not None else 0,
+    )
 
 
 def _path_option(flag: str, text: str | None) -> Path | None:

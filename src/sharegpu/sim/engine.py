@@ -68,13 +68,10 @@ class RunResult:
         }
 
 
-MODEL_MISMATCH = ("no GPU of an allowed model", "no GPUs")
-
-
 def summary_reason(d: Unschedulable) -> str:
     """The reason most nodes that could ever host the request gave (a model mismatch explains nothing)."""
-    telling = {r: c for r, c in d.reasons.items() if r not in MODEL_MISMATCH} or d.reasons
-    return max(telling.items(), key=lambda kv: kv[1])[0] if telling else "no nodes"
+    telling = {k: c for k, c in d.kinds.items() if not k.model_mismatch} or d.kinds
+    return max(telling.items(), key=lambda kv: kv[1])[0].summary(d.request) if telling else "no nodes"
 
 
 def run_arrivals(
@@ -237,7 +234,7 @@ class PendingQueue:
         self._size = 0
         self._by_shape: dict[tuple[object, ...], int] = {}  # shape key → shape index
         self._requests: list[GpuRequest] = []  # one request per shape (all of a shape filter alike)
-        self._queues: list[deque[tuple[int, str]]] = []  # per shape: (arrival seq, pod name)
+        self._queues: list[deque[tuple[tuple[int, int], str]]] = []  # per shape: ((-priority, seq), pod name)
         self._cpu: list[int] = []
         self._mem: list[int] = []
         self._count: list[int] = []
@@ -247,8 +244,9 @@ class PendingQueue:
     def __len__(self) -> int:
         return self._size
 
-    def add(self, name: str, req: GpuRequest) -> None:
-        key = req.shape_key()
+    def add(self, name: str, req: GpuRequest, priority: int = 0) -> None:
+        """Queue ``name``; higher ``priority`` is retried first (the kube-scheduler's activeQ order), then FIFO."""
+        key = (priority, *req.shape_key())
         i = self._by_shape.get(key)
         if i is None:
             i = self._by_shape[key] = len(self._requests)
@@ -259,9 +257,19 @@ class PendingQueue:
             self._count.append(req.gpu_count)
             self._milli.append(self._sched.plan(req).least_compute)
             self._arrays = None
-        self._queues[i].append((self._seq, name))
+        self._queues[i].append(((-priority, self._seq), name))
         self._seq += 1
         self._size += 1
+
+    def remove(self, name: str, req: GpuRequest, priority: int = 0) -> None:
+        """Take ``name`` out of the queue (placed some other way: by preemption or consolidation)."""
+        q = self._queues[self._by_shape[(priority, *req.shape_key())]]
+        for item in q:
+            if item[1] == name:
+                q.remove(item)
+                self._size -= 1
+                return
+        raise KeyError(name)
 
     def retry_all(self, try_place: Callable[[str], bool]) -> None:
         """The plain way: try every waiting pod in FIFO order (the reference the indexed retry must equal)."""
@@ -285,7 +293,7 @@ class PendingQueue:
         free = np.sort(np.where(led.healthy[node], led.free_milli[node], -1))[::-1]  # most free first
         kth = np.append(free, -1)[np.clip(count - 1, 0, len(free))]  # the count-th most free GPU
         maybe = (cpu <= led.cpu_free[node]) & (mem <= led.mem_free[node]) & ((count == 0) | (kth >= milli))
-        heads: list[tuple[int, int]] = []  # (seq of the shape's first pod, shape)
+        heads: list[tuple[tuple[int, int], int]] = []  # ((-priority, seq) of the shape's first pod, shape)
         for i in np.flatnonzero(maybe).tolist():
             q = self._queues[i]
             if q and self._sched.fits(self._requests[i], node):

@@ -203,6 +203,14 @@ def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
 
 
 REPLAY_FIGURES = ("waited", "never_placed", "peak_pending", "mean_alloc_pct")
+# A priority replay's own figures (sim.priority), and their columns.
+PRIORITY_FIGURES = ("high_wait_p50_s", "high_wait_p95_s", "high_never_placed", "evictions", "moves")
+PRIORITY_COLUMNS = ("hi p50 s", "hi p95 s", "hi never", "evicted", "moves")
+PRIORITY_CAPTION = (
+    "hi p50 s, hi p95 s: waiting time of the high-priority pods, seconds of trace time from creation to first start "
+    "(a pod never placed counts until the end); hi never: high-priority pods never placed; evicted: preemption "
+    "victims; moves: pods consolidation moved; decision latency left out"
+)
 
 
 def _replay_mean(rs: Sequence[RunResult], key: str) -> float:
@@ -220,12 +228,16 @@ def replay_table(runs: Sequence[RunResult], title: str) -> Table:
         "and queued; never placed: still pending at the end or dropped; peak pending: largest queue; mean alloc: "
         "allocated GPU % of capacity averaged over events; final alloc: at the end; decision latency in ms",
     )
+    prio = all("high_pods" in (r.replay or {}) for r in runs)
+    if prio:
+        t.caption = f"{t.caption}; {PRIORITY_CAPTION}"
     for col in ("policy", "seeds", "waited", "never placed", "peak pending", "mean alloc", "final alloc", "wall s"):
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
-    for col in ("p50", "p99"):
+    for col in PRIORITY_COLUMNS if prio else ("p50", "p99"):
         t.add_column(col, justify="right", no_wrap=True)
     for s in summarize(runs):
         rs = [r for r in runs if r.policy == s.policy]
+        extra = [f"{_replay_mean(rs, k):,.0f}" for k in PRIORITY_FIGURES] if prio else []
         t.add_row(
             s.policy,
             str(s.seeds),
@@ -235,8 +247,7 @@ def replay_table(runs: Sequence[RunResult], title: str) -> Table:
             _fmt(_replay_mean(rs, "mean_alloc_pct")),
             _fmt(statistics.fmean(r.final_alloc_pct for r in rs)),
             f"{s.wall_s:.2f}",
-            f"{s.p50_ms:.3f}",
-            f"{s.p99_ms:.3f}",
+            *(extra if prio else [f"{s.p50_ms:.3f}", f"{s.p99_ms:.3f}"]),
         )
     return t
 
@@ -271,7 +282,8 @@ def write_json(path: Path, runs: Sequence[RunResult], meta: dict[str, object]) -
 def _replay_summary(rs: Sequence[RunResult]) -> dict[str, object]:
     if not rs or any(r.replay is None for r in rs):
         return {}
-    return {"mean_replay": {k: round(_replay_mean(rs, k), 2) for k in REPLAY_FIGURES}}
+    keys = REPLAY_FIGURES + (PRIORITY_FIGURES if all("high_pods" in (r.replay or {}) for r in rs) else ())
+    return {"mean_replay": {k: round(_replay_mean(rs, k), 2) for k in keys}}
 
 
 def _pyplot() -> Any:

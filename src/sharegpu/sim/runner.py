@@ -16,12 +16,13 @@ import numpy.typing as npt
 from sharegpu.ledger import Ledger
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.fragmentation import Workload
+from sharegpu.placement.fragmentation import Workload, fragmentation_of
 from sharegpu.placement.framework import Scheduler, Unschedulable
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.scorers import FragmentationModel
 from sharegpu.sim.engine import RunResult, replay_timed, run_arrivals, summary_reason
 from sharegpu.sim.openb import TraceTask
+from sharegpu.sim.priority import PriorityOptions, overloaded, replay_priority
 from sharegpu.sim.protocol import fgd_arrivals
 
 
@@ -34,6 +35,9 @@ class Experiment:
     seeds: tuple[int, ...]
     tune: float = 1.3
     replay: bool = False  # honour creation/deletion times instead of the FGD protocol
+    priority: PriorityOptions | None = None  # replay with priorities, preemption, consolidation (issue 19)
+    load: float | None = None  # replay a loaded redraw of the trace (see sim.priority.overloaded) instead
+    arrivals: int = 0  # pods of that redraw
 
     @property
     def capacity_milli(self) -> int:
@@ -52,15 +56,6 @@ def tie_rank(seed: int, n: int) -> npt.NDArray[np.int64]:
     """The tie-break order of a run: the reference prefixes node names with a seeded random permutation, and
     ties go to the smallest name, so ties follow a per-seed random but fixed order of nodes."""
     return np.random.default_rng([seed, 0x5EED]).permutation(n).astype(np.int64)
-
-
-def fragmentation_of(model: FragmentationModel) -> Callable[[Ledger], float]:
-    def measure(ledger: Ledger) -> float:
-        if ledger.present.size == 0:
-            return 0.0  # no nodes or no GPUs: nothing to fragment
-        return float(model.before(ledger, np.arange(len(ledger.nodes), dtype=np.int64)).sum())
-
-    return measure
 
 
 RunProgress = Callable[[str, int, int, int], None]
@@ -94,8 +89,13 @@ def run_one(
     policy = make_policy(policy_name, ctx)
     frag = fragmentation_of(FragmentationModel(workload))
     if exp.replay:
-        progress = reporter.bind(len(exp.tasks)) if reporter else None
-        return replay_timed(exp.nodes, exp.tasks, policy, seed, progress=progress).run
+        tasks = exp.tasks
+        if exp.load is not None:
+            tasks = overloaded(exp.tasks, exp.capacity_milli, exp.arrivals, seed, exp.load)
+        progress = reporter.bind(len(tasks)) if reporter else None
+        if exp.priority is not None:
+            return replay_priority(exp.nodes, tasks, policy, exp.priority, seed, progress=progress).run
+        return replay_timed(exp.nodes, tasks, policy, seed, progress=progress).run
     arrivals: Sequence[GpuRequest] = fgd_arrivals(exp.tasks, exp.capacity_milli, seed, exp.tune)
     progress = reporter.bind(len(arrivals)) if reporter else None
     return run_arrivals(
@@ -171,6 +171,8 @@ class RunSize:
 def run_size(exp: Experiment) -> RunSize:
     """The size of ``exp`` without building its arrivals (at a large --tune that alone takes a while)."""
     n = len(exp.tasks)
+    if exp.replay and exp.load is not None:
+        return RunSize(len(exp.policies), len(exp.seeds), exp.arrivals, False)
     if exp.replay or not n:
         return RunSize(len(exp.policies), len(exp.seeds), n, False)
     demand = sum(t.request.total_milli for t in exp.tasks)

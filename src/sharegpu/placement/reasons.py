@@ -1,0 +1,223 @@
+"""Why a node cannot host a request: typed filter reasons, one rule table.
+
+Like the kube-scheduler's framework Status (a code, ``UnschedulableAndUnresolvable`` or not, and the reasons for
+people; ``InsufficientResource`` for what is short), a rejected node gets a :class:`FilterReason`: a code saying
+which rule it failed, whether anything evicted could ever make it fit, and the words a user reads. The extender's
+per-node answers, ``sharegpu status`` and the simulator's report all read the code; none parses the words.
+
+The rules run most fundamental first (no GPU of an allowed model before "GPUs are busy"); the first that holds is
+the node's reason. Each rule belongs to a :class:`ReasonKind`, the coarser class a summary counts nodes by. A kind's
+gate is written once over numpy arrays, so that counting a request that fits nowhere over every node (vectorised)
+and explaining one node agree by construction; the finer rules inside a kind only word the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import numpy.typing as npt
+
+from sharegpu.model.request import GpuRequest
+
+BoolArray = npt.NDArray[np.bool_]
+IntArray = npt.NDArray[np.int64]
+
+
+class ReasonKind(Enum):
+    """The class of a node's reason, in the order the rules run. A summary counts nodes per kind."""
+
+    NO_ALLOWED_MODEL = "no GPU of an allowed model"
+    NO_GPUS = "no GPUs"
+    CPU = "not enough CPU"
+    HOST_MEMORY = "not enough host memory"
+    GPU_ROOM = "GPU room"  # fewer GPUs with room for the share than the request asks
+
+    def summary(self, req: GpuRequest) -> str:
+        """The kind in the words of a summary over nodes ("3 node(s): not enough CPU")."""
+        if self is ReasonKind.GPU_ROOM:
+            return f"fewer than {req.gpu_count} GPU(s) with room for the share"
+        return str(self.value)
+
+    @property
+    def model_mismatch(self) -> bool:
+        """The node has no GPU the request may use at all: it says nothing about room or fragmentation."""
+        return self in (ReasonKind.NO_ALLOWED_MODEL, ReasonKind.NO_GPUS)
+
+
+class ReasonCode(Enum):
+    """The rule a node failed (finer than its kind: the words differ per code)."""
+
+    NO_ALLOWED_MODEL = "no-allowed-model"
+    NO_GPUS = "no-gpus"
+    CPU = "cpu"
+    HOST_MEMORY = "host-memory"
+    TOO_FEW_HEALTHY = "too-few-healthy"
+    SHARE_MEMORY = "share-memory"
+    SHARE_COMPUTE = "share-compute"
+    TOO_FEW_IDLE = "too-few-idle"
+    NO_ROOM_FOR_MECHANISM = "no-room-for-mechanism"
+    TOO_FEW_WITH_ROOM = "too-few-with-room"
+    FITS = "fits"  # a node that passes these rules (another filter rejected it)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRoom:
+    """What one node's reason depends on, for one request: GPUs of an allowed model (present; and healthy), GPUs
+    with room for the share, the largest free memory and compute on one healthy allowed GPU (-1: none), and the
+    node's free CPU (milli) and host memory (MiB). Nodes alike in these share their reason."""
+
+    n_allowed: int
+    n_healthy: int
+    n_usable: int
+    free_mem: int
+    free_milli: int
+    cpu_free: int
+    mem_free: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomArrays:
+    """The numbers the kinds' gates read, one entry per node."""
+
+    n_allowed: IntArray
+    n_usable: IntArray
+    cpu_free: IntArray
+    mem_free: IntArray
+
+
+def fmt_mib(mib: int) -> str:
+    """Memory as a user writes it: 12Gi, 1.5Gi or 512Mi."""
+    if mib >= 1024:
+        return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib / 1024:.1f}Gi"
+    return f"{mib}Mi"
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    code: ReasonCode
+    kind: ReasonKind | None
+    unresolvable: bool  # no eviction can make the node fit (kube-scheduler: UnschedulableAndUnresolvable)
+    applies: Callable[[GpuRequest, NodeRoom], bool]  # within its kind, once the kind's gate holds
+    words: Callable[[GpuRequest, NodeRoom], str]
+
+
+def _always(req: GpuRequest, r: NodeRoom) -> bool:
+    return True
+
+
+# The kinds' gates, in order; each holds for a node that no earlier gate took.
+_GATES: tuple[tuple[ReasonKind, Callable[[GpuRequest, RoomArrays], BoolArray]], ...] = (
+    (ReasonKind.NO_ALLOWED_MODEL, lambda q, a: (a.n_allowed == 0) & (q.gpu_count > 0 and bool(q.allowed_models))),
+    (ReasonKind.NO_GPUS, lambda q, a: (a.n_allowed == 0) & (q.gpu_count > 0 and not q.allowed_models)),
+    (ReasonKind.CPU, lambda q, a: a.cpu_free < q.cpu_milli),
+    (ReasonKind.HOST_MEMORY, lambda q, a: a.mem_free < q.host_memory_mib),
+    (ReasonKind.GPU_ROOM, lambda q, a: (a.n_usable < q.gpu_count) & (q.gpu_count > 0)),
+)
+
+# The rule table: within a kind, the first rule that applies words the reason.
+RULES: tuple[_Rule, ...] = (
+    _Rule(
+        ReasonCode.NO_ALLOWED_MODEL,
+        ReasonKind.NO_ALLOWED_MODEL,
+        True,
+        _always,
+        lambda q, r: f"no GPU of an allowed model ({', '.join(sorted(q.allowed_models))})",
+    ),
+    _Rule(ReasonCode.NO_GPUS, ReasonKind.NO_GPUS, True, _always, lambda q, r: "no sharegpu GPUs"),
+    _Rule(
+        ReasonCode.CPU, ReasonKind.CPU, False, _always, lambda q, r: f"free CPU {r.cpu_free}m < {q.cpu_milli}m asked"
+    ),
+    _Rule(
+        ReasonCode.HOST_MEMORY,
+        ReasonKind.HOST_MEMORY,
+        False,
+        _always,
+        lambda q, r: f"free memory {fmt_mib(r.mem_free)} < {fmt_mib(q.host_memory_mib)} asked",
+    ),
+    _Rule(
+        ReasonCode.TOO_FEW_HEALTHY,
+        ReasonKind.GPU_ROOM,
+        True,  # evicting frees room, never GPUs
+        lambda q, r: r.n_healthy < q.gpu_count,
+        lambda q, r: f"{r.n_healthy} healthy GPU(s) of an allowed model < {q.gpu_count} asked",
+    ),
+    _Rule(
+        ReasonCode.SHARE_MEMORY,
+        ReasonKind.GPU_ROOM,
+        False,
+        lambda q, r: q.memory_mib is not None and r.free_mem < q.memory_mib,
+        lambda q, r: f"largest free share {fmt_mib(r.free_mem)} < {fmt_mib(q.memory_mib or 0)} asked",
+    ),
+    _Rule(
+        ReasonCode.SHARE_COMPUTE,
+        ReasonKind.GPU_ROOM,
+        False,
+        lambda q, r: q.compute_milli is not None and r.free_milli < q.compute_milli,
+        lambda q, r: f"most free compute {r.free_milli / 10:g}% < {(q.compute_milli or 0) / 10:g}% asked",
+    ),
+    _Rule(
+        ReasonCode.TOO_FEW_IDLE,
+        ReasonKind.GPU_ROOM,
+        False,
+        lambda q, r: q.is_whole,
+        lambda q, r: f"{r.n_usable} idle GPU(s) < {q.gpu_count} asked (whole GPUs need idle ones)",
+    ),
+    _Rule(
+        ReasonCode.NO_ROOM_FOR_MECHANISM,
+        ReasonKind.GPU_ROOM,
+        False,
+        lambda q, r: r.n_usable == 0,
+        lambda q, r: (
+            "no GPU has room for this share as its mechanism needs (GPUs with room are shared another way, "
+            "or no free MIG placement fits)"
+        ),
+    ),
+    _Rule(
+        ReasonCode.TOO_FEW_WITH_ROOM,
+        ReasonKind.GPU_ROOM,
+        False,
+        _always,
+        lambda q, r: f"{r.n_usable} GPU(s) with room for the share < {q.gpu_count} asked",
+    ),
+    _Rule(ReasonCode.FITS, None, False, _always, lambda q, r: "fits"),
+)
+_BY_CODE = {r.code: r for r in RULES}
+
+
+@dataclass(frozen=True, slots=True)
+class FilterReason:
+    """Why one node cannot host a request: the rule it failed and the words for people."""
+
+    code: ReasonCode
+    text: str
+
+    @property
+    def kind(self) -> ReasonKind | None:
+        """None for a node these rules let through."""
+        return _BY_CODE[self.code].kind
+
+    @property
+    def unresolvable(self) -> bool:
+        """Whether no eviction could make the node fit (no GPU of an allowed model, too few healthy ones)."""
+        return _BY_CODE[self.code].unresolvable
+
+
+def node_kinds(req: GpuRequest, room: RoomArrays) -> Iterator[tuple[ReasonKind, BoolArray]]:
+    """Each kind with the nodes it takes (a node goes to the first kind whose gate holds; nodes no gate takes
+    fit as far as these rules go)."""
+    open_: BoolArray = np.ones(len(room.cpu_free), dtype=bool)
+    for kind, gate in _GATES:
+        mask = gate(req, room) & open_
+        open_ &= ~mask
+        yield kind, mask
+
+
+def node_reason(req: GpuRequest, room: NodeRoom, kind: ReasonKind | None) -> FilterReason:
+    """The reason of a node of ``kind`` (as :func:`node_kinds` found it; None: it fits as far as these rules go)."""
+    for rule in RULES:
+        if rule.kind is kind and rule.applies(req, room):
+            return FilterReason(rule.code, rule.words(req, room))
+    raise AssertionError(f"no rule of kind {kind} applies")  # every kind ends with a rule that always applies
