@@ -26,24 +26,24 @@ def _layout(sim: SimBackend, gpu: int) -> list[tuple[int, str]]:
 def test_reconcile_creates_a_layout_the_driver_would_block_when_left_to_choose() -> None:
     sim, mig, _ = _setup()
     needs = {MigNeed(0, 0, "1g.10gb"), MigNeed(0, 1, "1g.10gb"), MigNeed(0, 2, "2g.20gb"), MigNeed(0, 4, "3g.40gb")}
-    report = mig.reconcile(needs, set())
+    report = mig.reconcile(needs, {})
     assert report.errors == ()
     assert _layout(sim, 0) == [(0, "1g.10gb"), (1, "1g.10gb"), (2, "2g.20gb"), (4, "3g.40gb")]
     assert sim.devices()[0].mig_enabled  # turned on because an assignment needs MIG
     assert next(i.profile for i in report.created) == "3g.40gb"  # larger first
-    assert mig.reconcile(needs, set()).created == ()  # idempotent
+    assert mig.reconcile(needs, {}).created == ()  # idempotent
 
 
 def test_unused_managed_instances_go_but_in_use_and_static_ones_stay() -> None:
     sim, mig, _ = _setup("gpus: [{model: H100-80GB, mig: true, migInstances: [{profile: 1g.10gb, start: 6}]}]")
-    mig.reconcile({MigNeed(0, 0, "3g.40gb"), MigNeed(0, 4, "2g.20gb")}, set())
+    mig.reconcile({MigNeed(0, 0, "3g.40gb"), MigNeed(0, 4, "2g.20gb")}, {})
     busy = next(i for i in sim.mig_instances(0) if i.start == 4)
     sim.add_process(11, busy.uuid, 512)
-    report = mig.reconcile(set(), set())
+    report = mig.reconcile(set(), {})
     assert [i.start for i in report.destroyed] == [0]
     assert _layout(sim, 0) == [(4, "2g.20gb"), (6, "1g.10gb")]  # in use, and static
     sim.remove_process(11)
-    mig.reconcile(set(), set())
+    mig.reconcile(set(), {})
     assert _layout(sim, 0) == [(6, "1g.10gb")]
 
 
@@ -75,25 +75,25 @@ def test_ensure_refuses_what_cannot_exist_with_clear_messages() -> None:
 def test_mig_mode_is_not_forced_on_a_gpu_used_without_mig_and_is_given_back() -> None:
     sim, mig, state = _setup()
     gpu = sim.devices()[0].uuid
-    report = mig.reconcile({MigNeed(0, 0, "7g.80gb")}, {0})
+    report = mig.reconcile({MigNeed(0, 0, "7g.80gb")}, {0: {"pod ns/whole"}})
     assert "other assignments use the GPU without MIG" in report.errors[0]
     assert not sim.devices()[0].mig_enabled
-    mig.reconcile({MigNeed(0, 0, "7g.80gb")}, set())
+    mig.reconcile({MigNeed(0, 0, "7g.80gb")}, {})
     assert gpu in state.mig_mode_set
-    mig.reconcile(set(), {0})  # the MIG pod left; a whole-GPU pod needs the GPU
+    mig.reconcile(set(), {0: {"pod ns/whole"}})  # the MIG pod left; a whole-GPU pod needs the GPU
     assert not sim.devices()[0].mig_enabled and gpu not in state.mig_mode_set
 
 
 def test_administrators_mig_mode_is_left_alone() -> None:
     sim, mig, _ = _setup("gpus: [{model: H100-80GB, mig: true}]")
-    mig.reconcile(set(), {0})
+    mig.reconcile(set(), {0: {"pod ns/whole"}})
     assert sim.devices()[0].mig_enabled
 
 
 def test_restarted_manager_knows_its_instances_from_the_state_file(tmp_path: Path) -> None:
     text = f"{ACCEPTANCE}\nstateFile: {tmp_path / 'sim.json'}"
     sim, mig, _ = _setup(text, tmp_path / "agent.json")
-    mig.reconcile({MigNeed(0, 0, "3g.40gb")}, set())
+    mig.reconcile({MigNeed(0, 0, "3g.40gb")}, {})
     created = sim.mig_instances(0)
     # A new agent process: same hardware, same state file. The instance is still needed: nothing changes.
     sim2, mig2, _ = _setup(text, tmp_path / "agent.json")

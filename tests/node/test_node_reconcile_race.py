@@ -106,18 +106,43 @@ def test_allocations_are_forgotten_only_after_two_lists_without_the_pod(tmp_path
     asyncio.run(main())
 
 
-def test_a_recent_grant_outweighs_pod_lists_until_its_grace_period_ends(tmp_path: Path, sock_dir: Path) -> None:
+def test_a_pod_gone_before_any_list_saw_it_frees_its_gpu_for_mig_at_the_next_reconcile(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """The MIG stall seen on the real node: a time-sliced pod granted, finished and deleted between two pod lists kept
+    its GPU out of MIG mode for the whole grace period (2 min), so the MIG pods the scheduler then put there waited."""
+
     async def main() -> None:
         kube = FakeKube(NodeInfo("node-a", {}, {}, 32000, 256 * 1024))
         async with _agent(tmp_path, sock_dir, kube) as (agent, sim, record):
+            await agent.reconcile_once()
+            g = sim.devices()[1].uuid
+            ts = kube.add(pod("ts", assignment("ts", share(1, g, Mechanism.TIME_SLICING, 100))))
+            await start_container(agent, record, ts, "c0", ["t0"])
+            del kube.pods[ts.uid]  # ran, finished and was deleted before the agent listed pods again
+            m = share(1, g, Mechanism.MIG, 1000, 0, MigSlot("3g.40gb", 4), Mechanism.EXCLUSIVE)
+            kube.add(pod("m", assignment("m", m)))
+            result = await agent.reconcile_once()
+            assert result.errors == ()
+            assert [(i.profile, i.start) for i in sim.mig_instances(1)] == [("3g.40gb", 4)]
+
+    asyncio.run(main())
+
+
+def test_a_grant_newer_than_the_pod_list_is_kept_whatever_that_list_says(tmp_path: Path, sock_dir: Path) -> None:
+    async def main() -> None:
+        kube = SlowKube(NodeInfo("node-a", {}, {}, 32000, 256 * 1024))
+        async with _agent(tmp_path, sock_dir, kube) as (agent, sim, record):
+            await agent.reconcile_once()
             g = sim.devices()[1].uuid
             m = share(1, g, Mechanism.MIG, 1000, 0, MigSlot("3g.40gb", 4), Mechanism.EXCLUSIVE)
+            kube.slow = True
+            rec = asyncio.create_task(agent.reconcile_once())  # its list was served before m existed
+            await asyncio.sleep(0.05)
             p = kube.add(pod("m", assignment("m", m)))
             await start_container(agent, record, p, "c0", ["t0"])
-            hidden = kube.pods.pop("uid-default-m")  # a lagging list does not show it
-            for _ in range(3):
-                await agent.reconcile_once()
-            assert len(sim.mig_instances(1)) == 1 and agent.state.allocated_containers(hidden.uid) == {"c0"}
+            await rec
+            assert len(sim.mig_instances(1)) == 1 and agent.state.allocated_containers(p.uid) == {"c0"}
             assert agent.allocator.cdi.allocation_names() == {allocation_name(["t0"])}
 
     asyncio.run(main())

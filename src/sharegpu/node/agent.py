@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +68,7 @@ class ReconcileResult:
 @dataclass(slots=True)
 class _Desired:
     mig: set[MigNeed] = field(default_factory=set)
-    non_mig_gpus: set[int] = field(default_factory=set)
+    non_mig_users: dict[int, set[str]] = field(default_factory=dict)  # GPU index → pods that use it without MIG
     mps_gpus: set[str] = field(default_factory=set)  # GPU UUIDs with MPS shares outside MIG
     mps_mig: set[MigNeed] = field(default_factory=set)  # MIG instances whose shares use MPS
     mps_limits: dict[str | MigNeed, MpsLimits] = field(default_factory=dict)  # per unit: its largest share
@@ -110,7 +111,6 @@ class NodeAgent:
         self.registry = new_registry(lambda: self.snapshot)
         self._recovered = False
         self._absent_before: set[str] = set()  # allocated pods missing from the previous pod list
-        self._listed_since_grant: set[str] = set()  # pods of recent grants that a pod list has shown
         self.metrics_server: MetricsServer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -153,6 +153,7 @@ class NodeAgent:
         devices = self.backend.devices()
         await self.plugin.set_devices(device_tokens(devices, self.config.tokens_per_gpu))
         node = await self.kube.get_node(self.config.node_name)
+        listed_at = time.monotonic()
         pods = [p for p in await self.kube.pods_on_node(self.config.node_name) if p.node_name == self.config.node_name]
         live = [p for p in pods if not p.finished]
         assignments, invalid = self._assignments(live)
@@ -160,32 +161,38 @@ class NodeAgent:
         # between, and it counts what Allocate handed out since (or just before) ``pods`` was listed: that list
         # can predate a grant, and must never undo one.
         async with self.allocator.lock:
-            errors = await self._reconcile_units(pods, assignments, invalid)
+            errors = await self._reconcile_units(pods, listed_at, assignments, invalid)
         spec = build_node_spec(
-            self.config.node_name, self.backend, self.mig.is_managed, node.cpu_milli, node.memory_mib, self.catalog
+            self.config.node_name,
+            self.backend,
+            self.mig.is_managed,
+            self.mig.mig_mode_ours,
+            node.cpu_milli,
+            node.memory_mib,
+            self.catalog,
         )
         published = await self.publisher.publish(spec, node.labels, node.annotations)
         self.snapshot = self._snapshot(pods, assignments, len(invalid), len(errors))
         return ReconcileResult(tuple(assignments), tuple(invalid), tuple(errors), published)
 
     async def _reconcile_units(
-        self, pods: list[PodInfo], assignments: list[Assignment], invalid: list[str]
+        self, pods: list[PodInfo], listed_at: float, assignments: list[Assignment], invalid: list[str]
     ) -> list[str]:
-        # A fresh grant counts only for a pod no list has shown yet (a list older than the pod): once a list has the
-        # pod, the lists decide (finished or deleted, its MIG room and GPU mode are freed at once, as the scheduler
-        # frees its share).
-        listed = {p.uid for p in pods}
-        grants = self.allocator.recent_grants()
-        self._listed_since_grant = (self._listed_since_grant | listed) & {g.pod_uid for g in grants}
-        recent = tuple(g for g in grants if g.pod_uid not in self._listed_since_grant)
+        # A grant counts only when it is newer than the start of this pod list (a list is a quorum read, so one that
+        # started after a grant shows its pod, unless the pod is already gone). Once such a list exists, the lists
+        # decide: a pod that finished, or was deleted before any list saw it, frees its MIG room and GPU mode at
+        # once, as the scheduler frees its share. (Counting grants until a list *showed* their pod kept a GPU out of
+        # MIG mode for the whole grace period after a pod that ran, finished and was deleted between two lists.)
+        recent = tuple(g for g in self.allocator.recent_grants() if g.at >= listed_at)
         desired = self._desired(assignments, invalid)
         granted_mps: dict[str, MpsLimits] = {}
         for g in recent:
             desired.mig |= g.mig
-            desired.non_mig_gpus |= g.non_mig_gpus
+            for gpu in g.non_mig_gpus:
+                desired.non_mig_users.setdefault(gpu, set()).add(f"pod {g.pod_key} (just granted)")
             for unit, limits in g.mps:
                 granted_mps[unit] = limits.union(granted_mps.get(unit))
-        errors = list(self.mig.reconcile(desired.mig, desired.non_mig_gpus).errors)
+        errors = list(self.mig.reconcile(desired.mig, desired.non_mig_users).errors)
         mps_units = set(desired.mps_gpus)
         instances: dict[MigNeed, str] = {}
         for d in self.backend.devices():
@@ -265,7 +272,7 @@ class NodeAgent:
                     if s.sharing is Mechanism.MPS:
                         want.mps_mig.add(need)
                 else:
-                    want.non_mig_gpus.add(s.gpu_index)
+                    want.non_mig_users.setdefault(s.gpu_index, set()).add(f"pod {a.pod}")
                     if s.sharing is Mechanism.MPS:
                         want.mps_gpus.add(s.gpu_uuid)
                 if s.sharing is Mechanism.MPS:

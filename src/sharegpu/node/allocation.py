@@ -89,6 +89,7 @@ class RecentGrant:
     """
 
     pod_uid: str
+    pod_key: str  # namespace/name, for messages
     at: float  # time.monotonic() when it was made
     mig: frozenset[MigNeed] = frozenset()
     non_mig_gpus: frozenset[int] = frozenset()
@@ -167,7 +168,7 @@ class Allocator:
                 )
             except CdiError as e:
                 raise AllocationError(f"pod {pod.key}: {e}") from None
-            self._remember(pod.uid, shares, grant)
+            self._remember(pod, shares, grant)
             self._state.record_allocation(pod.uid, owner.container, grant.units, grant.cdi_name)
             log.info(
                 "prestart: %s container %s gets %s (device IDs %s)",
@@ -195,7 +196,7 @@ class Allocator:
         self._recent = [g for g in self._recent if g.at >= cutoff]
         return tuple(self._recent)
 
-    def _remember(self, pod_uid: str, shares: tuple[GpuShare, ...], grant: ContainerGrant) -> None:
+    def _remember(self, pod: PodInfo, shares: tuple[GpuShare, ...], grant: ContainerGrant) -> None:
         mps = tuple(
             (unit, MpsLimits.of_share(s.compute_milli, s.memory_mib))
             for s, unit in zip(shares, grant.units, strict=True)
@@ -204,7 +205,8 @@ class Allocator:
         self.recent_grants()  # prune
         self._recent.append(
             RecentGrant(
-                pod_uid,
+                pod.uid,
+                pod.key,
                 time.monotonic(),
                 frozenset(MigNeed(s.gpu_index, s.mig.start, s.mig.profile) for s in shares if s.mig is not None),
                 frozenset(s.gpu_index for s in shares if s.mig is None),
@@ -338,7 +340,7 @@ class Allocator:
     async def _whole_gpu(self, pod: PodInfo, s: GpuShare, deadline: float) -> None:
         # A GPU in MIG mode has no whole-GPU device: its UUID would hand the container every MIG instance on it.
         while True:
-            why = self._mig.release_for_whole_gpu(s.gpu_index, s.gpu_uuid)
+            why = self._mig.release_for_whole_gpu(s.gpu_index, s.gpu_uuid, f"pod {pod.key}")
             if why is None:
                 return
             if time.monotonic() >= deadline:

@@ -8,6 +8,7 @@ create are a static layout and are never destroyed; an instance that runs proces
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from sharegpu.model.assignment import MigSlot
@@ -47,10 +48,14 @@ class MigManager:
         self._state = state
         self._catalog = catalog
         self._needs: set[MigNeed] = set()
-        self._non_mig_gpus: set[int] = set()
+        self._non_mig_users: dict[int, set[str]] = {}  # GPU index → who uses it without MIG, for messages
 
     def is_managed(self, mig_uuid: str) -> bool:
         return mig_uuid in self._state.managed_mig
+
+    def mig_mode_ours(self, gpu_uuid: str) -> bool:
+        """Whether sharegpu turned this GPU's MIG mode on (else an administrator did, and it is theirs to change)."""
+        return gpu_uuid in self._state.mig_mode_set
 
     def ensure(self, gpu_index: int, gpu_uuid: str, slot: MigSlot) -> MigInstanceInfo:
         """The instance for one share, created now if it is missing (what Allocate calls)."""
@@ -62,14 +67,14 @@ class MigManager:
                 return inst
         return self._create(need)
 
-    def reconcile(self, needs: set[MigNeed], non_mig_gpus: set[int]) -> MigReport:
+    def reconcile(self, needs: set[MigNeed], non_mig_users: Mapping[int, Collection[str]]) -> MigReport:
         """Bring every GPU to ``needs``: destroy what sharegpu made and nobody uses, then create what is missing.
 
-        ``non_mig_gpus`` are GPUs that assignments use whole or shared without MIG; a GPU that sharegpu put in
-        MIG mode goes back when it has no instances and such an assignment needs it.
+        ``non_mig_users`` names, per GPU, the pods (or claims) that use it whole or shared without MIG; a GPU that
+        sharegpu put in MIG mode goes back when it has no instances and such a user needs it.
         """
         self._needs = set(needs)
-        self._non_mig_gpus = set(non_mig_gpus)
+        self._non_mig_users = {g: set(users) for g, users in non_mig_users.items() if users}
         created: list[MigInstanceInfo] = []
         destroyed: list[MigInstanceInfo] = []
         errors: list[str] = []
@@ -93,7 +98,7 @@ class MigManager:
                     created.append(self._create(need))
                 except (MigError, BackendError) as e:
                     errors.append(str(e))
-            if not wanted and dev.index in non_mig_gpus:
+            if not wanted and dev.index in self._non_mig_users:
                 self._maybe_leave_mig(dev.index, dev.uuid, errors)
         for message in errors:
             log.warning("MIG reconcile: %s", message)
@@ -163,8 +168,10 @@ class MigManager:
         return True
 
     def _enter_mig(self, gpu_index: int, gpu_uuid: str, where: str) -> None:
-        if gpu_index in self._non_mig_gpus:
-            raise MigError(f"{where}: MIG mode is off and other assignments use the GPU without MIG")
+        users = sorted(self._non_mig_users.get(gpu_index, ()))
+        if users:
+            more = f" and {len(users) - 3} more" if len(users) > 3 else ""
+            raise MigError(f"{where}: MIG mode is off and {', '.join(users[:3])}{more} use the GPU without MIG")
         try:
             self._backend.set_mig_mode(gpu_index, True)
         except MigModePending as e:
@@ -178,12 +185,12 @@ class MigManager:
         self._state.set_mig_mode_by_us(gpu_uuid, True)
         log.info("turned MIG mode on for GPU %d", gpu_index)
 
-    def release_for_whole_gpu(self, gpu_index: int, gpu_uuid: str) -> str | None:
+    def release_for_whole_gpu(self, gpu_index: int, gpu_uuid: str, user: str) -> str | None:
         """Take a GPU out of MIG mode for a non-MIG share, if sharegpu put it there and nothing uses it.
 
         Returns None when the GPU is out of MIG mode, else why it is not.
         """
-        self._non_mig_gpus.add(gpu_index)
+        self._non_mig_users.setdefault(gpu_index, set()).add(user)
         errors: list[str] = []
         try:
             for inst in self._backend.mig_instances(gpu_index):
@@ -196,13 +203,13 @@ class MigManager:
             return None
         if errors:
             return errors[-1]
-        if gpu_uuid not in self._state.mig_mode_set:
+        if not self.mig_mode_ours(gpu_uuid):
             return "an administrator put it in MIG mode (sharegpu leaves that to them)"
         return "it still has MIG instances in use"
 
     def _maybe_leave_mig(self, gpu_index: int, gpu_uuid: str, errors: list[str]) -> None:
         dev = device(self._backend, gpu_index)
-        if not dev.mig_enabled or gpu_uuid not in self._state.mig_mode_set:
+        if not dev.mig_enabled or not self.mig_mode_ours(gpu_uuid):
             return  # MIG mode that an administrator chose is theirs to change
         if self._backend.mig_instances(gpu_index):
             return

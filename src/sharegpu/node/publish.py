@@ -27,6 +27,7 @@ def build_node_spec(
     node_name: str,
     backend: GpuBackend,
     is_managed: Callable[[str], bool],
+    mig_mode_ours: Callable[[str], bool],
     cpu_milli: int,
     memory_mib: int,
     catalog: Catalog = DEFAULT_CATALOG,
@@ -62,6 +63,7 @@ def build_node_spec(
                 sms=d.sms,
                 product=d.product,
                 mig_enabled=d.mig_enabled,
+                mig_pinned=d.mig_enabled and not mig_mode_ours(d.uuid),
                 mig_devices=tuple(present),
             )
         )

@@ -262,7 +262,7 @@ class DraDriver:
                 unit = self._mig.ensure(d.gpu_index, d.gpu_uuid, MigSlot(d.mig_profile, d.mig_start)).uuid
             else:
                 if gpus[d.gpu_index].mig_enabled:
-                    why = self._mig.release_for_whole_gpu(d.gpu_index, d.gpu_uuid)
+                    why = self._mig.release_for_whole_gpu(d.gpu_index, d.gpu_uuid, f"claim {plan.key}")
                     if why is not None:
                         raise ClaimError(
                             f"claim {plan.key}: GPU {d.gpu_uuid} is in MIG mode and {d.device} is not a MIG device; "
@@ -315,7 +315,11 @@ class DraDriver:
             for d, _ in prepared
             if d.mig_profile is not None and d.mig_start is not None
         }
-        non_mig = {d.gpu_index for d, _ in prepared if not d.on_mig}
+        non_mig: dict[int, set[str]] = {}
+        for plan in self.checkpoint.claims.values():
+            for d in plan.devices:
+                if not d.on_mig:
+                    non_mig.setdefault(d.gpu_index, set()).add(f"claim {plan.namespace}/{plan.name}")
         try:
             self._mig.reconcile(needs, non_mig)
         except BackendError as e:
