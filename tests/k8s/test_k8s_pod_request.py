@@ -54,6 +54,7 @@ def test_pod_without_sharegpu_resources_is_none() -> None:
         ({"memory": "-5Gi"}, "must be positive"),
         ({"memory": "ten"}, "is not a Kubernetes quantity"),
         ({"gpu": "1.5"}, "whole number of GPUs"),
+        ({"gpu": "-1"}, "is negative; ask for a number of GPUs"),
         ({"compute": "30.5"}, "whole percent"),
         ({"annotations": {"sharegpu.io/isolation": "strong"}}, "isolation 'strong' is not one of"),
         ({"annotations": {"sharegpu.io/gpu-model": "H900"}}, "unknown GPU model 'H900'"),

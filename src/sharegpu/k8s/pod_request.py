@@ -58,7 +58,8 @@ class _ContainerAsk:
         return self.gpus is not None or self.memory_mib is not None or self.compute_milli is not None
 
 
-def _resource(c: Container, name: str) -> str | None:
+def resource_text(c: Container, name: str) -> str | None:
+    """The quantity a container asks for of one resource, as written (None when it names none)."""
     # Extended resources are set as limits (requests default to them); a request alone is read the same way.
     value = c.resources.limits.get(name, c.resources.requests.get(name))
     return None if value is None else str(value)
@@ -91,17 +92,19 @@ def _parsed(text: str) -> Decimal | None:
 def _container_ask(c: Container) -> _ContainerAsk:
     where = f"container {c.name!r}: " if c.name else ""
     gpus = memory = compute = None
-    if (text := _resource(c, GPU_RESOURCE)) is not None:
+    if (text := resource_text(c, GPU_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{GPU_RESOURCE}")
         if q != q.to_integral_value():
             raise InvalidPodRequest(f"{where}{GPU_RESOURCE} {text!r} must be a whole number of GPUs, e.g. 1")
+        if q < 0:
+            raise InvalidPodRequest(f"{where}{GPU_RESOURCE} {text!r} is negative; ask for a number of GPUs, e.g. 1")
         gpus = int(q)
-    if (text := _resource(c, MEMORY_RESOURCE)) is not None:
+    if (text := resource_text(c, MEMORY_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{MEMORY_RESOURCE}")
         # Rounded up to whole MiB: the workload gets at least what it asked for ("10G" is 9537Mi, not 9536Mi). A value
         # ≤ 0 stays ≤ 0 (in MiB too), for GpuRequest to say that it must be positive.
         memory = math.ceil(q / MIB) if q > 0 else math.floor(q / MIB)
-    if (text := _resource(c, COMPUTE_RESOURCE)) is not None:
+    if (text := resource_text(c, COMPUTE_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{COMPUTE_RESOURCE}")
         if q != q.to_integral_value():
             raise InvalidPodRequest(
@@ -118,7 +121,7 @@ def _gpu_containers(pod: Pod) -> list[Container]:
 
 def asks_for_sharegpu(pod: Pod) -> bool:
     """True when any container names a sharegpu.io resource (the pods the webhook and extender handle)."""
-    return any(_resource(c, r) is not None for c in _gpu_containers(pod) for r in RESOURCES)
+    return any(resource_text(c, r) is not None for c in _gpu_containers(pod) for r in RESOURCES)
 
 
 def containers_missing_gpu_count(pod: Pod) -> list[tuple[str, int]]:
@@ -130,8 +133,8 @@ def containers_missing_gpu_count(pod: Pod) -> list[tuple[str, int]]:
     out = []
     for field, cs in (("initContainers", pod.spec.init_containers), ("containers", pod.spec.containers)):
         for i, c in enumerate(cs):
-            if _resource(c, GPU_RESOURCE) is None and (
-                _resource(c, MEMORY_RESOURCE) is not None or _resource(c, COMPUTE_RESOURCE) is not None
+            if resource_text(c, GPU_RESOURCE) is None and (
+                resource_text(c, MEMORY_RESOURCE) is not None or resource_text(c, COMPUTE_RESOURCE) is not None
             ):
                 out.append((field, i))
     return out

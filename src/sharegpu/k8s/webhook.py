@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.body_limit import WEBHOOK_MAX_BODY, BodyLimit
-from sharegpu.k8s.pod_request import _resource, asks_for_sharegpu, containers_missing_gpu_count, pod_request
+from sharegpu.k8s.pod_request import asks_for_sharegpu, containers_missing_gpu_count, pod_request, resource_text
 from sharegpu.kube.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
@@ -297,7 +297,7 @@ def _too_little_memory(pod: Pod, req: GpuRequest) -> str:
     """Why the pod's GPU memory is too small to be meant ("" when it is not): a plain number is bytes."""
     if req.memory_mib is None or req.memory_mib >= MIN_GPU_MEMORY_MIB:
         return ""
-    texts = [t for c in (*pod.spec.init_containers, *pod.spec.containers) if (t := _resource(c, MEMORY_RESOURCE))]
+    texts = [t for c in (*pod.spec.init_containers, *pod.spec.containers) if (t := resource_text(c, MEMORY_RESOURCE))]
     text = texts[0] if texts else f"{req.memory_mib}Mi"
     bare = text.strip().isdigit()
     meant = f"{text.strip()}Gi" if bare else "10Gi"
