@@ -137,3 +137,27 @@ def test_loaded_openb_replay_with_preemption() -> None:
     policy = make_policy("bestfit", PolicyContext())
     r = replay_priority(nodes, tasks, policy, PriorityOptions(0.2, preemption=True), 42).run
     assert r.replay is not None and r.replay["high_never_placed"] == 0
+
+
+def test_event_times_never_run_backwards() -> None:
+    """A pod that waited past its deletion time ends when it is placed, not in the past: B waits for A until 100 and
+    was to be deleted at 50. Before, its end at 50 came after A's at 100 and the timeline ended at 50."""
+    one = [NodeSpec("n0", 64_000, 262_144, sim_gpus("n0", "A100-40GB", 1))]
+    tasks = (TraceTask(GpuRequest("a"), 0, 100), TraceTask(GpuRequest("b"), 10, 50))
+    policy = make_policy("bestfit", PolicyContext())
+    for run in (
+        replay_timed(one, tasks, policy, 0).run,
+        replay_priority(one, tasks, policy, PriorityOptions(0.5), 0).run,
+    ):
+        assert run.timeline is not None
+        assert run.timeline.time_s[0] == 0 and run.timeline.time_s[-1] == 100
+        assert run.placed == 2
+
+
+def test_loaded_window_allocation() -> None:
+    tasks = loaded_tasks(600)
+    r = replay_priority(cluster(), tasks, make_policy("bestfit", PolicyContext()), PriorityOptions(0.2), 0).run
+    assert r.replay is not None
+    # Over the loaded part the small cluster is nearly full; over all events the drain pulls the mean down.
+    assert r.replay["arrival_alloc_pct"] > r.replay["mean_alloc_pct"]
+    assert 0 < r.replay["arrival_alloc_pct"] <= 100

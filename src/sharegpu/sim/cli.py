@@ -63,8 +63,8 @@ def sim(
     policy: str | None = typer.Option(
         None,
         "--policy",
-        help=f"Comma-separated policies, each once, from: {', '.join(POLICIES)}. Default: {TRACE_POLICIES} for a "
-        f"trace; {','.join(DEFAULT_POLICIES)} for the embedded scenario.",
+        help=f"Default: {TRACE_POLICIES} for a trace; {','.join(DEFAULT_POLICIES)} for the embedded scenario. "
+        f"Comma-separated policies, each once, from: {', '.join(POLICIES)}.",
     ),
     seeds: str | None = typer.Option(
         None,

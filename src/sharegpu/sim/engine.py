@@ -168,6 +168,7 @@ def replay_timed(
     peak = 0
     times: list[int] = []
     pending_sizes: list[int] = []
+    now = 0
 
     def try_place(name: str) -> bool:
         t = by_name[name]
@@ -179,7 +180,9 @@ def replay_timed(
         ledger.place(d.assignment)
         log.placed += 1
         if t.deletion_time is not None:
-            heapq.heappush(events, (t.deletion_time, 0, len(events), name))
+            # A pod that waited past its deletion time ends at once; its end is "now", never earlier: the event
+            # times (and the timeline sampled from them) must not run backwards.
+            heapq.heappush(events, (max(t.deletion_time, now), 0, len(events), name))
         return True
 
     while events:

@@ -100,6 +100,19 @@ def overloaded(
     return tuple(out)
 
 
+def _window_alloc(times: Sequence[int], allocated: Sequence[int], until: int, total: int) -> float:
+    """Allocated GPU, % of capacity, averaged over trace time from the first event to ``until`` (the last arrival):
+    the loaded part of a replay. The mean over events would mostly weigh the drain after the last arrival, when
+    the cluster empties whatever the policy did."""
+    t = np.asarray(times, dtype=np.float64)
+    if len(t) < 2 or until <= t[0] or not total:
+        return 0.0
+    a = np.asarray(allocated, dtype=np.float64)
+    edges = np.minimum(np.append(t[1:], until), until)
+    span = np.clip(edges - np.minimum(t, until), 0, None)
+    return round(100 * float((a * span).sum() / span.sum()) / total, 2) if span.sum() else 0.0
+
+
 def _pct(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 1) if values else 0.0
 
@@ -142,6 +155,7 @@ def replay_priority(
     times: list[int] = []
     pending_sizes: list[int] = []
     seq_next = len(tasks)
+    last_arrival = 0
 
     def started(name: str) -> None:
         """Bookkeeping of a pod that just got its place at ``now``: its end, its start, its first start."""
@@ -155,6 +169,7 @@ def replay_priority(
         if name in restarted and t.deletion_time is not None:
             end = now + t.deletion_time - (t.creation_time or 0)  # a restart runs its whole lifetime again
         if end is not None:
+            end = max(end, now)  # a pod that waited past its deletion time ends at once, not in the past
             heapq.heappush(events, (end, 0, seq_next, name, epoch.get(name, 0)))
             seq_next += 1
 
@@ -241,6 +256,7 @@ def replay_priority(
                     if preempt(w, [freed], queued=True):
                         break
         else:
+            last_arrival = now
             arrived += by_name[name].request.total_milli
             if not try_place(name):
                 waited.add(name)
@@ -267,6 +283,7 @@ def replay_priority(
     high_w = waits(sorted(high))
     low_w = waits(sorted(set(by_name) - high))
     stats: dict[str, float] = {
+        "arrival_alloc_pct": _window_alloc(times, log.allocated[1:], last_arrival, total),
         "waited": len(waited),
         "never_placed": len(pending),
         "peak_pending": peak,
