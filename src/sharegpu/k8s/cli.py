@@ -19,8 +19,9 @@ from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
 from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
 from sharegpu.kube.api import LightkubeClusterApi
+from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import ConfigError, KubeError
-from sharegpu.kube.kubeconfig import load_credentials, quiet_http_logging
+from sharegpu.kube.kubeconfig import quiet_http_logging
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
@@ -152,7 +153,7 @@ def scheduler_extender(
         view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
-        dra_client = load_credentials(kubeconfig).client("sharegpu-dra-steering") if dra_steering else None
+        dra_client = KubeClient(kubeconfig, "sharegpu-dra-steering") if dra_steering else None
     except (SetupError, UnknownPolicy, TlsError) as e:
         raise _fail(str(e)) from None
     except ConfigError as e:

@@ -26,11 +26,10 @@ state not synced) it passes every node and the stock placement applies.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,8 @@ import numpy as np
 
 from sharegpu.k8s.dra_view import _mib, _num
 from sharegpu.k8s.pod_request import _cpu_and_memory
+from sharegpu.kube.client import KubeClient
+from sharegpu.kube.informer import Informer, Source, Timing, of_json
 from sharegpu.kube.schema import Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
@@ -476,53 +477,41 @@ def _pod_cpu_memory(p: Mapping[str, Any]) -> tuple[int, int]:
 
 
 # ----- following the API server ----------------------------------------------------------------------------------
-async def follow_dra(state: DraState, client: Any, stop: asyncio.Event, max_backoff_s: float = 30.0) -> None:
-    """List and watch Nodes, pods, the driver's ResourceSlices and ResourceClaims into ``state`` until ``stop``;
-    relists after any error. A cluster that does not serve resource.k8s.io/v1 leaves steering off (logged once)."""
+async def follow_dra(state: DraState, client: KubeClient, stop: asyncio.Event, max_backoff_s: float = 30.0) -> None:
+    """List and watch Nodes, pods, the driver's ResourceSlices and ResourceClaims into ``state`` until ``stop``
+    (an :class:`~sharegpu.kube.informer.Informer`: watch deadlines, ordering, bounded cancellation); relists after
+    any error. A cluster that does not serve resource.k8s.io/v1 leaves steering unsynced (logged on each retry)."""
     from lightkube.resources.core_v1 import Node as KNode
     from lightkube.resources.core_v1 import Pod as KPod
     from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
-    kinds: list[tuple[str, Any, dict[str, Any]]] = [
-        ("node", KNode, {}),
-        ("pod", KPod, {"namespace": "*"}),
-        ("slice", ResourceSlice, {"fields": {"spec.driver": DRIVER}}),
-        ("claim", ResourceClaim, {"namespace": "*"}),
+    def source(kind: str, res: Any, namespace: str | None = None, fields: dict[str, Any] | None = None) -> Source[Any]:
+        return Source(
+            kind,
+            lambda: client.list(res, f"list {kind}s", namespace, fields),
+            lambda rv, timeout_s: client.watch(res, rv, f"watch {kind}s", timeout_s, namespace, fields),
+            lambda event, obj: state.apply(kind, event, obj),
+            of_json,
+        )
+
+    def listed(lists: Mapping[str, Sequence[Any]]) -> None:
+        for kind, objs in lists.items():
+            state.reset(kind, objs)
+        state.synced = True
+        log.info("DRA steering: following %d DRA node(s), %d slice(s), %d claim(s)", *state.counts())
+
+    def lost(e: Exception, retry_s: float) -> None:
+        state.synced = False
+        log.warning("DRA steering: lost the API server (%s); relisting in %.0fs", e, retry_s)
+
+    sources = [
+        source("node", KNode),
+        source("pod", KPod, "*"),
+        source("slice", ResourceSlice, fields={"spec.driver": DRIVER}),
+        source("claim", ResourceClaim, "*"),
     ]
-    backoff = 1.0
-    while not stop.is_set():
-        try:
-            versions = {}
-            for kind, res, kw in kinds:
-                it = client.list(res, **kw)
-                objs = [o.to_dict() async for o in it]
-                state.reset(kind, objs)
-                versions[kind] = str(getattr(it, "resourceVersion", "") or "")
-            state.synced = True
-            backoff = 1.0
-            log.info(
-                "DRA steering: following %d DRA node(s), %d slice(s), %d claim(s)",
-                *state.counts(),
-            )
-
-            async def watch(kind: str, res: Any, kw: dict[str, Any], rv: str) -> None:
-                async for event, obj in client.watch(res, resource_version=rv or None, **kw):
-                    state.apply(kind, event, obj.to_dict())
-
-            tasks = [asyncio.ensure_future(watch(k, r, kw, versions[k])) for k, r, kw in kinds]
-            stopper = asyncio.ensure_future(stop.wait())
-            done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
-            for t in [*tasks, stopper]:
-                t.cancel()
-            await asyncio.gather(*tasks, stopper, return_exceptions=True)
-            for t in done:
-                if t is not stopper and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            state.synced = False
-            log.warning("DRA steering: lost the API server (%s); relisting in %.0fs", e, backoff)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff)
-            backoff = min(backoff * 2, max_backoff_s)
+    informer = Informer("DRA steering", sources, listed, lost, Timing(backoff_s=1.0, max_backoff_s=max_backoff_s))
+    try:
+        await informer.run(stop)
+    finally:
+        state.synced = False

@@ -31,7 +31,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -50,6 +49,7 @@ from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.tls import ServerTls
 from sharegpu.k8s.view import ClusterView, Outcome, Phase
 from sharegpu.kube.api import ClusterApi
+from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import Conflict, KubeError, NotFound, Unavailable
 from sharegpu.kube.schema import (
     MAX_EXTENDER_PRIORITY,
@@ -713,7 +713,7 @@ async def run_extender(
     health: tuple[str, int] | None = None,
     max_request_bytes: int = EXTENDER_MAX_BODY,
     metrics_listen: tuple[str, int] | None = None,  # issue 10
-    dra_client: Any = None,
+    dra_client: KubeClient | None = None,
 ) -> None:
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
@@ -730,7 +730,7 @@ async def run_extender(
     if metrics_listen:  # issue 10: /metrics on its own port (a busy port fails the start with an OSError)
         sites.append(Site(extender.metrics.app(), Listener(*metrics_listen), "metrics"))
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
-    if dra is not None:
+    if dra is not None and dra_client is not None:
         tasks.append(asyncio.ensure_future(follow_dra(dra, dra_client, stop)))
     if elector is not None:
 

@@ -17,19 +17,16 @@ shape, so they mark the ledger stale and the next read rebuilds it; pod changes 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
-import random
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from sharegpu.k8s.dra_view import is_dra_node
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.kube.api import DELETED, ClusterApi
-from sharegpu.kube.errors import KubeError
+from sharegpu.kube.informer import WATCH_CLOSE_S, WATCH_TIMEOUT_S, Informer, Source, Timing, Tombstones, older
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerConflict, LedgerError
 from sharegpu.model.assignment import Assignment, InvalidAssignment
@@ -49,14 +46,9 @@ from sharegpu.placement.framework import Policy, Scheduler
 from sharegpu.placement.policies import PolicyContext, UnknownPolicy, make_policy
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 FALLBACK_POLICY = "bestfit"  # needs no workload distribution
 WORKLOAD_DRIFT = 0.1
-WATCH_TIMEOUT_S = (240, 300)  # the server-side timeout of a watch, drawn at random in this range (as client-go)
-WATCH_IDLE_GRACE_S = 60.0  # how much longer than the server's timeout a watch may stay silent
-WATCH_CLOSE_S = 5.0  # how long a cancelled watch may take to close before the view relists without it
-MAX_TOMBSTONES = 4096  # deleted pods remembered, so that a late copy of one never brings it back  # rebuild the workload distribution when the pods seen grew or shrank by this fraction
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +58,6 @@ class Problem:
     kind: str  # "pod" | "node"
     name: str
     reason: str
-
-
-class WatchEnded(KubeError):
-    """A watch ended without an error (the server's timeout) or went silent; the view relists and stays in sync."""
 
 
 class Phase(enum.Enum):
@@ -116,6 +104,7 @@ class ClusterView:
         watch_timeout_s: tuple[int, int] = WATCH_TIMEOUT_S,
         watch_idle_s: float | None = None,
         scheduler_name: str | None = None,
+        watch_close_s: float = WATCH_CLOSE_S,
     ) -> None:
         self.catalog = catalog
         # Only this scheduler's pods are listed and watched: it is the only one that binds sharegpu pods (the webhook
@@ -136,17 +125,16 @@ class ClusterView:
         self._requests: dict[str, GpuRequest] = {}
         self._pod_problems: dict[str, str] = {}
         self._inflight: dict[str, _InFlight] = {}
-        self._gone: OrderedDict[str, str] = OrderedDict()  # deleted pods' keys → their last resourceVersion
-        self.watch_timeout_s = watch_timeout_s  # the server ends each watch after a random time in this range
-        # No event for this long: the connection is taken for dead and the view relists.
-        self.watch_idle_s = watch_idle_s if watch_idle_s is not None else watch_timeout_s[1] + WATCH_IDLE_GRACE_S
+        self._gone = Tombstones()  # deleted pods, so that a late copy of one (the binder's read) never brings it back
+        # How the view follows the API server (sharegpu.kube.informer): each watch's server-side timeout, the
+        # silence after which its connection is taken for dead, the time a cancelled watch may take to close.
+        self.timing = Timing(watch_timeout_s, watch_idle_s, watch_close_s)
         self._ledger: Ledger | None = None
         self._scheduler: Scheduler | None = None
         self._workload_pods = -1
         self.generation = 0  # bumped on every change of the ledger (cache key for per-cycle results)
         self.synced = False  # True while the view follows the API server (listed and watching)
-        self._relist = asyncio.Event()  # set by resync(): end the watches and list afresh
-        self._abandoned: set[asyncio.Future[Any]] = set()  # watches that outlived their cancellation (kept referenced)
+        self._informer: Informer | None = None  # while follow() runs
         self.active_policy = ""
         self.relists = 0  # issue 10: full lists taken from the API server (sharegpu_cluster_view_relists_total)
 
@@ -337,12 +325,12 @@ class ClusterView:
     def _forget_pod(self, key: str, pod: Pod) -> bool:
         """A DELETED event; False when it changes nothing (an old incarnation's, or a pod never relevant)."""
         recorded = self._pods.get(key)
-        if recorded is not None and _older(pod.metadata.resource_version, recorded.metadata.resource_version):
+        if recorded is not None and older(pod.metadata.resource_version, recorded.metadata.resource_version):
             return False
         fl = self._inflight.get(key)
         if recorded is None and fl is None:
             return False  # a pod the view never held
-        self._remember_gone(key, pod.metadata.resource_version)
+        self._gone.bury(key, pod.metadata.resource_version)
         if fl is not None:
             if fl.phase is Phase.BINDING:
                 fl.deleted = True  # the bind in flight settles without taking the pod back
@@ -351,12 +339,6 @@ class ClusterView:
         self._pods.pop(key, None)
         self._requests.pop(key, None)
         return True
-
-    def _remember_gone(self, key: str, rv: str) -> None:
-        self._gone[key] = rv
-        self._gone.move_to_end(key)
-        while len(self._gone) > MAX_TOMBSTONES:
-            self._gone.popitem(last=False)
 
     def _ingest_node(self, node: Node) -> None:
         name = node.metadata.name
@@ -396,14 +378,10 @@ class ClusterView:
         key = pod.key
         rv = pod.metadata.resource_version
         recorded = self._pods.get(key)
-        if recorded is not None and _older(rv, recorded.metadata.resource_version):
+        if recorded is not None and older(rv, recorded.metadata.resource_version):
             return False  # a late copy (a lagging watch, or the binder's own): never overwrite a newer object
-        gone = self._gone.get(key)
-        if gone is not None:
-            if not _older(rv, gone) and rv != gone:
-                del self._gone[key]  # a newer object of that name (a new pod, or not comparable: last writer wins)
-            else:
-                return False  # the copy of a pod already deleted: it must not come back
+        if not self._gone.admits(key, rv):
+            return False  # the copy of a pod already deleted: it must not come back
         fl = self._inflight.get(key)
         if fl is not None and fl.deleted:
             return False
@@ -435,7 +413,7 @@ class ClusterView:
             del self._inflight[key]  # another pod of that name: the one placed is gone
         elif pod.spec.node_name or pod.finished:
             del self._inflight[key]  # bound: from now on its own assignment annotation accounts for it
-        elif fl.phase is Phase.UNKNOWN and fl.rv and _older(fl.rv, pod.metadata.resource_version):
+        elif fl.phase is Phase.UNKNOWN and fl.rv and older(fl.rv, pod.metadata.resource_version):
             del self._inflight[key]  # changed past the Binding's precondition, unbound: that Binding never applies
 
     def _desired(self, key: str) -> Assignment | None:
@@ -630,97 +608,53 @@ class ClusterView:
         """List everything afresh before the next bind (a replica that just became the leader: what the previous
         leader bound must be in its ledger, not only on its way through the watch)."""
         self.synced = False
-        self._relist.set()
+        if self._informer is not None:
+            self._informer.relist()
 
     async def follow(self, api: ClusterApi, stop: asyncio.Event, max_backoff_s: float = 30.0) -> None:
-        """List, then watch Nodes and Pods until ``stop``; on any API error relist after a backoff, for ever.
+        """List, then watch Nodes and Pods until ``stop``; on any API error relist after a backoff, for ever (the
+        loop, its watch deadlines and its bounded cancellation are :class:`~sharegpu.kube.informer.Informer`'s).
+        A relist that fails marks the view out of sync."""
 
-        Each watch asks the API server to end it after a random 240–300 s (as client-go does), and each is given
-        up when no event came for :attr:`watch_idle_s` (longer than that): a connection that died silently (no
-        FIN, no RST) is noticed, and the view relists. A relist that fails marks the view out of sync.
-        """
-        backoff = 0.2
-        while not stop.is_set():
-            try:
-                nodes, node_rv = await api.list_nodes()
-                pods, pod_rv = await api.list_pods(self.scheduler_name)
-                self.reset(nodes, pods)
-                self.relists += 1  # issue 10
-                log.log(
-                    logging.DEBUG if self.synced else logging.INFO,
-                    "cluster view in sync: %d sharegpu node(s), %d pod(s) with assignments",
-                    len(self._specs),
-                    len(self.ledger),
-                )
-                self.synced = True
-                backoff = 0.2
-                await self._watch(api, node_rv, pod_rv, stop)
-            except WatchEnded as e:
-                log.debug("%s; relisting", e)  # still in sync: relist at once (a failing list marks it out of sync)
-            except Exception as e:  # an API error, or an object the view cannot read: relist rather than go stale
-                if not isinstance(e, KubeError):
-                    log.exception("cluster view: unexpected error while following the API server; relisting")
-                if self.synced:
-                    log.warning("lost the API server (%s); no new binds until the view is back in sync", e)
-                else:
-                    log.warning("cannot sync with the API server (%s); retrying in %.1fs", e, backoff)
-                self.synced = False
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = min(backoff * 2, max_backoff_s)
-        self.synced = False
+        def listed(lists: Mapping[str, Sequence[Any]]) -> None:
+            self.reset(lists["node"], lists["pod"])
+            self.relists += 1  # issue 10
+            log.log(
+                logging.DEBUG if self.synced else logging.INFO,
+                "cluster view in sync: %d sharegpu node(s), %d pod(s) with assignments",
+                len(self._specs),
+                len(self.ledger),
+            )
+            self.synced = True
 
-    async def _watch(self, api: ClusterApi, node_rv: str, pod_rv: str, stop: asyncio.Event) -> None:
-        lo, hi = self.watch_timeout_s
-        rng = random.Random()
-        current = [True]  # False once this pair of watches is given up: a late event of theirs is not applied
+        def lost(e: Exception, retry_s: float) -> None:
+            if self.synced:
+                log.warning("lost the API server (%s); no new binds until the view is back in sync", e)
+            else:
+                log.warning("cannot sync with the API server (%s); retrying in %.1fs", e, retry_s)
+            self.synced = False
 
-        async def stream(what: str, events: AsyncIterator[tuple[str, _T]], apply: Callable[[str, _T], None]) -> None:
-            try:
-                while True:
-                    try:
-                        event, obj = await asyncio.wait_for(anext(events), self.watch_idle_s)
-                    except StopAsyncIteration:
-                        raise WatchEnded(f"the {what} watch ended") from None
-                    except TimeoutError:
-                        raise WatchEnded(f"no {what} event for {self.watch_idle_s:g}s") from None
-                    if not current[0]:
-                        return
-                    apply(event, obj)
-            finally:
-                close = getattr(events, "aclose", None)
-                if close is not None:
-                    with contextlib.suppress(Exception):
-                        await close()
+        def identity(obj: Node | Pod) -> tuple[str, str]:
+            meta = obj.metadata
+            return (f"{meta.namespace}/{meta.name}" if meta.namespace else meta.name), meta.resource_version
 
-        tasks = [
-            asyncio.ensure_future(stream("node", api.watch_nodes(node_rv, rng.randint(lo, hi)), self.apply_node)),
-            asyncio.ensure_future(
-                stream("pod", api.watch_pods(pod_rv, rng.randint(lo, hi), self.scheduler_name), self.apply_pod)
+        sources: list[Source[Any]] = [
+            Source("node", api.list_nodes, api.watch_nodes, self.apply_node, identity),
+            Source(
+                "pod",
+                lambda: api.list_pods(self.scheduler_name),
+                lambda rv, timeout_s: api.watch_pods(rv, timeout_s, self.scheduler_name),
+                self.apply_pod,
+                identity,
             ),
-            asyncio.ensure_future(stop.wait()),
-            asyncio.ensure_future(self._relist.wait()),
         ]
+        timing = replace(self.timing, max_backoff_s=max_backoff_s)
+        informer = self._informer = Informer("cluster view", sources, listed, lost, timing)
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if self._relist.is_set():
-                self._relist.clear()
-                raise WatchEnded("asked to relist")
-            for t in done:
-                t.result()  # re-raises a watch's KubeError (or WatchEnded)
+            await informer.run(stop)
         finally:
-            current[0] = False
-            for t in tasks:
-                t.cancel()
-            # A streaming read cancelled mid-line can outlive its cancellation (the HTTP stack may absorb it and read
-            # on; a watch has no read timeout). Waiting for it unbounded once kept a new leader out of sync for good,
-            # so a watch that has not closed in time is left to end by itself, its events no longer applied.
-            _, pending = await asyncio.wait(tasks, timeout=WATCH_CLOSE_S)
-            if pending:
-                log.warning("a cancelled watch did not close within %gs; relisting without it", WATCH_CLOSE_S)
-                self._abandoned.update(pending)
-                for t in pending:
-                    t.add_done_callback(self._abandoned.discard)
+            self._informer = None
+            self.synced = False
 
 
 def _holds_differently(before: Pod | None, now: Pod) -> bool:
@@ -734,24 +668,6 @@ def _holds_differently(before: Pod | None, now: Pod) -> bool:
         or before.finished != now.finished
         or before.metadata.annotations.get(ASSIGNMENT_ANNOTATION) != now.metadata.annotations.get(ASSIGNMENT_ANNOTATION)
     )
-
-
-def _rv(text: str) -> int | None:
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _older(incoming: str, recorded: str) -> bool:
-    """Whether an object at resourceVersion ``incoming`` is older than one at ``recorded``.
-
-    Kubernetes calls resourceVersions opaque, but every API server in use (etcd's revision, and the in-memory one)
-    writes increasing integers, and client-go's informers rely on the same order. When either does not parse as an
-    integer the versions are not compared: the last writer wins.
-    """
-    a, b = _rv(incoming), _rv(recorded)
-    return a is not None and b is not None and a < b
 
 
 def _placeholder_workload() -> Workload:
