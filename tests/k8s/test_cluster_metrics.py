@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 from k8s_helpers import LoopbackServer, node_obj, node_spec, nodes, pod_obj, pods, with_assignment
+from memory_api import MemoryClusterApi
 from prometheus_client.parser import text_string_to_metric_families
 
 from sharegpu.k8s.cluster_metrics import BindOutcome, ClusterMetrics
 from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.status import REASON_CLASSES, fragmentation_milli, status_report
 from sharegpu.k8s.view import ClusterView
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 from k8s_helpers import LoopbackServer, node_obj, node_spec, nodes, pod_obj
+from memory_api import MemoryClusterApi
 
 from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import Pod

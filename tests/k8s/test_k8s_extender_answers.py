@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from k8s_helpers import node_obj, nodes, pod_obj
+from memory_api import MemoryClusterApi
 
 from sharegpu.k8s import answers
 from sharegpu.k8s.answers import event_safe
 from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import MAX_EXTENDER_PRIORITY, ExtenderArgs, Pod

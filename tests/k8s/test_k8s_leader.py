@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 from k8s_helpers import node_spec, pod_obj
+from memory_api import MemoryClusterApi
 from starlette.testclient import TestClient
 
 from sharegpu.k8s.extender import Extender, make_app
 from sharegpu.k8s.leader import LeaderElector
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import Node
 

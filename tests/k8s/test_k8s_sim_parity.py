@@ -8,9 +8,9 @@ import asyncio
 import random
 
 from k8s_helpers import node_spec, nodes, pod_obj
+from memory_api import MemoryClusterApi
 
 from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingArgs, Pod

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 from k8s_helpers import node_obj, node_spec, nodes, pod_obj, pods, with_assignment
+from memory_api import MemoryClusterApi
 from rich.console import Console
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.status import FollowedStatus, print_status, status_report, summary_line, watch_status
 from sharegpu.k8s.view import ClusterView
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from k8s_helpers import node_spec, nodes, pod_obj, pods, with_assignment
+from memory_api import MemoryClusterApi
 from rich.console import Console
 from test_k8s_kubeconfig_issue21 import FakeApiServer, write
 from typer.testing import CliRunner
@@ -18,7 +19,6 @@ from typer.testing import CliRunner
 from proc_helpers import Proc, free_port, kubeconfig
 from sharegpu.cli import app
 from sharegpu.k8s.dra_view import dra_status
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.status import FollowedStatus, print_status, status_report, summary_line, watch_status
 from sharegpu.k8s.view import ClusterView
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism

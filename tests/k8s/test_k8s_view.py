@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from k8s_helpers import node_spec, pod_obj
+from memory_api import MemoryClusterApi
 
 from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import ExtenderBindingArgs
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 from k8s_helpers import node_spec, pod_obj
+from memory_api import MemoryClusterApi
 from starlette.testclient import TestClient
 
 from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.status import status_report
 from sharegpu.k8s.view import ClusterView, Phase
 from sharegpu.kube.api import DELETED, MODIFIED

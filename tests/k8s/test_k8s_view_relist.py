@@ -11,8 +11,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from k8s_helpers import pod_obj, with_assignment
+from memory_api import MemoryClusterApi
 
-from sharegpu.k8s.memory import MemoryClusterApi
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import Node, Pod

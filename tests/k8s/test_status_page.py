@@ -276,7 +276,8 @@ def test_serve_page_follows_the_api_server_and_stops() -> None:
     import asyncio
     import socket
 
-    from sharegpu.k8s.memory import MemoryClusterApi
+    from memory_api import MemoryClusterApi
+
     from sharegpu.k8s.page import serve_page
     from sharegpu.k8s.status import FollowedStatus
 

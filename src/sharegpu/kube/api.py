@@ -1,7 +1,7 @@
 """The control plane's view of the Kubernetes API, behind a small interface.
 
 :class:`LightkubeClusterApi` talks to a real API server through :class:`~sharegpu.kube.client.KubeClient` (as the
-node agent's :mod:`sharegpu.node.kube` does); :class:`sharegpu.k8s.memory.MemoryClusterApi` is the in-memory
+node agent's :mod:`sharegpu.node.kube` does); :class:`memory_api.MemoryClusterApi` (tests/k8s) is the in-memory
 stand-in that tests and the benchmark use. Objects cross the interface as the pydantic models of
 :mod:`sharegpu.kube.schema`; errors are :class:`~sharegpu.kube.errors.KubeError`.
 """

@@ -119,11 +119,6 @@ class ExtenderFilterResult(GoModel):
     Error: str = ""
 
 
-class HostPriority(GoModel):
-    Host: str
-    Score: int
-
-
 class ExtenderBindingArgs(GoModel):
     PodName: str
     PodNamespace: str

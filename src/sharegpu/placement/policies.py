@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from sharegpu.model.request import GpuRequest
 from sharegpu.placement.dra_allocator import dra_default_policy
 from sharegpu.placement.dra_steer import dra_steered_policy
 from sharegpu.placement.fragmentation import Workload
@@ -107,7 +106,3 @@ def parse_policies(text: str) -> list[str]:
         if n not in POLICIES:
             raise UnknownPolicy(f"unknown policy {n!r}; choose from: {', '.join(POLICIES)}")
     return names
-
-
-def workload_of(reqs: Iterable[GpuRequest]) -> Workload:
-    return Workload.from_requests(reqs)

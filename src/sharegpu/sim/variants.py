@@ -83,17 +83,6 @@ class Shares:
     multi_gpu_pct: float  # % of GPU demand
     gpu_spec_pct: float  # % of GPU pods
 
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "pods": self.pods,
-            "gpu_pods": self.gpu_pods,
-            "gpu_demand_gpus": self.gpu_demand_milli / FULL_MILLI,
-            "cpu_only_pct": round(self.cpu_only_pct, 2),
-            "sharing_pct": round(self.sharing_pct, 2),
-            "multi_gpu_pct": round(self.multi_gpu_pct, 2),
-            "gpu_spec_pct": round(self.gpu_spec_pct, 2),
-        }
-
 
 def measure(tasks: Sequence[TraceTask]) -> Shares:
     reqs = [t.request for t in tasks]

@@ -53,12 +53,6 @@ class SlicePublisher:
         log.info("published %d ResourceSlice(s) for pool %s, generation %d", len(wanted), self.node, self.generation)
         return True
 
-    async def withdraw(self) -> None:
-        """Delete every slice of the pool (the driver is going away for good)."""
-        for s in await self._kube.list_slices(self.node):
-            await self._kube.delete_slice(str(s["metadata"]["name"]))
-        self._published = None
-
 
 def _fingerprint(slices: tuple[SliceSpec, ...]) -> str:
     data: list[Any] = [[s.name, s.spec] for s in slices]

@@ -1,4 +1,4 @@
-"""An in-memory API server: the :class:`~sharegpu.kube.api.ClusterApi` that tests and the benchmark run against.
+"""An in-memory API server: the :class:`~sharegpu.kube.api.ClusterApi` that the tests run against (a test fake: it lives under tests/, not in the package).
 
 It keeps objects as JSON dicts with a cluster-wide resourceVersion, enforces the preconditions the real server
 enforces (resourceVersion on patches and bindings, one Binding per pod, UID on bindings, a Binding's
@@ -69,11 +69,6 @@ class MemoryClusterApi:
         self._bump(obj)
         self.nodes[name] = obj
         self._emit("node", type_, obj)
-
-    def delete_node(self, name: str) -> None:
-        obj = self.nodes.pop(name)
-        self._bump(obj)
-        self._emit("node", DELETED, obj)
 
     def put_pod(self, pod: Mapping[str, Any]) -> dict[str, Any]:
         """Create or replace a pod (a dict as the API server returns it); returns the stored object."""
