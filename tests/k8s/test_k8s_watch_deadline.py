@@ -8,11 +8,9 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 
-from sharegpu.k8s import view as view_module
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.schema import Pod
@@ -156,17 +154,13 @@ class _StubbornWatchApi(MemoryClusterApi):
         yield "ADDED", Pod.model_validate(pod_obj("late", gpu=1))
 
 
-def test_a_watch_that_outlives_its_cancellation_does_not_keep_the_view_from_relisting(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_watch_that_outlives_its_cancellation_does_not_keep_the_view_from_relisting() -> None:
     # A replica that had just become the leader asked for a relist and never got back in sync: the view waited without
     # bound for its cancelled pod watch to close.
-    monkeypatch.setattr(view_module, "WATCH_CLOSE_S", 0.2)
-
     async def main() -> None:
         api = _StubbornWatchApi()
         api.put_node("node-a", node_spec("node-a", gpus=1))
-        view = ClusterView(policy="bestfit", watch_timeout_s=(40, 50), watch_idle_s=30)
+        view = ClusterView(policy="bestfit", watch_timeout_s=(40, 50), watch_idle_s=30, watch_close_s=0.2)
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
         try:
