@@ -1,4 +1,5 @@
-"""An in-memory API server: the :class:`~sharegpu.kube.api.ClusterApi` that the tests run against (a test fake: it lives under tests/, not in the package).
+"""An in-memory API server: the :class:`~sharegpu.kube.api.ClusterApi` that the tests run against (a test fake,
+so it lives under tests/, not in the package).
 
 It keeps objects as JSON dicts with a cluster-wide resourceVersion, enforces the preconditions the real server
 enforces (resourceVersion on patches and bindings, one Binding per pod, UID on bindings, a Binding's

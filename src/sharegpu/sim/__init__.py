@@ -1,0 +1,1 @@
+"""The simulator: replays cluster traces through the same core (placement, ledger) as the control plane."""
