@@ -76,7 +76,7 @@ def test_mig_mode_is_not_forced_on_a_gpu_used_without_mig_and_is_given_back() ->
     sim, mig, state = _setup()
     gpu = sim.devices()[0].uuid
     report = mig.reconcile({MigNeed(0, 0, "7g.80gb")}, {0: {"pod ns/whole"}})
-    assert "other assignments use the GPU without MIG" in report.errors[0]
+    assert "MIG mode is off and pod ns/whole uses the GPU without MIG" in report.errors[0]
     assert not sim.devices()[0].mig_enabled
     mig.reconcile({MigNeed(0, 0, "7g.80gb")}, {})
     assert gpu in state.mig_mode_set
@@ -97,14 +97,14 @@ def test_restarted_manager_knows_its_instances_from_the_state_file(tmp_path: Pat
     created = sim.mig_instances(0)
     # A new agent process: same hardware, same state file. The instance is still needed: nothing changes.
     sim2, mig2, _ = _setup(text, tmp_path / "agent.json")
-    report = mig2.reconcile({MigNeed(0, 0, "3g.40gb")}, set())
+    report = mig2.reconcile({MigNeed(0, 0, "3g.40gb")}, {})
     assert (report.created, report.destroyed, report.errors) == ((), (), ())
     assert sim2.mig_instances(0) == created
     # The pod is gone after the next restart: the manager still recognises the instance as its own.
     _sim3, mig3, _ = _setup(text, tmp_path / "agent.json")
-    assert [i.uuid for i in mig3.reconcile(set(), set()).destroyed] == [created[0].uuid]
+    assert [i.uuid for i in mig3.reconcile(set(), {}).destroyed] == [created[0].uuid]
     # Without the agent's state the same instance would be taken for a static layout and kept.
     sim4, mig4, _ = _setup(text.replace("sim.json", "sim4.json"))
     sim4.set_mig_mode(0, True)
     sim4.create_mig_instance(0, "3g.40gb", 0)
-    assert mig4.reconcile(set(), set()).destroyed == ()
+    assert mig4.reconcile(set(), {}).destroyed == ()

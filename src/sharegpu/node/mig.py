@@ -171,7 +171,8 @@ class MigManager:
         users = sorted(self._non_mig_users.get(gpu_index, ()))
         if users:
             more = f" and {len(users) - 3} more" if len(users) > 3 else ""
-            raise MigError(f"{where}: MIG mode is off and {', '.join(users[:3])}{more} use the GPU without MIG")
+            verb = "uses" if len(users) == 1 else "use"
+            raise MigError(f"{where}: MIG mode is off and {', '.join(users[:3])}{more} {verb} the GPU without MIG")
         try:
             self._backend.set_mig_mode(gpu_index, True)
         except MigModePending as e:
