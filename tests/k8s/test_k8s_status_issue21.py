@@ -135,3 +135,45 @@ def test_no_command_logs_each_http_request(
     assert result.exit_code == 0, result.output
     assert server.auth  # requests were made
     assert not [r for r in caplog.records if r.name.startswith("httpx")], [r.getMessage() for r in caplog.records]
+
+
+def test_watch_and_serve_follow_dra_nodes_too() -> None:
+    """`status --watch` and `--serve` list the DRA nodes again every few seconds (they once showed only the ledger)."""
+    a100 = DeviceInfo(0, "GPU-a100", "NVIDIA A100-SXM4-80GB", "A100-80GB", 81920, 108, False)
+
+    def claim(name: str, device: str, consumed: dict[str, str]) -> dict[str, Any]:
+        result = {
+            "driver": "gpu.sharegpu.io",
+            "pool": "n1",
+            "device": device,
+            "request": "gpu",
+            "consumedCapacity": consumed,
+        }
+        return {
+            "metadata": {"namespace": "ml", "name": name},
+            "status": {"allocation": {"devices": {"results": [result]}}},
+        }
+
+    slices = [resource_slice(s, "n1", 3, 2, {"name": "n1", "uid": "u"}) for s in build_slices("n1", (a100,))]
+    claims: list[dict[str, Any]] = []
+    loads = 0
+
+    async def load() -> list[dict[str, Any]]:
+        nonlocal loads
+        loads += 1
+        return dra_status(slices, claims)
+
+    async def main() -> None:
+        followed = FollowedStatus(min_age_s=0, dra=load, dra_every_s=0.05)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(followed.run(MemoryClusterApi(), stop))
+        await asyncio.sleep(0.1)
+        assert followed.snapshot().report["summary"]["dra_nodes"] == 1
+        claims.append(claim("a", "gpu-0", {"memory": "10Gi", "compute": "30"}))
+        await asyncio.sleep(0.15)
+        assert followed.snapshot().report["dra_nodes"][0]["gpus"][0]["claims"] == ["ml/a"]
+        stop.set()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(main())
+    assert loads >= 3

@@ -278,11 +278,13 @@ def status(
     async def follow() -> None:
         from sharegpu.k8s.page import serve_page
 
+        followed = FollowedStatus(dra=lambda: load_dra_status(kubeconfig), dra_every_s=max(interval, 2.0))
+
         try:
             if addr is not None:
-                await serve_page(FollowedStatus(), api, addr[0], addr[1], interval)
+                await serve_page(followed, api, addr[0], addr[1], interval)
             else:
-                await watch_status(FollowedStatus(), api, Console(), interval, asyncio.Event())
+                await watch_status(followed, api, Console(), interval, asyncio.Event())
         finally:
             await api.close()
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from rich.text import Text
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.api import ClusterApi
+from sharegpu.kube.errors import KubeError
 from sharegpu.ledger import GpuMode, Ledger
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 from sharegpu.placement.fragmentation import Workload, fragmentation_of
@@ -34,6 +36,8 @@ from sharegpu.placement.framework import Scheduler
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.reasons import ReasonKind, fmt_mib
 from sharegpu.placement.scorers import FragmentationModel
+
+log = logging.getLogger(__name__)
 
 MODE_NAMES = {
     GpuMode.FREE: "free",
@@ -365,21 +369,50 @@ class FollowedStatus:
     A report is computed at most once per ``min_age_s`` however many readers ask (each page viewer refreshes).
     """
 
-    def __init__(self, view: ClusterView | None = None, min_age_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        view: ClusterView | None = None,
+        min_age_s: float = 1.0,
+        dra: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
+        dra_every_s: float = 5.0,
+    ) -> None:
         self.view = view or ClusterView(policy="bestfit")
         self.min_age_s = min_age_s
+        # DRA nodes are read by listing their ResourceSlices and claims (the one-shot status does the same), every
+        # ``dra_every_s``: the view follows only the device-plugin path.
+        self._dra = dra
+        self._dra_every_s = dra_every_s
+        self._dra_nodes: list[dict[str, Any]] = []
         self._last: StatusSnapshot | None = None
 
     def snapshot(self) -> StatusSnapshot:
         now = time.time()
         last = self._last
         if last is None or now - last.taken_at >= self.min_age_s or last.synced != self.view.synced:
-            last = self._last = StatusSnapshot(status_report(self.view), self.view.synced, now)
+            last = self._last = StatusSnapshot(status_report(self.view, self._dra_nodes), self.view.synced, now)
         return last
 
     async def run(self, api: ClusterApi, stop: asyncio.Event) -> None:
         """Follow the API server until ``stop`` (relisting after any error, as the extender does)."""
-        await self.view.follow(api, stop)
+        if self._dra is None:
+            await self.view.follow(api, stop)
+            return
+        dra = asyncio.ensure_future(self._follow_dra(self._dra, stop))
+        try:
+            await self.view.follow(api, stop)
+        finally:
+            dra.cancel()
+            await asyncio.gather(dra, return_exceptions=True)
+
+    async def _follow_dra(self, load: Callable[[], Awaitable[list[dict[str, Any]]]], stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                self._dra_nodes = await load()
+                self._last = None  # the next reader sees the new DRA nodes at once
+            except KubeError as e:  # shown as before until the next try; the ledger part stays live
+                log.warning("cannot read the DRA nodes: %s", e)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._dra_every_s)
 
 
 def snapshot_renderable(snap: StatusSnapshot, width: int | None = None) -> RenderableType:
