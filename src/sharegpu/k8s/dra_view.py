@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sharegpu.kube.quantity import MIB, quantity_or_zero
 from sharegpu.model.contract import DEVICE_PATH_DRA, DEVICE_PATH_LABEL, DRIVER
 
 
@@ -21,23 +22,11 @@ def is_dra_node(labels: Mapping[str, str]) -> bool:
 
 
 def _mib(q: Any) -> int:
-    from lightkube.utils.quantity import parse_quantity
-
-    try:
-        value = parse_quantity(str(q))
-    except ValueError:
-        return 0
-    return int(value / (1024 * 1024)) if value is not None else 0
+    return int(quantity_or_zero(q) / MIB)
 
 
 def _num(q: Any) -> float:
-    from lightkube.utils.quantity import parse_quantity
-
-    try:
-        value = parse_quantity(str(q))
-    except ValueError:
-        return 0.0
-    return float(value) if value is not None else 0.0
+    return float(quantity_or_zero(q))
 
 
 def _mig_compute_pct(model: str, profile: str) -> float:

@@ -7,15 +7,12 @@ what a valid request is lives in :class:`GpuRequest`, whose :class:`InvalidReque
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
-from lightkube.utils.quantity import parse_quantity
-
+from sharegpu.kube.quantity import MIB, parse_quantity
 from sharegpu.kube.schema import Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
 from sharegpu.model.contract import (
@@ -38,7 +35,6 @@ __all__ = [
     "pod_request",
 ]
 
-MIB = 1024 * 1024
 PERCENT_MILLI = FULL_MILLI // 100  # compute_milli per percent of a GPU
 
 
@@ -65,28 +61,11 @@ def resource_text(c: Container, name: str) -> str | None:
     return None if value is None else str(value)
 
 
-_UPPER_EXPONENT = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))E([+-]?\d+)")
-
-
 def _quantity(text: str, what: str) -> Decimal:
-    value = _parsed(text)
+    value = parse_quantity(text)
     if value is None:
         raise InvalidPodRequest(f"{what} {text!r} is not a Kubernetes quantity (e.g. 2, 500m, 10Gi)")
     return value
-
-
-# Every watch event and every filter call parses its pod's quantities again, and a cluster's pods repeat a few
-# dozen of them ("2Gi", "500m"); lightkube's parser is Decimal arithmetic behind regular expressions.
-@functools.lru_cache(maxsize=4096)
-def _parsed(text: str) -> Decimal | None:
-    # Kubernetes writes a decimal exponent as "e" or "E" ("1E3" is 1000; "1E" alone is exa, "1Ei" exbi).
-    if m := _UPPER_EXPONENT.fullmatch(text.strip()):
-        text = f"{m[1]}e{m[2]}"
-    try:
-        value = parse_quantity(text)
-    except (ValueError, InvalidOperation):
-        return None
-    return None if value is None else Decimal(value)
 
 
 def _container_ask(c: Container) -> _ContainerAsk:

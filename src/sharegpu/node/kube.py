@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sharegpu.kube.errors import ConfigError
+from sharegpu.kube.quantity import quantity_or_zero
 from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.model.demand import ContainerDemand, pod_demand
 
@@ -123,15 +124,7 @@ def _container(c: Mapping[str, Any], init: bool = False) -> ContainerInfo:
 
 
 def _quantity(q: Any, scale: float) -> int:
-    from lightkube.utils.quantity import parse_quantity
-
-    if q is None:
-        return 0
-    try:
-        value = parse_quantity(str(q))
-    except ValueError:
-        return 0
-    return int(float(value) * scale) if value is not None else 0
+    return int(float(quantity_or_zero(q)) * scale)
 
 
 def _time(t: Any) -> str:

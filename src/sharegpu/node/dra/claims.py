@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from decimal import Decimal
 from typing import Any
 
+from sharegpu.kube.quantity import MIB, parse_quantity
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import DRIVER
@@ -60,21 +62,18 @@ class ClaimPlan:
 
 
 def quantity_mib(q: Any) -> int:
-    from lightkube.utils.quantity import parse_quantity
-
-    value = parse_quantity(str(q))
-    if value is None:
-        raise ValueError(f"{q!r} is not a quantity")
-    return int(value / (1024 * 1024))
+    return int(_quantity(q) / MIB)
 
 
 def quantity_int(q: Any) -> int:
-    from lightkube.utils.quantity import parse_quantity
+    return int(_quantity(q))
 
-    value = parse_quantity(str(q))
+
+def _quantity(q: Any) -> Decimal:
+    value = parse_quantity(q)
     if value is None:
         raise ValueError(f"{q!r} is not a quantity")
-    return int(value)
+    return value
 
 
 def plan_claim(
