@@ -41,13 +41,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sharegpu.k8s.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
+from sharegpu.k8s.assume import Outcome, Phase
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
 from sharegpu.k8s.dra_steer import DraState, follow_dra
 from sharegpu.k8s.leader import LeaderElector
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.tls import ServerTls
-from sharegpu.k8s.view import ClusterView, Outcome, Phase
+from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import Conflict, KubeError, NotFound, Unavailable
