@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from sharegpu.kube.api import ADDED, DELETED, MODIFIED
-from sharegpu.kube.errors import Conflict, NotFound, Unavailable
+from sharegpu.kube.api import ADDED, DELETED, MODIFIED, DisruptionBudget, PodEvent
+from sharegpu.kube.errors import Conflict, EvictionBlocked, KubeError, NotFound, Unavailable
 from sharegpu.kube.lease import LeaseRecord
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.model.contract import INVENTORY_ANNOTATION
@@ -39,6 +39,12 @@ class MemoryClusterApi:
         self.lose_bind_answers = 0
         self.drop_binds = 0
         self.leases: dict[str, LeaseRecord] = {}
+        # Preemption: budgets by namespace/name (disruptionsAllowed is decremented by each eviction, as the
+        # kube-controller-manager would recompute it), the events created, and the evictions asked for.
+        self.pdbs: dict[str, DisruptionBudget] = {}
+        self.events: list[PodEvent] = []
+        self.evictions: list[str] = []
+        self.evict_deletes = False  # True: an evicted pod is deleted at once (no grace period), else it terminates
 
     # ----- test helpers --------------------------------------------------------------------------------------
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -228,6 +234,54 @@ class MemoryClusterApi:
         if self.lose_bind_answers:
             self.lose_bind_answers -= 1
             raise Unavailable(f"cannot bind pod {namespace}/{name}: RemoteProtocolError (the answer was lost)")
+
+    def terminate(self, key: str) -> None:
+        """A terminating pod's kubelet is done: the pod is deleted."""
+        self.delete_pod(key)
+
+    # ----- preemption ---------------------------------------------------------------------------------------
+    async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:
+        key = f"{namespace}/{name}"
+        self._check(f"evict pod {key}")
+        obj = self.pods.get(key)
+        if obj is None or (uid and obj["metadata"].get("uid") != uid):
+            raise NotFound(f"pod {key} not found")
+        labels = obj["metadata"].get("labels") or {}
+        budgets = [k for k, b in self.pdbs.items() if b.covers(namespace, labels)]
+        if len(budgets) > 1:
+            raise KubeError(f"cannot evict pod {key}: it matches several PodDisruptionBudgets", 500)
+        if budgets and self.pdbs[budgets[0]].disruptions_allowed <= 0:
+            raise EvictionBlocked(
+                f"cannot evict pod {key}: Cannot evict pod as it would violate the pod's disruption budget.", 429
+            )
+        if budgets:
+            b = self.pdbs[budgets[0]]
+            self.pdbs[budgets[0]] = dataclasses.replace(b, disruptions_allowed=b.disruptions_allowed - 1)
+        self.evictions.append(key)
+        if self.evict_deletes or not obj.get("spec", {}).get("nodeName"):
+            self.delete_pod(key)
+            return
+        obj["metadata"].setdefault("deletionTimestamp", "2026-01-01T00:00:00Z")
+        self._bump(obj)
+        self._emit("pod", MODIFIED, obj)
+
+    async def set_nominated_node(self, namespace: str, name: str, node: str) -> None:
+        key = f"{namespace}/{name}"
+        self._check(f"set nominated node of {key}")
+        obj = self.pods.get(key)
+        if obj is None:
+            raise NotFound(f"pod {key} not found")
+        obj.setdefault("status", {})["nominatedNodeName"] = node
+        self._bump(obj)
+        self._emit("pod", MODIFIED, obj)
+
+    async def create_event(self, event: PodEvent, component: str) -> None:
+        self._check(f"create event {event.reason}")
+        self.events.append(event)
+
+    async def list_disruption_budgets(self) -> list[DisruptionBudget]:
+        self._check("list poddisruptionbudgets")
+        return list(self.pdbs.values())
 
     # ----- leases ---------------------------------------------------------------------------------------------
     async def get_lease(self, namespace: str, name: str) -> LeaseRecord:

@@ -9,16 +9,29 @@ stand-in that tests and the benchmark use. Objects cross the interface as the py
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from sharegpu.kube.client import KubeClient
+from sharegpu.kube.errors import EvictionBlocked, TooManyRequests
 from sharegpu.kube.informer import ADDED, DELETED, MODIFIED
 from sharegpu.kube.lease import LeaseRecord, lease_object, lease_record
 from sharegpu.kube.schema import Node, Pod
 
-__all__ = ["ADDED", "BINDS_IN_FLIGHT", "DELETED", "MODIFIED", "ClusterApi", "LightkubeClusterApi"]
+__all__ = [
+    "ADDED",
+    "BINDS_IN_FLIGHT",
+    "DELETED",
+    "MODIFIED",
+    "ClusterApi",
+    "DisruptionApi",
+    "DisruptionBudget",
+    "LightkubeClusterApi",
+    "PodEvent",
+]
 
 BINDS_IN_FLIGHT = 8
 
@@ -68,6 +81,88 @@ class ClusterApi(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """One ``matchExpressions`` entry of a label selector."""
+
+    key: str
+    operator: str  # In | NotIn | Exists | DoesNotExist
+    values: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DisruptionBudget:
+    """A policy/v1 PodDisruptionBudget, as far as preemption needs it: whom it covers and whether one more of them
+    may be disrupted now (``status.disruptionsAllowed``, kept by the kube-controller-manager)."""
+
+    namespace: str
+    name: str
+    match_labels: tuple[tuple[str, str], ...] | None  # None: a null selector, which covers no pod
+    match_expressions: tuple[Requirement, ...]
+    disruptions_allowed: int
+
+    def covers(self, namespace: str, labels: Mapping[str, str]) -> bool:
+        """Whether the budget's selector selects a pod of ``namespace`` with ``labels`` (an empty selector selects
+        every pod of its namespace, as policy/v1 says)."""
+        if namespace != self.namespace or self.match_labels is None:
+            return False
+        if any(labels.get(k) != v for k, v in self.match_labels):
+            return False
+        for r in self.match_expressions:
+            present = r.key in labels
+            ok = {
+                "In": present and labels.get(r.key) in r.values,
+                "NotIn": not present or labels.get(r.key) not in r.values,
+                "Exists": present,
+                "DoesNotExist": not present,
+            }.get(r.operator, False)  # an operator the API server would refuse: select nothing rather than all
+            if not ok:
+                return False
+        return True
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> DisruptionBudget:
+        meta = obj.get("metadata") or {}
+        sel = (obj.get("spec") or {}).get("selector")
+        labels = None if sel is None else tuple(sorted((sel.get("matchLabels") or {}).items()))
+        exprs = tuple(
+            Requirement(e.get("key", ""), e.get("operator", ""), tuple(e.get("values") or ()))
+            for e in ((sel or {}).get("matchExpressions") or ())
+        )
+        allowed = int((obj.get("status") or {}).get("disruptionsAllowed") or 0)
+        return cls(meta.get("namespace", ""), meta.get("name", ""), labels, exprs, allowed)
+
+
+@dataclass(frozen=True, slots=True)
+class PodEvent:
+    """A core/v1 Event about a pod (``type`` Normal or Warning)."""
+
+    namespace: str
+    pod: str
+    uid: str
+    reason: str
+    message: str
+    type: str = "Normal"
+
+
+class DisruptionApi(Protocol):
+    """What preemption asks of the API server besides the view's lists and watches."""
+
+    async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:
+        """Evict the pod through the Eviction API (policy/v1), which honours PodDisruptionBudgets; raises
+        :class:`~sharegpu.kube.errors.EvictionBlocked` when a budget forbids it now, NotFound when the pod is gone
+        (or, with ``uid``, replaced)."""
+        ...
+
+    async def set_nominated_node(self, namespace: str, name: str, node: str) -> None:
+        """Write ``status.nominatedNodeName`` (the pod's status subresource; "" clears it)."""
+        ...
+
+    async def create_event(self, event: PodEvent, component: str) -> None: ...
+
+    async def list_disruption_budgets(self) -> Sequence[DisruptionBudget]: ...
 
 
 class LightkubeClusterApi:
@@ -154,6 +249,61 @@ class LightkubeClusterApi:
         async with self._binds:
             # The API server answers a Binding with a Status (201), not a Binding.
             await self.client.post_undecoded(binding, name, namespace, f"bind pod {namespace}/{name} to {node}")
+
+    # ----- preemption (sharegpu.k8s.preemption) ----------------------------------------------------------------
+    async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:
+        from lightkube.models.meta_v1 import DeleteOptions, ObjectMeta, Preconditions
+        from lightkube.resources.core_v1 import Pod as KPod
+
+        eviction = KPod.Eviction(
+            metadata=ObjectMeta(name=name, namespace=namespace),
+            # The UID precondition: a pod deleted and created again under the same name is not evicted in its place.
+            deleteOptions=DeleteOptions(preconditions=Preconditions(uid=uid)) if uid else None,
+        )
+        what = f"evict pod {namespace}/{name}"
+        try:
+            await self.client.post_undecoded(eviction, name, namespace, what)
+        except TooManyRequests as e:
+            # On an Eviction a 429 is the PodDisruptionBudget's answer, not load shedding.
+            raise EvictionBlocked(
+                f"cannot {what}: its PodDisruptionBudget allows no disruption now ({e})", 429
+            ) from None
+
+    async def set_nominated_node(self, namespace: str, name: str, node: str) -> None:
+        from lightkube.resources.core_v1 import Pod as KPod
+
+        body = {"status": {"nominatedNodeName": node or None}}
+        await self.client.merge_patch(
+            KPod.Status, name, body, f"set the nominated node of pod {namespace}/{name} to {node!r}", namespace
+        )
+
+    async def create_event(self, event: PodEvent, component: str) -> None:
+        from lightkube.models.core_v1 import EventSource, ObjectReference
+        from lightkube.models.meta_v1 import ObjectMeta
+        from lightkube.resources.core_v1 import Event
+
+        now = datetime.now(UTC)
+        obj = Event(
+            metadata=ObjectMeta(generateName=f"{event.pod}.", namespace=event.namespace),
+            involvedObject=ObjectReference(
+                apiVersion="v1", kind="Pod", name=event.pod, namespace=event.namespace, uid=event.uid or None
+            ),
+            reason=event.reason,
+            message=event.message,
+            type=event.type,
+            source=EventSource(component=component),
+            reportingComponent=component,
+            firstTimestamp=now,
+            lastTimestamp=now,
+            count=1,
+        )
+        await self.client.create(obj, f"create event {event.reason} on pod {event.namespace}/{event.pod}")
+
+    async def list_disruption_budgets(self) -> list[DisruptionBudget]:
+        from lightkube.resources.policy_v1 import PodDisruptionBudget
+
+        items, _ = await self.client.list(PodDisruptionBudget, "list poddisruptionbudgets", namespace="*")
+        return [DisruptionBudget.from_object(i) for i in items]
 
     # ----- leases (leader election) ----------------------------------------------------------------------------
     async def get_lease(self, namespace: str, name: str) -> LeaseRecord:

@@ -12,6 +12,7 @@ up) and whose message says what failed and, where the cause is known, what to ch
     │   └── ExecPluginError       (sharegpu.kube.exec_auth) the exec plugin gave no token
     ├── NotFound                  404
     ├── Conflict                  409: a precondition (resourceVersion, UID) failed, or the object exists
+    ├── EvictionBlocked           429 on an Eviction: a PodDisruptionBudget allows no disruption now
     ├── Gone                      410: the resourceVersion asked for is too old; list again
     ├── Unauthorized              401: the credentials were refused
     └── Forbidden                 403: the credentials lack the permission (RBAC)
@@ -48,6 +49,11 @@ class NotFound(KubeError):
 
 class Conflict(KubeError):
     """409: a precondition (resourceVersion, UID) failed since the object was read, or it exists already."""
+
+
+class EvictionBlocked(KubeError):
+    """429 to an Eviction: the pod's PodDisruptionBudget allows no disruption now (or the pod matches several
+    budgets); the pod was not evicted. Retry once the budget allows one, or choose another pod."""
 
 
 class Gone(KubeError):

@@ -1,0 +1,557 @@
+"""Preemption for GPU shortfalls in the running system (issue 19): the extender's leader evicts lower-priority pods so
+that a pending pod that fits nowhere for GPU room gets it, and holds the freed room for that pod.
+
+The kube-scheduler cannot do this itself: it counts ``sharegpu.io/gpu`` as opaque tokens, so a pod short of GPU
+memory, compute, MIG slots or whole GPUs finds no victims in its own preemption. This controller runs beside the
+extender, on its ledger, every ``interval_s`` while its replica is the leader:
+
+1. candidates: pods of this scheduler that ask for sharegpu, are unbound, were refused by the scheduler
+   (``PodScheduled=False``, reason ``Unschedulable``) and fit on no node for GPU room now (the ``gpu-busy`` class of
+   :func:`sharegpu.k8s.status.pending_pods`, the same judgement ``sharegpu status`` shows); highest
+   ``spec.priority`` first; ``preemptionPolicy: Never`` waits instead;
+2. plan with :func:`sharegpu.placement.preemption.plan_preemption` on the ledger as it will be once what is already
+   leaving has left (terminating pods gone, earlier reservations placed), so that two preemptors never count on the
+   same freed room and a pod already terminating is never chosen again; facts from the API objects (priorities,
+   start times, PodDisruptionBudgets whose ``disruptionsAllowed`` is 0);
+3. evict the victims through the Eviction API (a budget that refuses, 429, ends the plan: recorded, retried after a
+   back-off), set the preemptor's ``status.nominatedNodeName``, write Events and count metrics;
+4. reserve: while the victims terminate they keep their share in the ledger (a terminating pod holds its
+   assignment until it is deleted or finishes), so nothing else can be placed there; the moment the last one is
+   gone (:meth:`PreemptionController.settle`, called by the view on every pod change, before any later filter can
+   run) the room is held for the preemptor in the view (a HELD reservation, as filter's own), until it binds or
+   ``reserve_s`` passes. The preemptor's own filter drops its hold first and so sees the room; any other pod's does
+   not.
+
+Only the leader acts; reservations live in this process, and a new leader adopts a preemption in progress from the
+API server's objects alone (a pending pod nominated to a node where lower-priority pods terminate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sharegpu.k8s.status import pending_pods
+from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.api import DisruptionApi, DisruptionBudget, PodEvent
+from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
+from sharegpu.kube.schema import Node, Pod
+from sharegpu.ledger import Ledger, LedgerError
+from sharegpu.model.assignment import Assignment
+from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
+from sharegpu.placement.framework import Decision
+from sharegpu.placement.preemption import (
+    PodFacts,
+    PreemptionError,
+    PreemptionPlan,
+    PreemptionPolicy,
+    Preemptor,
+    copy_ledger,
+    kube_candidate_limit,
+    plan_preemption,
+)
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "sharegpu-preemption"
+# A priority no preemptor reaches (pod priorities are int32): pods that must never be chosen as victims (already
+# terminating, not bound yet, or held for another preemptor) are given it in the planner's facts.
+EXEMPT = 2**31
+GPU_ROOM = "gpu-busy"  # the pending-pod class of a GPU shortfall (sharegpu.k8s.status.REASON_CLASSES)
+
+
+class Outcome(StrEnum):
+    """``outcome`` of ``sharegpu_preemptions_total``."""
+
+    PREEMPTED = "preempted"  # victims evicted, room reserved on the nominated node
+    ADOPTED = "adopted"  # room already on its way (pods terminating there): reserved without evicting
+    BLOCKED = "blocked"  # a PodDisruptionBudget refused an eviction: the plan was given up
+    FAILED = "failed"  # the API server refused or could not be reached
+    NO_ROOM = "no_room"  # no node where evicting lower-priority pods makes it fit
+    NEVER = "never"  # preemptionPolicy Never: it waits
+    BOUND = "bound"  # a preemptor bound after its preemption
+    EXPIRED = "expired"  # a reservation lapsed: victims never left, or the preemptor never came to bind
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    interval_s: float = 2.0  # between two rounds
+    reserve_s: float = 60.0  # how long freed room stays held for a preemptor that has not bound yet
+    victims_timeout_s: float = 600.0  # give a reservation up when its victims have not left by then
+    backoff_s: float = 20.0  # before a preemptor whose plan failed (budget, API error, no room) is planned again
+    max_per_round: int = 16  # preemptions started per round: evictions come in bounded bursts
+
+
+class PreemptionMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.preemptions = Counter(
+            "sharegpu_preemptions", "Preemption attempts for GPU room, by outcome.", ["outcome"], registry=registry
+        )
+        self.victims = Counter(
+            "sharegpu_preemption_victims", "Pods evicted to make GPU room for higher-priority pods.", registry=registry
+        )
+        self.reservations = Gauge(
+            "sharegpu_preemption_reservations",
+            "Preemptors whose room is being freed or held for them now.",
+            registry=registry,
+        )
+        self.time_to_bind = Histogram(
+            "sharegpu_preemption_bind_seconds",
+            "From a preemption's evictions to its preemptor seen bound.",
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        for o in Outcome:
+            self.preemptions.labels(o.value)
+
+    def count(self, outcome: Outcome) -> None:
+        self.preemptions.labels(outcome.value).inc()
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """Room being freed on ``node`` for pod ``pod``: its ``victims`` must leave the ledger first."""
+
+    pod: str
+    uid: str
+    priority: int
+    node: str
+    assignment: Assignment | None  # the planner's choice; decided afresh when it no longer fits
+    victims: frozenset[str]
+    started: float
+    freed_at: float | None = None  # when the last victim was seen gone
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did (for logs and tests)."""
+
+    candidates: int
+    preempted: tuple[str, ...] = ()  # preemptors whose victims were evicted (or room adopted)
+    evicted: tuple[str, ...] = ()
+    refused: Mapping[str, str] = field(default_factory=dict)  # preemptor → why not
+
+
+# ----- reading pods -----------------------------------------------------------------------------------------------
+def _extra(part: Any, name: str) -> Any:
+    return (part.model_extra or {}).get(name)
+
+
+def pod_priority(pod: Pod) -> int:
+    value = _extra(pod.spec, "priority")
+    return int(value) if isinstance(value, int | float) else 0  # no PriorityClass: 0, as the API server defaults
+
+
+def preemption_policy(pod: Pod) -> PreemptionPolicy:
+    value = _extra(pod.spec, "preemptionPolicy")
+    return PreemptionPolicy.NEVER if value == PreemptionPolicy.NEVER.value else PreemptionPolicy.PREEMPT_LOWER_PRIORITY
+
+
+def nominated_node(pod: Pod) -> str:
+    return str(_extra(pod.status, "nominatedNodeName") or "")
+
+
+def unschedulable(pod: Pod) -> bool:
+    """Whether the scheduler tried the pod and found no node (``PodScheduled=False``, reason ``Unschedulable``)."""
+    for c in _extra(pod.status, "conditions") or ():
+        if isinstance(c, dict) and c.get("type") == "PodScheduled":
+            return c.get("status") == "False" and c.get("reason") == "Unschedulable"
+    return False
+
+
+def start_time(pod: Pod) -> float | None:
+    text = _extra(pod.status, "startTime")
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _created(pod: Pod) -> str:
+    return str(_extra(pod.metadata, "creationTimestamp") or "")
+
+
+class ObservedView(ClusterView):
+    """The cluster view, calling ``pod_listeners`` after every pod change it applies (a watch event or a relist):
+    preemption must hold freed room in the same step that frees it, before any filter call can run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pod_listeners: list[Callable[[], None]] = []
+
+    def apply_pod(self, event: str, pod: Pod) -> None:
+        super().apply_pod(event, pod)
+        self._changed()
+
+    def reset(self, nodes: Iterable[Node], pods: Iterable[Pod]) -> None:
+        super().reset(nodes, pods)
+        self._changed()
+
+    def _changed(self) -> None:
+        for listener in self.pod_listeners:
+            listener()
+
+
+class PreemptionController:
+    def __init__(
+        self,
+        view: ObservedView,
+        api: DisruptionApi,
+        metrics: PreemptionMetrics,
+        scheduler_name: str = DEFAULT_SCHEDULER_NAME,
+        is_leader: Callable[[], bool] = lambda: True,
+        config: PreemptionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.view, self.api, self.metrics = view, api, metrics
+        self.scheduler_name = scheduler_name
+        self.is_leader = is_leader
+        self.config = config or PreemptionConfig()
+        self.clock = clock
+        self._reservations: dict[str, _Reservation] = {}
+        self._backoff: dict[str, float] = {}  # preemptor → not before (clock)
+        self._never_seen: set[str] = set()  # Never pods counted once each (by UID)
+        self._events: set[asyncio.Future[None]] = set()
+
+    # ----- the view's hook ----------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Settle reservations on every pod change the view applies, so that freed room is held before the next
+        filter call can see it (the view applies watch events synchronously, between two extender calls)."""
+        self.view.pod_listeners.append(self.settle)
+
+    def reservations(self) -> dict[str, str]:
+        """Preemptor → nominated node, of the reservations in progress."""
+        return {k: r.node for k, r in self._reservations.items()}
+
+    def drop_all(self) -> None:
+        """This replica is no longer the leader: forget the reservations (the view drops its holds itself)."""
+        self._reservations.clear()
+        self._backoff.clear()
+        self.metrics.reservations.set(0)
+
+    def settle(self) -> None:
+        """Hold the room for each preemptor whose victims are all gone; end reservations that are done."""
+        if not self._reservations:
+            return
+        view = self.view
+        if not view.synced:
+            return
+        now = self.clock()
+        led = view.ledger
+        for key, r in list(self._reservations.items()):
+            pod = view.pod(key)
+            if pod is None or (r.uid and pod.metadata.uid != r.uid) or pod.finished or pod.metadata.deletion_timestamp:
+                self._end(key, None)
+                continue
+            if pod.spec.node_name:
+                self._end(key, Outcome.BOUND)
+                self.metrics.time_to_bind.observe(max(now - r.started, 0.0))
+                log.info("preemptor %s bound %.1fs after its preemption", key, now - r.started)
+                continue
+            if view.in_flight(key):
+                continue  # held (by this reservation or its own filter) or being bound
+            if any(v in led.assignments for v in r.victims):
+                if now - r.started > self.config.victims_timeout_s:
+                    self._end(key, Outcome.EXPIRED)
+                    log.warning("preemption for %s given up: its victims did not leave in time", key)
+                continue
+            if r.freed_at is None:
+                r.freed_at = now
+            if now - r.freed_at > self.config.reserve_s:
+                self._end(key, Outcome.EXPIRED)
+                log.info(
+                    "room held for %s on %s released: it did not bind in %.0fs", key, r.node, self.config.reserve_s
+                )
+                continue
+            self._hold(r, r.freed_at + self.config.reserve_s)
+
+    def _hold(self, r: _Reservation, expires: float) -> None:
+        view = self.view
+        a = r.assignment
+        if a is not None:
+            try:
+                view.hold(a, r.uid, expires)
+                return
+            except LedgerError:
+                pass  # something changed on the node since the plan (e.g. a GPU's mechanism): decide afresh
+        req = view.request(r.pod)
+        n = view.ledger.index.get(r.node)
+        if req is None or n is None:
+            return
+        decision = view.scheduler().decide_on(req, n)
+        if isinstance(decision, Decision):
+            try:
+                view.hold(decision.assignment, r.uid, expires)
+                r.assignment = decision.assignment
+            except LedgerError as e:
+                log.info("cannot hold room for %s on %s yet: %s", r.pod, r.node, e)
+
+    def _end(self, key: str, outcome: Outcome | None) -> None:
+        self._reservations.pop(key, None)
+        self.metrics.reservations.set(len(self._reservations))
+        if outcome is not None:
+            self.metrics.count(outcome)
+
+    # ----- rounds --------------------------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """A round every ``interval_s`` while this replica leads and its view is in sync, until ``stop``."""
+        try:
+            while not stop.is_set():
+                if self.is_leader() and self.view.synced:
+                    try:
+                        await self.round()
+                    except Exception:  # a bug must not end preemption for the life of the process
+                        log.exception("preemption round failed")
+                elif self._reservations:
+                    self.drop_all()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.config.interval_s)
+        finally:
+            if self._events:
+                await asyncio.gather(*self._events, return_exceptions=True)
+
+    async def round(self) -> RoundReport:
+        self.settle()
+        candidates = self._candidates()
+        if not candidates:
+            return RoundReport(0)
+        try:
+            budgets: Sequence[DisruptionBudget] = await self.api.list_disruption_budgets()
+        except KubeError as e:
+            log.warning("preemption waits: cannot list PodDisruptionBudgets: %s", e)
+            return RoundReport(len(candidates))
+        preempted: list[str] = []
+        evicted: list[str] = []
+        refused: dict[str, str] = {}
+        for pod in candidates[: self.config.max_per_round]:
+            if not (self.is_leader() and self.view.synced):
+                break  # lost the lead (or the API server) in the middle of the round
+            why, victims = await self._preempt(pod, budgets)
+            if why:
+                refused[pod.key] = why
+            else:
+                preempted.append(pod.key)
+                evicted.extend(victims)
+        return RoundReport(len(candidates), tuple(preempted), tuple(evicted), refused)
+
+    def _candidates(self) -> list[Pod]:
+        view = self.view
+        now = self.clock()
+        out: list[Pod] = []
+        for p in pending_pods(view):
+            if p.reason != GPU_ROOM or p.pod in self._reservations or self._backoff.get(p.pod, 0.0) > now:
+                continue
+            pod = view.pod(p.pod)
+            if pod is None or pod.spec.scheduler_name != self.scheduler_name or not unschedulable(pod):
+                continue
+            if preemption_policy(pod) is PreemptionPolicy.NEVER:
+                if pod.metadata.uid not in self._never_seen:
+                    self._never_seen.add(pod.metadata.uid)
+                    self.metrics.count(Outcome.NEVER)
+                continue
+            out.append(pod)
+        out.sort(key=lambda pod: (-pod_priority(pod), _created(pod), pod.key))
+        return out
+
+    def _facts(self, led: Ledger, budgets: Sequence[DisruptionBudget]) -> PodFacts:
+        """Facts about the pods placed on ``led``; a pod that is not a bound, running pod of the view (a hold, a
+        reservation, one leaving) is never a victim (``EXEMPT``, also the default)."""
+        view = self.view
+        priority: dict[str, int] = {}
+        start: dict[str, float] = {}
+        protected: set[str] = set()
+        for key in led.assignments:
+            pod = view.pod(key)
+            if pod is None or not pod.spec.node_name or pod.metadata.deletion_timestamp or view.in_flight(key):
+                # Not a running pod (a hold or bind of this process, or one already leaving): never a victim.
+                priority[key] = EXEMPT
+                continue
+            priority[key] = pod_priority(pod)
+            if (t := start_time(pod)) is not None:
+                start[key] = t
+            ns, labels = pod.metadata.namespace, pod.metadata.labels
+            if any(b.disruptions_allowed <= 0 and b.covers(ns, labels) for b in budgets):
+                protected.add(key)
+        return PodFacts(priority, start, protected.__contains__, default_priority=EXEMPT)
+
+    def _future_ledger(self) -> Ledger:
+        """The ledger once what is leaving has left: terminating pods gone, every reservation's room taken."""
+        view = self.view
+        led = copy_ledger(view.ledger)
+        # Our own victims count as leaving even before the watch shows them terminating.
+        evicted = {v for r in self._reservations.values() for v in r.victims}
+        for key in list(led.assignments):
+            pod = view.pod(key)
+            leaving = pod is not None and bool(pod.metadata.deletion_timestamp) and bool(pod.spec.node_name)
+            if leaving or key in evicted:
+                led.release(key)
+        for r in self._reservations.values():
+            if r.pod in led.assignments or r.assignment is None:
+                continue
+            with contextlib.suppress(LedgerError):
+                led.place(r.assignment, check_health=False)
+        return led
+
+    async def _preempt(self, pod: Pod, budgets: Sequence[DisruptionBudget]) -> tuple[str, tuple[str, ...]]:
+        """Preempt for ``pod``: ("", victims) when done, (why not, ()) otherwise."""
+        view = self.view
+        key = pod.key
+        req = view.request(key)
+        if req is None:
+            return "its request cannot be read", ()
+        prio = pod_priority(pod)
+        future = self._future_ledger()
+        try:
+            plan = plan_preemption(
+                future,
+                Preemptor(req, prio, preemption_policy(pod)),
+                view.scheduler().policy,
+                self._facts(future, budgets),
+                max_candidates=kube_candidate_limit(len(future.nodes)),
+            )
+        except PreemptionError as e:
+            self.metrics.count(Outcome.NO_ROOM)
+            self._backoff[key] = self.clock() + self.config.backoff_s
+            log.info("no preemption for %s: %s", key, e)
+            return str(e), ()
+        # Never a victim of equal or higher priority: the planner guarantees it; a violation here is a bug.
+        assert all(v.priority < prio for v in plan.victims), plan
+        if not plan.victims:
+            return await self._adopt(pod, prio, plan)
+        # Those a budget protects first: a refusal then ends the plan before the others are evicted for nothing.
+        order = sorted(plan.victims, key=lambda v: not v.violates_pdb)
+        done: list[str] = []
+        for v in order:
+            victim = view.pod(v.pod)
+            ns, _, name = v.pod.partition("/")
+            try:
+                await self.api.evict_pod(ns, name, victim.metadata.uid if victim is not None else "")
+            except NotFound:
+                pass  # gone already: its room comes anyway
+            except EvictionBlocked as e:
+                return self._gave_up(
+                    pod, Outcome.BLOCKED, f"eviction of {v.pod} refused by its PodDisruptionBudget", e, done
+                )
+            except KubeError as e:
+                return self._gave_up(pod, Outcome.FAILED, f"eviction of {v.pod} failed", e, done)
+            done.append(v.pod)
+        self.metrics.victims.inc(len(done))
+        self.metrics.count(Outcome.PREEMPTED)
+        self._reservations[key] = _Reservation(
+            key, pod.metadata.uid, prio, plan.node, plan.assignment, frozenset(plan.victim_pods), self.clock()
+        )
+        self.metrics.reservations.set(len(self._reservations))
+        log.info(
+            "preempting %d pod(s) on %s for %s (priority %d): %s",
+            len(done),
+            plan.node,
+            key,
+            prio,
+            ", ".join(f"{v.pod} (priority {v.priority})" for v in plan.victims),
+        )
+        await self._nominate(pod, plan.node)
+        for v in plan.victims:
+            vns, _, vname = v.pod.partition("/")
+            victim = view.pod(v.pod)
+            self._event(
+                PodEvent(
+                    vns,
+                    vname,
+                    victim.metadata.uid if victim is not None else "",
+                    "Preempted",
+                    f"preempted by {key} (priority {prio}) for GPU room on node {plan.node}",
+                    "Normal",
+                )
+            )
+        self._event(
+            PodEvent(
+                pod.metadata.namespace,
+                pod.metadata.name,
+                pod.metadata.uid,
+                "Preempting",
+                f"Preempting {len(plan.victims)} pod(s) on node {plan.node}: " + ", ".join(v.pod for v in plan.victims),
+            )
+        )
+        self.settle()  # victims evicted without a grace period may be gone already
+        return "", tuple(done)
+
+    async def _adopt(self, pod: Pod, prio: int, plan: PreemptionPlan) -> tuple[str, tuple[str, ...]]:
+        """The pod fits once pods already terminating have left (a preemption of an earlier leader, or pods
+        deleted by their owners): reserve that room for it, evicting nothing."""
+        key = pod.key
+        leaving = frozenset(
+            k
+            for k in self.view.ledger.node_pods[plan.node_index]
+            if (p := self.view.pod(k)) is not None and p.metadata.deletion_timestamp
+        )
+        self._reservations[key] = _Reservation(
+            key, pod.metadata.uid, prio, plan.node, plan.assignment, leaving, self.clock()
+        )
+        self.metrics.reservations.set(len(self._reservations))
+        self.metrics.count(Outcome.ADOPTED)
+        log.info(
+            "room leaving %s reserved for %s (priority %d): %d pod(s) terminating there",
+            plan.node,
+            key,
+            prio,
+            len(leaving),
+        )
+        if nominated_node(pod) != plan.node:
+            await self._nominate(pod, plan.node)
+        self.settle()
+        return "", ()
+
+    def _gave_up(
+        self, pod: Pod, outcome: Outcome, what: str, e: KubeError, evicted: list[str]
+    ) -> tuple[str, tuple[str, ...]]:
+        self.metrics.count(outcome)
+        self.metrics.victims.inc(len(evicted))
+        self._backoff[pod.key] = self.clock() + self.config.backoff_s
+        why = f"{what}: {e}" + (f" (already evicted: {', '.join(evicted)})" if evicted else "")
+        log.warning("preemption for %s given up: %s", pod.key, why)
+        self._event(
+            PodEvent(
+                pod.metadata.namespace,
+                pod.metadata.name,
+                pod.metadata.uid,
+                "PreemptionBlocked" if outcome is Outcome.BLOCKED else "PreemptionFailed",
+                f"sharegpu could not preempt for GPU room: {why}; retrying in {self.config.backoff_s:.0f}s",
+                "Warning",
+            )
+        )
+        return why, ()
+
+    async def _nominate(self, pod: Pod, node: str) -> None:
+        try:
+            await self.api.set_nominated_node(pod.metadata.namespace, pod.metadata.name, node)
+        except KubeError as e:
+            # The reservation, not the nomination, holds the room: go on without it.
+            log.warning("cannot nominate %s for %s: %s", node, pod.key, e)
+
+    def _event(self, event: PodEvent) -> None:
+        """Create an Event without waiting for it: Events are best effort and must not slow preemption down."""
+
+        async def create() -> None:
+            try:
+                await self.api.create_event(event, COMPONENT)
+            except KubeError as e:
+                log.info("cannot record event %s on %s/%s: %s", event.reason, event.namespace, event.pod, e)
+
+        task = asyncio.ensure_future(create())
+        self._events.add(task)
+        task.add_done_callback(self._events.discard)
+
+    async def flush_events(self) -> None:
+        if self._events:
+            await asyncio.gather(*self._events, return_exceptions=True)

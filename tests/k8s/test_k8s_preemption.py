@@ -1,0 +1,296 @@
+"""Preemption for GPU shortfalls in the running system (issue 19): the controller beside the extender, against the
+in-memory API server.
+
+Each test builds nodes whose GPUs are taken by low-priority pods (bound through the extender, as the scheduler
+would), marks a high-priority pod unschedulable (what the kube-scheduler writes after the filter refused it) and
+runs preemption rounds: who is evicted, what is nominated, and who may take the freed room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from k8s_helpers import node_spec, pod_obj
+from memory_api import MemoryClusterApi
+from prometheus_client import CollectorRegistry
+
+from sharegpu.k8s.extender import Extender
+from sharegpu.k8s.preemption import ObservedView, Outcome, PreemptionConfig, PreemptionController, PreemptionMetrics
+from sharegpu.kube.api import DisruptionBudget
+from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingArgs, Pod
+
+HIGH = 1000
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class Harness:
+    def __init__(self, api: MemoryClusterApi, view: ObservedView, leader: bool = True) -> None:
+        self.api, self.view = api, view
+        self.leader = leader
+        self.ext = Extender(view, api, is_leader=lambda: self.leader)
+        self.registry = CollectorRegistry()
+        self.ctrl = PreemptionController(
+            view,
+            api,
+            PreemptionMetrics(self.registry),
+            is_leader=lambda: self.leader,
+            config=PreemptionConfig(interval_s=0.01, backoff_s=60.0),
+        )
+        self.ctrl.attach()
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    async def nodes(self, *names: str, gpus: int = 1) -> None:
+        for n in names:
+            self.api.put_node(n, node_spec(n, gpus=gpus))
+        await until(lambda: self.view.synced and all(self.view.node_spec(n) for n in names), "nodes")
+
+    def pod(
+        self, name: str, priority: int = 0, never: bool = False, labels: dict[str, str] | None = None, **kw: Any
+    ) -> str:
+        obj = pod_obj(name, **kw)
+        obj["spec"]["priority"] = priority
+        if never:
+            obj["spec"]["preemptionPolicy"] = "Never"
+        obj["metadata"]["labels"] = dict(labels or {})
+        self.api.put_pod(obj)
+        return f"default/{name}"
+
+    async def placed(self, name: str, node: str, priority: int = 0, **kw: Any) -> str:
+        """A pod bound through the extender (filter, then bind), running since a given time."""
+        key = self.pod(name, priority, **kw)
+        await until(lambda: self.view.pod(key) is not None, key)
+        assert self.filter(key) == [node], f"{key} should fit on {node}"
+        err = (
+            await self.ext.bind(
+                ExtenderBindingArgs(PodName=name, PodNamespace="default", PodUID=self.uid(key), Node=node)
+            )
+        ).Error
+        assert err == "", err
+        obj = self.api.pods[key]
+        obj["status"].update(phase="Running", startTime="2026-01-01T00:00:00Z")
+        self.api.put_pod(obj)
+        await until(lambda: (p := self.view.pod(key)) is not None and p.spec.node_name == node, f"{key} bound")
+        return key
+
+    async def waiting(self, name: str, priority: int = HIGH, **kw: Any) -> str:
+        """A pod the scheduler found no node for (PodScheduled=False, Unschedulable)."""
+        key = self.pod(name, priority, **kw)
+        obj = self.api.pods[key]
+        obj["status"]["conditions"] = [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/1 nodes"}
+        ]
+        self.api.put_pod(obj)
+        await until(lambda: (p := self.view.pod(key)) is not None and bool(p.status.model_extra), f"{key} seen")
+        return key
+
+    def uid(self, key: str) -> str:
+        return str(self.api.pods[key]["metadata"]["uid"])
+
+    def filter(self, key: str) -> list[str]:
+        """The nodes the extender's filter passes for pod ``key`` (as the kube-scheduler would ask)."""
+        pod = Pod.model_validate(self.api.pods[key])
+        names = sorted(self.api.nodes)
+        return list(self.ext.filter(ExtenderArgs(Pod=pod, NodeNames=names)).NodeNames or [])
+
+    def nominated(self, key: str) -> str:
+        return str(self.api.pods[key].get("status", {}).get("nominatedNodeName", ""))
+
+    def terminating(self, key: str) -> bool:
+        return bool(self.api.pods[key]["metadata"].get("deletionTimestamp"))
+
+
+def run(body: Callable[[Harness], Awaitable[None]], leader: bool = True) -> None:
+    async def main() -> None:
+        api = MemoryClusterApi()
+        view = ObservedView(policy="bestfit")
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
+        h = Harness(api, view, leader)
+        try:
+            await body(h)
+            await h.ctrl.flush_events()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+
+
+def test_lower_priority_pod_is_evicted_and_its_room_is_held_for_the_preemptor_only() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        low = await h.placed("low", "n1", priority=0)  # the whole GPU
+        high = await h.waiting("high")
+        assert h.filter(high) == []
+
+        report = await h.ctrl.round()
+        assert report.preempted == (high,) and report.evicted == (low,)
+        assert h.api.evictions == [low]
+        assert h.nominated(high) == "n1"
+        # The victim terminates: it keeps its share, so nobody (not even the preemptor) fits yet.
+        assert h.terminating(low) and low in h.view.ledger.assignments
+        other = await h.waiting("other", priority=0)
+        assert h.filter(other) == [] and h.filter(high) == []
+        # A second round neither evicts again nor plans for the preemptor again.
+        await h.ctrl.round()
+        assert h.api.evictions == [low]
+
+        h.api.terminate(low)
+        await until(lambda: h.view.held(high) is not None, "room held for the preemptor")
+        # The freed room is the preemptor's: a lower-priority pod's filter finds none, the preemptor's finds it.
+        assert h.filter(other) == []
+        assert h.filter(high) == ["n1"]
+        err = (
+            await h.ext.bind(ExtenderBindingArgs(PodName="high", PodNamespace="default", PodUID=h.uid(high), Node="n1"))
+        ).Error
+        assert err == ""
+        await until(lambda: (p := h.view.pod(high)) is not None and p.spec.node_name == "n1", "preemptor bound")
+        await h.ctrl.round()
+        assert h.ctrl.reservations() == {}
+        assert h.filter(other) == []  # the GPU is the preemptor's now
+        h.view.ledger.check_invariants()
+
+        await h.ctrl.flush_events()
+        by_pod = {(e.pod, e.reason): e for e in h.api.events}
+        assert (
+            by_pod[("low", "Preempted")].message == "preempted by default/high (priority 1000) for GPU room on node n1"
+        )
+        assert by_pod[("high", "Preempting")].message.startswith("Preempting 1 pod(s) on node n1")
+        assert h.metric("sharegpu_preemptions_total", outcome=Outcome.PREEMPTED.value) == 1
+        assert h.metric("sharegpu_preemptions_total", outcome=Outcome.BOUND.value) == 1
+        assert h.metric("sharegpu_preemption_victims_total") == 1
+
+    run(body)
+
+
+def test_never_a_victim_of_equal_or_higher_priority() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1", "n2", "n3")
+        await h.placed("equal", "n1", priority=HIGH)
+        await h.placed("higher", "n2", priority=HIGH + 1)
+        low = await h.placed("low", "n3", priority=HIGH - 1)
+        high = await h.waiting("high")
+        report = await h.ctrl.round()
+        assert report.evicted == (low,), report
+        assert h.nominated(high) == "n3"
+        # A second preemptor of the same priority finds nothing it may evict (low is already leaving for high).
+        second = await h.waiting("second")
+        report = await h.ctrl.round()
+        assert second in report.refused and h.api.evictions == [low]
+        assert h.metric("sharegpu_preemptions_total", outcome=Outcome.NO_ROOM.value) == 1
+
+    run(body)
+
+
+def test_two_preemptors_never_count_on_the_same_freed_room() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1", "n2")
+        a = await h.placed("low-a", "n1")
+        b = await h.placed("low-b", "n2")
+        h1 = await h.waiting("high-1")
+        h2 = await h.waiting("high-2", priority=HIGH + 5)
+        report = await h.ctrl.round()
+        assert report.preempted == (h2, h1)  # the higher priority first
+        assert sorted(h.api.evictions) == [a, b]
+        assert {h.nominated(h1), h.nominated(h2)} == {"n1", "n2"}
+
+    run(body)
+
+
+def test_preemption_policy_never_waits() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        await h.placed("low", "n1")
+        await h.waiting("polite", never=True)
+        report = await h.ctrl.round()
+        assert report.candidates == 0 and h.api.evictions == []
+        assert h.metric("sharegpu_preemptions_total", outcome=Outcome.NEVER.value) == 1
+
+    run(body)
+
+
+def test_a_budget_that_refuses_the_eviction_ends_the_plan() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        low = await h.placed("low", "n1", labels={"app": "db"})
+        h.api.pdbs["default/db"] = DisruptionBudget("default", "db", (("app", "db"),), (), 0)
+        high = await h.waiting("high")
+        report = await h.ctrl.round()
+        assert high in report.refused and "PodDisruptionBudget" in report.refused[high]
+        assert h.api.evictions == [] and not h.terminating(low)
+        assert h.nominated(high) == "" and h.ctrl.reservations() == {}
+        await h.ctrl.flush_events()
+        assert [e.reason for e in h.api.events] == ["PreemptionBlocked"]
+        assert h.metric("sharegpu_preemptions_total", outcome=Outcome.BLOCKED.value) == 1
+        # Backed off: the next round does not ask again at once.
+        await h.ctrl.round()
+        assert h.api.calls.count(f"evict pod {low}") == 1
+
+    run(body)
+
+
+def test_the_node_whose_victims_no_budget_protects_is_chosen() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1", "n2")
+        await h.placed("guarded", "n1", labels={"app": "db"})  # lower priority, but protected
+        free = await h.placed("free", "n2", priority=10)
+        h.api.pdbs["default/db"] = DisruptionBudget("default", "db", (("app", "db"),), (), 0)
+        await h.waiting("high")
+        report = await h.ctrl.round()
+        assert report.evicted == (free,)
+
+    run(body)
+
+
+def test_only_the_leader_preempts() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        low = await h.placed("low", "n1")
+        h.leader = False
+        high = await h.waiting("high")
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(h.ctrl.run(stop))
+        try:
+            await asyncio.sleep(0.2)  # 20 intervals
+            assert h.api.evictions == [] and h.nominated(high) == ""
+            h.leader = True
+            await until(lambda: h.api.evictions == [low], "the new leader preempts")
+            h.leader = False  # stepping down forgets the reservations
+            await until(lambda: h.ctrl.reservations() == {}, "reservations dropped")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 5)
+
+    run(body)
+
+
+def test_a_new_leader_adopts_a_preemption_in_progress_without_evicting_again() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        low = await h.placed("low", "n1")
+        high = await h.waiting("high")
+        await h.ctrl.round()
+        assert h.api.evictions == [low]
+        await until(lambda: bool((p := h.view.pod(low)) and p.metadata.deletion_timestamp), "victim terminating")
+        h.ctrl.drop_all()  # as a new leader starts: nothing remembered
+        report = await h.ctrl.round()
+        assert report.preempted == (high,) and report.evicted == () and h.api.evictions == [low]
+        assert h.metric("sharegpu_preemptions_total", outcome=Outcome.ADOPTED.value) == 1
+        h.api.terminate(low)
+        await until(lambda: h.view.held(high) is not None, "room held for the preemptor")
+        other = await h.waiting("other", priority=0)
+        assert h.filter(other) == []
+
+    run(body)
