@@ -215,7 +215,7 @@ def test_an_unknown_outcome_keeps_the_reservation_until_the_pod_is_known_unbound
         # (so that Binding can never apply); only then is the reservation released.
         api.get_pod = real_get  # type: ignore[method-assign]
         api.drop_binds = 0
-        await ext._settle_unknown("default/train")
+        await ext.binder.settle_unknown("default/train")
         assert view.phase("default/train") is None
         assert api.pods["default/train"]["metadata"]["annotations"][FENCE_ANNOTATION] == rv0
         assert held(view) == {}

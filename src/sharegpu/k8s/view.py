@@ -24,6 +24,9 @@ from sharegpu.placement.fragmentation import Workload
 
 log = logging.getLogger(__name__)
 
+# What a placement refused while the view is out of sync says: the view may lack what another replica bound.
+NOT_SYNCED = "sharegpu has lost the API server and is reconnecting; no new placements until its view is back in sync"
+
 
 class ClusterView(LedgerView):
     def __init__(
