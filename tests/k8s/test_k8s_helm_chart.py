@@ -110,6 +110,12 @@ def test_rbac_is_least_privilege(default_docs: list[dict[str, Any]]) -> None:
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["create"]},
+        # Preemption (on by default): evictions through the Eviction API only (no pod delete), the nomination, its
+        # Events, and the budgets it must respect.
+        {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["list", "watch"]},
     ]
     for role in roles.values():
         for rule in role["rules"]:
@@ -122,6 +128,7 @@ def test_rbac_is_least_privilege(default_docs: list[dict[str, Any]]) -> None:
     assert extender["replicas"] == 2 and extender["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     args = extender["template"]["spec"]["containers"][0]["args"]
     assert "--leader-elect" in args and "--lease-name=sg-extender" in args
+    assert "--preemption" in args and "--preemption-interval=2" in args
     lease_rules = by_kind(default_docs, "Role")["sg-extender-leader-election"]["rules"]
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["sg-extender"],
             "verbs": ["get", "update"]} in lease_rules  # fmt: skip

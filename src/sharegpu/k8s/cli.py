@@ -135,11 +135,20 @@ def scheduler_extender(
         "the node sharegpu picks for a pod whose GPUs come from sharegpu DRA claims (the chart's "
         "scheduler.draSteering.enabled).",
     ),
+    preemption: bool = typer.Option(
+        True,
+        "--preemption/--no-preemption",
+        help="As the leader, evict lower-priority pods (Eviction API, PodDisruptionBudgets honoured) for a pending pod "
+        "that fits nowhere for GPU room, and hold the freed room for it (docs/multi-tenant.md).",
+    ),
+    preemption_interval: float = typer.Option(
+        2.0, "--preemption-interval", help="Seconds between two looks at the pending pods for preemption."
+    ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.extender import run_extender
     from sharegpu.k8s.leader import LeaderElector
-    from sharegpu.k8s.view import ClusterView
+    from sharegpu.k8s.preemption import ObservedView, PreemptionConfig
 
     _logging()
     try:
@@ -150,7 +159,10 @@ def scheduler_extender(
         if max_request_mib < 1:
             raise SetupError(f"--max-request-mib {max_request_mib} must be 1 or more")
         metrics = parse_listen(metrics_listen, "--metrics-listen") if metrics_listen is not None else None
-        view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name)
+        if not preemption_interval > 0:
+            raise SetupError(f"--preemption-interval {preemption_interval} must be more than 0 seconds, e.g. 2")
+        # ObservedView: the cluster view that tells preemption of every pod change (it holds freed room at once).
+        view = ObservedView(policy=policy, seed=seed, scheduler_name=scheduler_name)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
         dra_client = KubeClient(kubeconfig, "sharegpu-dra-steering") if dra_steering else None
@@ -179,6 +191,7 @@ def scheduler_extender(
                 elector=elector,
                 metrics_listen=metrics,
                 dra_client=dra_client,
+                preemption=(PreemptionConfig(interval_s=preemption_interval), api) if preemption else None,
             )
         )
     except OSError as e:

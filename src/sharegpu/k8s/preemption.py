@@ -141,6 +141,26 @@ class RoundReport:
     refused: Mapping[str, str] = field(default_factory=dict)  # preemptor → why not
 
 
+async def run_preemption(
+    view: ClusterView,
+    api: DisruptionApi,
+    registry: CollectorRegistry,
+    scheduler_name: str,
+    is_leader: Callable[[], bool],
+    config: PreemptionConfig,
+    stop: asyncio.Event,
+) -> None:
+    """Preemption beside a running extender (its view, its metrics' registry, its leadership) until ``stop``."""
+    if not isinstance(view, ObservedView):
+        raise TypeError(
+            "preemption needs an ObservedView (sharegpu.k8s.preemption): it holds freed room on pod changes"
+        )
+    ctrl = PreemptionController(view, api, PreemptionMetrics(registry), scheduler_name, is_leader, config)
+    ctrl.attach()
+    log.info("preemption for GPU room on (a round every %gs, while this replica leads)", config.interval_s)
+    await ctrl.run(stop)
+
+
 # ----- reading pods -----------------------------------------------------------------------------------------------
 def _extra(part: Any, name: str) -> Any:
     return (part.model_extra or {}).get(name)
