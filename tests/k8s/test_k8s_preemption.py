@@ -46,6 +46,7 @@ class Harness:
             config=PreemptionConfig(interval_s=0.01, backoff_s=60.0),
         )
         self.ctrl.attach()
+        self.ext.on_filter.append(self.ctrl.saw_filter)
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.registry.get_sample_value(name, labels)
@@ -84,7 +85,7 @@ class Harness:
         await until(lambda: (p := self.view.pod(key)) is not None and p.spec.node_name == node, f"{key} bound")
         return key
 
-    async def waiting(self, name: str, priority: int = HIGH, **kw: Any) -> str:
+    async def waiting(self, name: str, priority: int = HIGH, nodes: list[str] | None = None, **kw: Any) -> str:
         """A pod the scheduler found no node for (PodScheduled=False, Unschedulable)."""
         key = self.pod(name, priority, **kw)
         obj = self.api.pods[key]
@@ -93,15 +94,17 @@ class Harness:
         ]
         self.api.put_pod(obj)
         await until(lambda: (p := self.view.pod(key)) is not None and bool(p.status.model_extra), f"{key} seen")
+        assert self.filter(key, nodes) == [], f"{key} should fit nowhere"
         return key
 
     def uid(self, key: str) -> str:
         return str(self.api.pods[key]["metadata"]["uid"])
 
-    def filter(self, key: str) -> list[str]:
-        """The nodes the extender's filter passes for pod ``key`` (as the kube-scheduler would ask)."""
+    def filter(self, key: str, nodes: list[str] | None = None) -> list[str]:
+        """The nodes the extender's filter passes for pod ``key`` of ``nodes`` (default: all; those the
+        kube-scheduler's own filters passed)."""
         pod = Pod.model_validate(self.api.pods[key])
-        names = sorted(self.api.nodes)
+        names = sorted(self.api.nodes) if nodes is None else nodes
         return list(self.ext.filter(ExtenderArgs(Pod=pod, NodeNames=names)).NodeNames or [])
 
     def nominated(self, key: str) -> str:
@@ -292,5 +295,42 @@ def test_a_new_leader_adopts_a_preemption_in_progress_without_evicting_again() -
         await until(lambda: h.view.held(high) is not None, "room held for the preemptor")
         other = await h.waiting("other", priority=0)
         assert h.filter(other) == []
+
+    run(body)
+
+
+def test_room_freed_by_the_first_victim_is_kept_while_the_others_terminate() -> None:
+    """Found on the rig: two 40Gi victims share the GPU the preemptor needs whole; the first one gone left 40Gi that
+    a low-priority 40Gi pod took, and the preemptor never fitted."""
+
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        a = await h.placed("low-a", "n1", memory="40Gi")
+        b = await h.placed("low-b", "n1", memory="40Gi")
+        high = await h.waiting("high")
+        await h.ctrl.round()
+        assert sorted(h.api.evictions) == [a, b]
+        late = await h.waiting("late", priority=0, memory="40Gi")
+        h.api.terminate(a)
+        await until(lambda: h.view.pod(a) is None, "first victim gone")
+        assert h.filter(late) == [] and h.filter(high) == []
+        h.api.terminate(b)
+        await until(lambda: h.view.held(high) is not None, "room held for the preemptor")
+        assert h.filter(late) == []
+        assert h.filter(high) == ["n1"]
+        assert [k for k in h.view.ledger.assignments if "#" in k] == []  # the kept room went to the preemptor
+        h.view.ledger.check_invariants()
+
+    run(body)
+
+
+def test_victims_only_on_nodes_the_scheduler_passed_for_the_pod() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1", "n2")
+        await h.placed("cheap", "n1", priority=0)
+        dear = await h.placed("dear", "n2", priority=500)
+        await h.waiting("high", nodes=["n2"])  # its affinity (or taints) leave it n2 only
+        report = await h.ctrl.round()
+        assert report.evicted == (dear,)
 
     run(body)

@@ -70,6 +70,9 @@ class Extender:
         self.api = api
         self.is_leader = is_leader
         self.metrics = metrics or ClusterMetrics(view)  # issue 10: recorded by the HTTP layer (make_app)
+        # Told of every filter call (issue 19: preemption plans only on the nodes the kube-scheduler's own filters
+        # passed for the pod: its affinity, taints and the resources it counts).
+        self.on_filter: list[Callable[[ExtenderArgs], None]] = []
         self.binder = Binder(view, api, scheduler_name, is_leader)
         self.decisions = Decisions(
             view,
@@ -82,9 +85,11 @@ class Extender:
         )
 
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
-        return self.decisions.filter(args)
+        return self.filter_answer(args).result()
 
     def filter_answer(self, args: ExtenderArgs) -> FilterAnswer:
+        for seen in self.on_filter:
+            seen(args)
         return self.decisions.filter_answer(args)
 
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:
@@ -227,7 +232,9 @@ async def run_extender(
         registry = extender.metrics.registry
         leads = extender.is_leader
         tasks.append(
-            asyncio.ensure_future(run_preemption(view, disruption, registry, scheduler_name, leads, config, stop))
+            asyncio.ensure_future(
+                run_preemption(view, disruption, registry, scheduler_name, leads, config, stop, extender.on_filter)
+            )
         )
     if elector is not None:
 

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -44,7 +44,7 @@ from sharegpu.k8s.status import pending_pods
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.api import DisruptionApi, DisruptionBudget, PodEvent
 from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
-from sharegpu.kube.schema import Node, Pod
+from sharegpu.kube.schema import ExtenderArgs, Node, Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
@@ -129,6 +129,13 @@ class _Reservation:
     victims: frozenset[str]
     started: float
     freed_at: float | None = None  # when the last victim was seen gone
+    # The victims' assignments: a victim that is gone while others still terminate leaves its share held under a
+    # placeholder key (KEPT), so that a lower-priority pod cannot take the part of the room already freed.
+    kept: dict[str, Assignment] = field(default_factory=dict)
+
+    def placeholder(self, victim: str) -> str:
+        # Never a pod's key ("#" is not allowed in names), so no pod's filter or relist can take it for its own.
+        return f"{victim}#kept-for-{self.pod}"
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,7 @@ async def run_preemption(
     is_leader: Callable[[], bool],
     config: PreemptionConfig,
     stop: asyncio.Event,
+    filters: list[Callable[[ExtenderArgs], None]],
 ) -> None:
     """Preemption beside a running extender (its view, its metrics' registry, its leadership) until ``stop``."""
     if not isinstance(view, ObservedView):
@@ -157,6 +165,7 @@ async def run_preemption(
         )
     ctrl = PreemptionController(view, api, PreemptionMetrics(registry), scheduler_name, is_leader, config)
     ctrl.attach()
+    filters.append(ctrl.saw_filter)
     log.info("preemption for GPU room on (a round every %gs, while this replica leads)", config.interval_s)
     await ctrl.run(stop)
 
@@ -243,6 +252,9 @@ class PreemptionController:
         self._backoff: dict[str, float] = {}  # preemptor → not before (clock)
         self._never_seen: set[str] = set()  # Never pods counted once each (by UID)
         self._events: set[asyncio.Future[None]] = set()
+        # The nodes the kube-scheduler's own filters passed for each pod at its last filter call (by pod, with its
+        # UID): preemption never evicts on a node the pod cannot use (affinity, taints, CPU it counts).
+        self._passed: dict[str, tuple[str, tuple[str, ...]]] = {}
 
     # ----- the view's hook ----------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -250,12 +262,22 @@ class PreemptionController:
         filter call can see it (the view applies watch events synchronously, between two extender calls)."""
         self.view.pod_listeners.append(self.settle)
 
+    def saw_filter(self, args: ExtenderArgs) -> None:
+        """A filter call for a pod: remember the nodes the kube-scheduler sent (those its own filters passed)."""
+        pod = args.Pod
+        if not pod.metadata.name:
+            return
+        names = args.NodeNames if args.NodeNames is not None else (args.Nodes.names() if args.Nodes else [])
+        self._passed[pod.key] = (pod.metadata.uid, tuple(names))
+
     def reservations(self) -> dict[str, str]:
         """Preemptor → nominated node, of the reservations in progress."""
         return {k: r.node for k, r in self._reservations.items()}
 
     def drop_all(self) -> None:
-        """This replica is no longer the leader: forget the reservations (the view drops its holds itself)."""
+        """This replica is no longer the leader: forget the reservations and the room they kept."""
+        for r in self._reservations.values():
+            self._unkeep(r)
         self._reservations.clear()
         self._backoff.clear()
         self.metrics.reservations.set(0)
@@ -268,7 +290,6 @@ class PreemptionController:
         if not view.synced:
             return
         now = self.clock()
-        led = view.ledger
         for key, r in list(self._reservations.items()):
             pod = view.pod(key)
             if pod is None or (r.uid and pod.metadata.uid != r.uid) or pod.finished or pod.metadata.deletion_timestamp:
@@ -281,11 +302,17 @@ class PreemptionController:
                 continue
             if view.in_flight(key):
                 continue  # held (by this reservation or its own filter) or being bound
-            if any(v in led.assignments for v in r.victims):
+            leaving = [v for v in r.victims if self._present(v)]
+            if leaving:
                 if now - r.started > self.config.victims_timeout_s:
                     self._end(key, Outcome.EXPIRED)
                     log.warning("preemption for %s given up: its victims did not leave in time", key)
+                    continue
+                for v in r.victims:
+                    if v not in leaving:
+                        self._keep(r, v, r.started + self.config.victims_timeout_s)
                 continue
+            self._unkeep(r)
             if r.freed_at is None:
                 r.freed_at = now
             if now - r.freed_at > self.config.reserve_s:
@@ -295,6 +322,24 @@ class PreemptionController:
                 )
                 continue
             self._hold(r, r.freed_at + self.config.reserve_s)
+
+    def _present(self, key: str) -> bool:
+        pod = self.view.pod(key)
+        return pod is not None and not pod.finished and key in self.view.ledger.assignments
+
+    def _keep(self, r: _Reservation, victim: str, expires: float) -> None:
+        a = r.kept.get(victim)
+        key = r.placeholder(victim)
+        if a is None or self.view.held(key) is not None:
+            return
+        try:
+            self.view.hold(replace(a, pod=key), "", expires)
+        except LedgerError as e:  # its room was taken in the same step: the preemptor's hold will say so
+            log.info("cannot keep the room of %s for %s: %s", victim, r.pod, e)
+
+    def _unkeep(self, r: _Reservation) -> None:
+        for v in r.victims:
+            self.view.drop_hold(r.placeholder(v))
 
     def _hold(self, r: _Reservation, expires: float) -> None:
         view = self.view
@@ -318,7 +363,9 @@ class PreemptionController:
                 log.info("cannot hold room for %s on %s yet: %s", r.pod, r.node, e)
 
     def _end(self, key: str, outcome: Outcome | None) -> None:
-        self._reservations.pop(key, None)
+        r = self._reservations.pop(key, None)
+        if r is not None:
+            self._unkeep(r)
         self.metrics.reservations.set(len(self._reservations))
         if outcome is not None:
             self.metrics.count(outcome)
@@ -369,12 +416,22 @@ class PreemptionController:
         view = self.view
         now = self.clock()
         out: list[Pod] = []
+        for gone in [k for k in self._passed if view.pod(k) is None]:
+            del self._passed[gone]
+        sched = view.scheduler()
         for p in pending_pods(view):
-            if p.reason != GPU_ROOM or p.pod in self._reservations or self._backoff.get(p.pod, 0.0) > now:
+            if p.reason not in (GPU_ROOM, "fits") or p.pod in self._reservations or self._backoff.get(p.pod, 0.0) > now:
                 continue
             pod = view.pod(p.pod)
             if pod is None or pod.spec.scheduler_name != self.scheduler_name or not unschedulable(pod):
                 continue
+            idx = self._nodes_of(pod)
+            req = view.request(p.pod)
+            if not idx or req is None:
+                continue  # no filter call seen for it yet (the scheduler retries it soon), or nowhere to go
+            ok, _ = sched.feasible(req)
+            if ok[idx].any():
+                continue  # it fits on a node the scheduler may use: it waits for its next cycle, not for room
             if preemption_policy(pod) is PreemptionPolicy.NEVER:
                 if pod.metadata.uid not in self._never_seen:
                     self._never_seen.add(pod.metadata.uid)
@@ -383,6 +440,14 @@ class PreemptionController:
             out.append(pod)
         out.sort(key=lambda pod: (-pod_priority(pod), _created(pod), pod.key))
         return out
+
+    def _nodes_of(self, pod: Pod) -> list[int]:
+        """Ledger indices of the nodes the kube-scheduler passed for ``pod`` at its last filter call."""
+        seen = self._passed.get(pod.key)
+        if seen is None or seen[0] != pod.metadata.uid:
+            return []
+        index = self.view.ledger.index
+        return sorted({index[n] for n in seen[1] if n in index})
 
     def _facts(self, led: Ledger, budgets: Sequence[DisruptionBudget]) -> PodFacts:
         """Facts about the pods placed on ``led``; a pod that is not a bound, running pod of the view (a hold, a
@@ -417,6 +482,9 @@ class PreemptionController:
             if leaving or key in evicted:
                 led.release(key)
         for r in self._reservations.values():
+            for v in r.victims:
+                if r.placeholder(v) in led.assignments:
+                    led.release(r.placeholder(v))  # the victim's room, kept for this very reservation
             if r.pod in led.assignments or r.assignment is None:
                 continue
             with contextlib.suppress(LedgerError):
@@ -438,6 +506,7 @@ class PreemptionController:
                 Preemptor(req, prio, preemption_policy(pod)),
                 view.scheduler().policy,
                 self._facts(future, budgets),
+                nodes=self._nodes_of(pod),
                 max_candidates=kube_candidate_limit(len(future.nodes)),
             )
         except PreemptionError as e:
@@ -469,7 +538,14 @@ class PreemptionController:
         self.metrics.victims.inc(len(done))
         self.metrics.count(Outcome.PREEMPTED)
         self._reservations[key] = _Reservation(
-            key, pod.metadata.uid, prio, plan.node, plan.assignment, frozenset(plan.victim_pods), self.clock()
+            key,
+            pod.metadata.uid,
+            prio,
+            plan.node,
+            plan.assignment,
+            frozenset(plan.victim_pods),
+            self.clock(),
+            kept=self._assignments(plan.victim_pods),
         )
         self.metrics.reservations.set(len(self._reservations))
         log.info(
@@ -516,7 +592,14 @@ class PreemptionController:
             if (p := self.view.pod(k)) is not None and p.metadata.deletion_timestamp
         )
         self._reservations[key] = _Reservation(
-            key, pod.metadata.uid, prio, plan.node, plan.assignment, leaving, self.clock()
+            key,
+            pod.metadata.uid,
+            prio,
+            plan.node,
+            plan.assignment,
+            leaving,
+            self.clock(),
+            kept=self._assignments(leaving),
         )
         self.metrics.reservations.set(len(self._reservations))
         self.metrics.count(Outcome.ADOPTED)
@@ -531,6 +614,10 @@ class PreemptionController:
             await self._nominate(pod, plan.node)
         self.settle()
         return "", ()
+
+    def _assignments(self, pods: Iterable[str]) -> dict[str, Assignment]:
+        led = self.view.ledger
+        return {p: led.assignments[p] for p in pods if p in led.assignments}
 
     def _gave_up(
         self, pod: Pod, outcome: Outcome, what: str, e: KubeError, evicted: list[str]
