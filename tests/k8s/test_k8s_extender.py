@@ -218,6 +218,9 @@ def test_preempt_keeps_only_nodes_where_the_victims_free_enough(cluster: Cluster
         "NodeNameToMetaVictims": {
             "node-a": {"Pods": [{"UID": "uid-default-v1"}], "NumPDBViolations": 0},
             "node-v": {"Pods": [], "NumPDBViolations": 0},
+            # urgent fits on node-b's free GPU as it is: no victim, so no candidate (the kube-scheduler logs a node
+            # without victims as an error).
+            "node-b": {"Pods": [], "NumPDBViolations": 0},
         },
     }
     before = cluster.srv.call(lambda: cluster.view.ledger.state())

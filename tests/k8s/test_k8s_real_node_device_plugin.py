@@ -297,3 +297,58 @@ def test_the_agent_restarted_and_the_kubelet_restarted_mid_burst(rig: Rig, real_
     )
     assert all(n == 1 for n in shares.values()), shares
     print(json.dumps({"burst": len(settled), "keep": len(now)}))
+
+
+def test_preemption_on_the_real_node_stops_the_victims_and_runs_the_preemptor_with_its_share(
+    rig: Rig, real_node: RealNode
+) -> None:
+    """Issue 19 on the real kubelet: two low-priority MPS pods run on the node's only GPU; a high-priority pod asks for
+    the whole GPU. The extender's leader evicts both; the kubelet stops their containers (their pods leave the API
+    only once it has), and the preemptor's container then runs with exactly its own share."""
+    from test_k8s_rig_preemption import _delete_priority_class, _priority_class
+
+    node = rig.attach_real_node(real_node, [{"model": "H100-80GB", "count": 1}])
+    rig.wait_nodes_published(90)
+    _, url = rig.start_extender(0, "--preemption-interval", "0.5")
+    rig.start_scheduler(url)
+    ns = rig.namespace()
+    high = _priority_class(rig, 1_000_000)
+    try:
+        lows = []
+        for i in range(2):
+            p = pod(f"low-{i}", node, containers=[busybox("app", f"{PRINT}; sleep 3600", limits(1, f"{30 + i}Gi", 40))],
+                    annotations={"sharegpu.io/isolation": "memory"})  # fmt: skip
+            p["spec"]["terminationGracePeriodSeconds"] = 2  # sleep ignores SIGTERM as PID 1: the kubelet kills it
+            lows.append(p)
+        rig.create_pods(ns, lows)
+        wait_until(lambda: all(p.get("status", {}).get("phase") == "Running" for p in rig.pods(ns)) or None,
+                   "the low-priority pods running", 120)  # fmt: skip
+        before = Verdict()
+        for p in rig.pods(ns):
+            check_pod(p, logs_of(rig, ns, p), before)
+        assert before.wrong == [] and before.containers == 2, before.wrong
+
+        t0 = time.monotonic()
+        hp = pod("high", node, containers=[busybox("app", PRINT, limits(1))])
+        hp["spec"]["priorityClassName"] = high
+        rig.create_pods(ns, [hp])
+        done = wait_until(
+            lambda: ((ps := {p["metadata"]["name"]: p for p in rig.pods(ns)}).get("high", {}).get("status", {}).get(
+                "phase") == "Succeeded" and ps) or None, "the preemptor to run to its end", 180)  # fmt: skip
+        elapsed = time.monotonic() - t0
+        assert set(done) == {"high"}, sorted(done)  # both victims gone: the kubelet stopped their containers
+        after = Verdict()
+        check_pod(done["high"], logs_of(rig, ns, done["high"]), after)
+        assert after.wrong == [] and after.containers == 1, after.wrong
+        a = Assignment.from_json(done["high"]["metadata"]["annotations"]["sharegpu.io/assignment"])
+        assert [s.sharing.value for s in a.shares] == ["exclusive"]
+        events = rig.events(ns)
+        assert sorted(e["involvedObject"]["name"] for e in events if e.get("reason") == "Preempted") == [
+            "low-0",
+            "low-1",
+        ]
+        print(
+            f"\npreemption on the real node: 2 victims stopped, the preemptor ran with its share {elapsed:.1f}s after it was created"
+        )
+    finally:
+        _delete_priority_class(rig, high)

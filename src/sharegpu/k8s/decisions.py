@@ -341,7 +341,10 @@ class Decisions:
                 # Exactly what was released goes back, as it was (health is not checked again: it holds already).
                 for a in reversed(released):
                     led.place(a, check_health=False)
-            if fits:
+            # A node that needs no victim is left out: the kube-scheduler's callExtenders takes a candidate without
+            # victims for an error, and the pod fits there at its next attempt anyway (as once the extender's own
+            # preemption holds room for it).
+            if fits and mv.Pods:
                 unique = list({v.UID: v for v in mv.Pods}.values())
                 kept[node] = mv if len(unique) == len(mv.Pods) else mv.model_copy(update={"Pods": unique})
         self.view.generation += 1  # the ledger is as it was, but its node versions moved
