@@ -207,7 +207,9 @@ def test_filter_and_preempt_decisions_latency_and_errors_are_counted(
         for o in ("feasible", "unschedulable", "not_synced", "ignored")
     }
     assert outcomes == {"feasible": 1, "unschedulable": 1, "not_synced": 1, "ignored": 1}
-    assert value(data, "sharegpu_extender_decisions_total", verb="preempt", outcome="victims") == 1
+    # A candidate without victims is no candidate (the kube-scheduler takes one for an error): counted as none.
+    assert value(data, "sharegpu_extender_decisions_total", verb="preempt", outcome="none") == 1
+    assert value(data, "sharegpu_extender_decisions_total", verb="preempt", outcome="victims") == 0
     assert value(data, "sharegpu_extender_request_duration_seconds_count", verb="filter") == 4
     assert value(data, "sharegpu_extender_request_duration_seconds_count", verb="prioritize") == 3
     assert value(data, "sharegpu_extender_request_errors_total", verb="filter", code="400") == 1
