@@ -129,9 +129,17 @@ def test_rbac_is_least_privilege(default_docs: list[dict[str, Any]]) -> None:
     args = extender["template"]["spec"]["containers"][0]["args"]
     assert "--leader-elect" in args and "--lease-name=sg-extender" in args
     assert "--preemption" in args and "--preemption-interval=2" in args
+    assert not [a for a in args if a.startswith("--consolidation")]  # off by default (issue 19 item 2)
     lease_rules = by_kind(default_docs, "Role")["sg-extender-leader-election"]["rules"]
     assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["sg-extender"],
             "verbs": ["get", "update"]} in lease_rules  # fmt: skip
+
+
+def test_consolidation_is_turned_on_with_its_rate() -> None:
+    values = {"extender": {"consolidation": {"enabled": True, "movesPerMinute": 2}}}
+    extender = by_kind(render(values), "Deployment")["sg-extender"]["spec"]
+    args = extender["template"]["spec"]["containers"][0]["args"]
+    assert "--consolidation" in args and "--consolidation-moves-per-minute=2" in args
 
 
 def test_webhook_is_served_with_a_certificate_the_api_server_trusts(default_docs: list[dict[str, Any]]) -> None:

@@ -9,6 +9,7 @@ runs preemption rounds: who is evicted, what is nominated, and who may take the 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 from prometheus_client import CollectorRegistry
 
+from sharegpu.k8s.consolidation import ConsolidationConfig, ConsolidationMetrics, Consolidator
 from sharegpu.k8s.extender import Extender
 from sharegpu.k8s.preemption import ObservedView, Outcome, PreemptionConfig, PreemptionController, PreemptionMetrics
 from sharegpu.kube.api import DisruptionBudget
@@ -33,7 +35,14 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> No
 
 
 class Harness:
-    def __init__(self, api: MemoryClusterApi, view: ObservedView, leader: bool = True) -> None:
+    def __init__(
+        self,
+        api: MemoryClusterApi,
+        view: ObservedView,
+        leader: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        consolidation: ConsolidationConfig | None = None,
+    ) -> None:
         self.api, self.view = api, view
         self.leader = leader
         self.ext = Extender(view, api, is_leader=lambda: self.leader)
@@ -44,8 +53,11 @@ class Harness:
             PreemptionMetrics(self.registry),
             is_leader=lambda: self.leader,
             config=PreemptionConfig(interval_s=0.01, backoff_s=60.0),
+            clock=clock,
         )
         self.ctrl.attach()
+        if consolidation is not None:  # tests/k8s/test_k8s_consolidation.py
+            Consolidator(self.ctrl, ConsolidationMetrics(self.registry), consolidation, clock).attach()
         self.ext.on_filter.append(self.ctrl.saw_filter)
 
     def metric(self, name: str, **labels: str) -> float:
@@ -114,13 +126,13 @@ class Harness:
         return bool(self.api.pods[key]["metadata"].get("deletionTimestamp"))
 
 
-def run(body: Callable[[Harness], Awaitable[None]], leader: bool = True) -> None:
+def run(body: Callable[[Harness], Awaitable[None]], leader: bool = True, **harness: Any) -> None:
     async def main() -> None:
         api = MemoryClusterApi()
         view = ObservedView(policy="bestfit")
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
-        h = Harness(api, view, leader)
+        h = Harness(api, view, leader, **harness)
         try:
             await body(h)
             await h.ctrl.flush_events()

@@ -54,6 +54,14 @@ def test_an_unknown_sharegpu_annotation_is_refused_with_the_closest_known_one(ke
     assert f"unknown annotation {key}" in refused(pod_obj("q", gpu=None, annotations={key: "x"}))
 
 
+def test_the_movable_annotation_is_admitted() -> None:
+    pod = pod_obj("p", memory="10Gi", annotations={"sharegpu.io/movable": "true"})
+    assert admit_pod(pod, "CREATE", None, "alice", True, CFG).allowed  # consolidation's opt-in (issue 19 item 2)
+    assert "did you mean sharegpu.io/movable?" in refused(
+        pod_obj("q", memory="10Gi", annotations={"sharegpu.io/moveable": "true"})
+    )
+
+
 def test_a_resource_given_as_an_annotation_is_named_a_resource() -> None:
     message = refused(pod_obj("p", gpu=None, annotations={"sharegpu.io/gpu-memory": "10Gi"}))
     assert "sharegpu.io/gpu-memory is a container resource, not an annotation" in message

@@ -144,8 +144,19 @@ def scheduler_extender(
     preemption_interval: float = typer.Option(
         2.0, "--preemption-interval", help="Seconds between two looks at the pending pods for preemption."
     ),
+    consolidation: bool = typer.Option(
+        False,
+        "--consolidation/--no-consolidation",
+        help='As the leader, move pods annotated sharegpu.io/movable="true" (controller-owned, PodDisruptionBudgets '
+        "honoured) so that a pod waiting only for fragmented GPU room fits, when preemption cannot help it; needs "
+        "--preemption (the chart's extender.consolidation.enabled).",
+    ),
+    consolidation_moves_per_minute: int = typer.Option(
+        4, "--consolidation-moves-per-minute", help="Most pods consolidation moves (evicts) in any minute."
+    ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
+    from sharegpu.k8s.consolidation import ConsolidationConfig
     from sharegpu.k8s.extender import run_extender
     from sharegpu.k8s.leader import LeaderElector
     from sharegpu.k8s.preemption import ObservedView, PreemptionConfig
@@ -161,6 +172,12 @@ def scheduler_extender(
         metrics = parse_listen(metrics_listen, "--metrics-listen") if metrics_listen is not None else None
         if not preemption_interval > 0:
             raise SetupError(f"--preemption-interval {preemption_interval} must be more than 0 seconds, e.g. 2")
+        if consolidation and not preemption:
+            raise SetupError("--consolidation runs in preemption's rounds: drop --no-preemption, or --consolidation")
+        if consolidation_moves_per_minute < 1:
+            raise SetupError(
+                f"--consolidation-moves-per-minute {consolidation_moves_per_minute} must be 1 or more, e.g. 4"
+            )
         # ObservedView: the cluster view that tells preemption of every pod change (it holds freed room at once).
         view = ObservedView(policy=policy, seed=seed, scheduler_name=scheduler_name)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
@@ -192,6 +209,9 @@ def scheduler_extender(
                 metrics_listen=metrics,
                 dra_client=dra_client,
                 preemption=(PreemptionConfig(interval_s=preemption_interval), api) if preemption else None,
+                consolidation=ConsolidationConfig(max_moves_per_minute=consolidation_moves_per_minute)
+                if consolidation
+                else None,
             )
         )
     except OSError as e:

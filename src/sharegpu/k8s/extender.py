@@ -30,6 +30,7 @@ from sharegpu.k8s.answers import FilterAnswer
 from sharegpu.k8s.binding import NOT_LEADER, Binder
 from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
+from sharegpu.k8s.consolidation import ConsolidationConfig, enable_consolidation
 from sharegpu.k8s.decisions import HOLD_S, Decisions
 from sharegpu.k8s.dra_steer import DraState, follow_dra
 from sharegpu.k8s.leader import LeaderElector
@@ -209,6 +210,7 @@ async def run_extender(
     metrics_listen: tuple[str, int] | None = None,  # issue 10
     dra_client: KubeClient | None = None,
     preemption: tuple[PreemptionConfig, DisruptionApi] | None = None,  # issue 19
+    consolidation: ConsolidationConfig | None = None,  # issue 19 item 2: off unless given (needs preemption)
 ) -> None:
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
@@ -233,7 +235,17 @@ async def run_extender(
         leads = extender.is_leader
         tasks.append(
             asyncio.ensure_future(
-                run_preemption(view, disruption, registry, scheduler_name, leads, config, stop, extender.on_filter)
+                run_preemption(
+                    view,
+                    disruption,
+                    registry,
+                    scheduler_name,
+                    leads,
+                    config,
+                    stop,
+                    extender.on_filter,
+                    enable_consolidation(consolidation) if consolidation is not None else None,
+                )
             )
         )
     if elector is not None:

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
@@ -157,6 +157,7 @@ async def run_preemption(
     config: PreemptionConfig,
     stop: asyncio.Event,
     filters: list[Callable[[ExtenderArgs], None]],
+    setup: Callable[[PreemptionController, CollectorRegistry], None] | None = None,
 ) -> None:
     """Preemption beside a running extender (its view, its metrics' registry, its leadership) until ``stop``."""
     if not isinstance(view, ObservedView):
@@ -165,6 +166,8 @@ async def run_preemption(
         )
     ctrl = PreemptionController(view, api, PreemptionMetrics(registry), scheduler_name, is_leader, config)
     ctrl.attach()
+    if setup is not None:  # e.g. consolidation (sharegpu.k8s.consolidation.enable_consolidation)
+        setup(ctrl, registry)
     filters.append(ctrl.saw_filter)
     log.info("preemption for GPU room on (a round every %gs, while this replica leads)", config.interval_s)
     await ctrl.run(stop)
@@ -211,6 +214,22 @@ def _created(pod: Pod) -> str:
     return str(_extra(pod.metadata, "creationTimestamp") or "")
 
 
+def budget_protects(budgets: Sequence[DisruptionBudget], pod: Pod) -> bool:
+    """Whether a PodDisruptionBudget covering ``pod`` allows no disruption now (its eviction would get a 429)."""
+    ns, labels = pod.metadata.namespace, pod.metadata.labels
+    return any(b.disruptions_allowed <= 0 and b.covers(ns, labels) for b in budgets)
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """What :meth:`PreemptionController.evict` did: ``done`` evicted; ``failure`` says why it stopped (None: all
+    evicted), ``blocked`` when a PodDisruptionBudget refused (429)."""
+
+    done: tuple[str, ...]
+    failure: str | None = None
+    blocked: bool = False
+
+
 class ObservedView(ClusterView):
     """The cluster view, calling ``pod_listeners`` after every pod change it applies (a watch event or a relist):
     preemption must hold freed room in the same step that frees it, before any filter call can run."""
@@ -255,6 +274,9 @@ class PreemptionController:
         # The nodes the kube-scheduler's own filters passed for each pod at its last filter call (by pod, with its
         # UID): preemption never evicts on a node the pod cannot use (affinity, taints, CPU it counts).
         self._passed: dict[str, tuple[str, tuple[str, ...]]] = {}
+        # What to try for a pod that preemption cannot help (no lower-priority victims anywhere): consolidation
+        # (sharegpu.k8s.consolidation) when it is on. It answers as _preempt does: ("", moved) or (why not, ()).
+        self.no_room: Callable[[Pod, Sequence[DisruptionBudget]], Awaitable[tuple[str, tuple[str, ...]]]] | None = None
 
     # ----- the view's hook ----------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -425,7 +447,7 @@ class PreemptionController:
             pod = view.pod(p.pod)
             if pod is None or pod.spec.scheduler_name != self.scheduler_name or not unschedulable(pod):
                 continue
-            idx = self._nodes_of(pod)
+            idx = self.nodes_of(pod)
             req = view.request(p.pod)
             if not idx or req is None:
                 continue  # no filter call seen for it yet (the scheduler retries it soon), or nowhere to go
@@ -441,7 +463,7 @@ class PreemptionController:
         out.sort(key=lambda pod: (-pod_priority(pod), _created(pod), pod.key))
         return out
 
-    def _nodes_of(self, pod: Pod) -> list[int]:
+    def nodes_of(self, pod: Pod) -> list[int]:
         """Ledger indices of the nodes the kube-scheduler passed for ``pod`` at its last filter call."""
         seen = self._passed.get(pod.key)
         if seen is None or seen[0] != pod.metadata.uid:
@@ -465,12 +487,11 @@ class PreemptionController:
             priority[key] = pod_priority(pod)
             if (t := start_time(pod)) is not None:
                 start[key] = t
-            ns, labels = pod.metadata.namespace, pod.metadata.labels
-            if any(b.disruptions_allowed <= 0 and b.covers(ns, labels) for b in budgets):
+            if budget_protects(budgets, pod):
                 protected.add(key)
         return PodFacts(priority, start, protected.__contains__, default_priority=EXEMPT)
 
-    def _future_ledger(self) -> Ledger:
+    def future_ledger(self) -> Ledger:
         """The ledger once what is leaving has left: terminating pods gone, every reservation's room taken."""
         view = self.view
         led = copy_ledger(view.ledger)
@@ -499,55 +520,37 @@ class PreemptionController:
         if req is None:
             return "its request cannot be read", ()
         prio = pod_priority(pod)
-        future = self._future_ledger()
+        future = self.future_ledger()
         try:
             plan = plan_preemption(
                 future,
                 Preemptor(req, prio, preemption_policy(pod)),
                 view.scheduler().policy,
                 self._facts(future, budgets),
-                nodes=self._nodes_of(pod),
+                nodes=self.nodes_of(pod),
                 max_candidates=kube_candidate_limit(len(future.nodes)),
             )
         except PreemptionError as e:
             self.metrics.count(Outcome.NO_ROOM)
-            self._backoff[key] = self.clock() + self.config.backoff_s
+            self.back_off(key)
             log.info("no preemption for %s: %s", key, e)
+            if self.no_room is not None:
+                return await self.no_room(pod, budgets)
             return str(e), ()
         # Never a victim of equal or higher priority: the planner guarantees it; a violation here is a bug.
         assert all(v.priority < prio for v in plan.victims), plan
         if not plan.victims:
             return await self._adopt(pod, prio, plan)
         # Those a budget protects first: a refusal then ends the plan before the others are evicted for nothing.
-        order = sorted(plan.victims, key=lambda v: not v.violates_pdb)
-        done: list[str] = []
-        for v in order:
-            victim = view.pod(v.pod)
-            ns, _, name = v.pod.partition("/")
-            try:
-                await self.api.evict_pod(ns, name, victim.metadata.uid if victim is not None else "")
-            except NotFound:
-                pass  # gone already: its room comes anyway
-            except EvictionBlocked as e:
-                return self._gave_up(
-                    pod, Outcome.BLOCKED, f"eviction of {v.pod} refused by its PodDisruptionBudget", e, done
-                )
-            except KubeError as e:
-                return self._gave_up(pod, Outcome.FAILED, f"eviction of {v.pod} failed", e, done)
-            done.append(v.pod)
+        order = [v.pod for v in sorted(plan.victims, key=lambda v: not v.violates_pdb)]
+        evicted = await self.evict(order)
+        if evicted.failure is not None:
+            outcome = Outcome.BLOCKED if evicted.blocked else Outcome.FAILED
+            return self._gave_up(pod, outcome, evicted.failure, evicted.done)
+        done = list(evicted.done)
         self.metrics.victims.inc(len(done))
         self.metrics.count(Outcome.PREEMPTED)
-        self._reservations[key] = _Reservation(
-            key,
-            pod.metadata.uid,
-            prio,
-            plan.node,
-            plan.assignment,
-            frozenset(plan.victim_pods),
-            self.clock(),
-            kept=self._assignments(plan.victim_pods),
-        )
-        self.metrics.reservations.set(len(self._reservations))
+        self.reserve(pod, prio, plan.node, plan.assignment, plan.victim_pods)
         log.info(
             "preempting %d pod(s) on %s for %s (priority %d): %s",
             len(done),
@@ -556,11 +559,11 @@ class PreemptionController:
             prio,
             ", ".join(f"{v.pod} (priority {v.priority})" for v in plan.victims),
         )
-        await self._nominate(pod, plan.node)
+        await self.nominate(pod, plan.node)
         for v in plan.victims:
             vns, _, vname = v.pod.partition("/")
             victim = view.pod(v.pod)
-            self._event(
+            self.event(
                 PodEvent(
                     vns,
                     vname,
@@ -570,7 +573,7 @@ class PreemptionController:
                     "Normal",
                 )
             )
-        self._event(
+        self.event(
             PodEvent(
                 pod.metadata.namespace,
                 pod.metadata.name,
@@ -591,17 +594,7 @@ class PreemptionController:
             for k in self.view.ledger.node_pods[plan.node_index]
             if (p := self.view.pod(k)) is not None and p.metadata.deletion_timestamp
         )
-        self._reservations[key] = _Reservation(
-            key,
-            pod.metadata.uid,
-            prio,
-            plan.node,
-            plan.assignment,
-            leaving,
-            self.clock(),
-            kept=self._assignments(leaving),
-        )
-        self.metrics.reservations.set(len(self._reservations))
+        self.reserve(pod, prio, plan.node, plan.assignment, leaving)
         self.metrics.count(Outcome.ADOPTED)
         log.info(
             "room leaving %s reserved for %s (priority %d): %d pod(s) terminating there",
@@ -611,23 +604,59 @@ class PreemptionController:
             len(leaving),
         )
         if nominated_node(pod) != plan.node:
-            await self._nominate(pod, plan.node)
+            await self.nominate(pod, plan.node)
         self.settle()
         return "", ()
+
+    async def evict(self, pods: Sequence[str]) -> Evicted:
+        """Evict ``pods`` in order through the Eviction API, stopping at the first refusal (a budget's 429 or an
+        API error): the pods after it are left alone, so a plan that cannot complete disrupts as little as it can."""
+        done: list[str] = []
+        for key in pods:
+            pod = self.view.pod(key)
+            ns, _, name = key.partition("/")
+            try:
+                await self.api.evict_pod(ns, name, pod.metadata.uid if pod is not None else "")
+            except NotFound:
+                pass  # gone already: its room comes anyway
+            except EvictionBlocked as e:
+                return Evicted(tuple(done), f"eviction of {key} refused by its PodDisruptionBudget: {e}", True)
+            except KubeError as e:
+                return Evicted(tuple(done), f"eviction of {key} failed: {e}")
+            done.append(key)
+        return Evicted(tuple(done))
+
+    def reserve(self, pod: Pod, prio: int, node: str, assignment: Assignment | None, leaving: Iterable[str]) -> None:
+        """Hold the room ``leaving`` pods free on ``node`` for ``pod`` once they are gone (see :meth:`settle`); they
+        keep their share until then."""
+        leaving = frozenset(leaving)
+        self._reservations[pod.key] = _Reservation(
+            pod.key,
+            pod.metadata.uid,
+            prio,
+            node,
+            assignment,
+            leaving,
+            self.clock(),
+            kept=self._assignments(leaving),
+        )
+        self.metrics.reservations.set(len(self._reservations))
 
     def _assignments(self, pods: Iterable[str]) -> dict[str, Assignment]:
         led = self.view.ledger
         return {p: led.assignments[p] for p in pods if p in led.assignments}
 
-    def _gave_up(
-        self, pod: Pod, outcome: Outcome, what: str, e: KubeError, evicted: list[str]
-    ) -> tuple[str, tuple[str, ...]]:
+    def back_off(self, key: str) -> None:
+        """Plan for pod ``key`` again (preemption or consolidation) only after ``backoff_s``."""
+        self._backoff[key] = self.clock() + self.config.backoff_s
+
+    def _gave_up(self, pod: Pod, outcome: Outcome, what: str, evicted: Sequence[str]) -> tuple[str, tuple[str, ...]]:
         self.metrics.count(outcome)
         self.metrics.victims.inc(len(evicted))
-        self._backoff[pod.key] = self.clock() + self.config.backoff_s
-        why = f"{what}: {e}" + (f" (already evicted: {', '.join(evicted)})" if evicted else "")
+        self.back_off(pod.key)
+        why = what + (f" (already evicted: {', '.join(evicted)})" if evicted else "")
         log.warning("preemption for %s given up: %s", pod.key, why)
-        self._event(
+        self.event(
             PodEvent(
                 pod.metadata.namespace,
                 pod.metadata.name,
@@ -639,14 +668,14 @@ class PreemptionController:
         )
         return why, ()
 
-    async def _nominate(self, pod: Pod, node: str) -> None:
+    async def nominate(self, pod: Pod, node: str) -> None:
         try:
             await self.api.set_nominated_node(pod.metadata.namespace, pod.metadata.name, node)
         except KubeError as e:
             # The reservation, not the nomination, holds the room: go on without it.
             log.warning("cannot nominate %s for %s: %s", node, pod.key, e)
 
-    def _event(self, event: PodEvent) -> None:
+    def event(self, event: PodEvent) -> None:
         """Create an Event without waiting for it: Events are best effort and must not slow preemption down."""
 
         async def create() -> None:

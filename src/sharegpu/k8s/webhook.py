@@ -55,6 +55,7 @@ from sharegpu.model.contract import (
     MEMORY_RESOURCE,
     MPS_ENV_PREFIX,
     NVIDIA_VISIBLE_DEVICES_ENV,
+    POD_ANNOTATIONS,
     REQUEST_ANNOTATIONS,
     RESOURCES,
 )
@@ -266,11 +267,11 @@ def _annotation_problems(annotations: dict[str, str], system_ok: bool = False) -
                 f"{key} is a container resource, not an annotation: set it in the container's resources.limits "
                 f"(e.g. {key}: {_EXAMPLES[key]}) and remove the annotation"
             )
-        elif key not in REQUEST_ANNOTATIONS:
-            close = difflib.get_close_matches(key, [*REQUEST_ANNOTATIONS, *RESOURCES], n=1, cutoff=0.6)
+        elif key not in POD_ANNOTATIONS:
+            close = difflib.get_close_matches(key, [*POD_ANNOTATIONS, *RESOURCES], n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}? " if close else ""
             out.append(
-                f"unknown annotation {key}: {hint}the annotations a pod may set are {', '.join(REQUEST_ANNOTATIONS)}"
+                f"unknown annotation {key}: {hint}the annotations a pod may set are {', '.join(POD_ANNOTATIONS)}"
             )
     return out
 

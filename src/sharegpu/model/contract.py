@@ -27,6 +27,10 @@ SHARING_ANNOTATION: Final = "sharegpu.io/sharing"
 MODEL_ANNOTATION: Final = "sharegpu.io/gpu-model"
 MIG_PROFILE_ANNOTATION: Final = "sharegpu.io/mig-profile"
 REQUEST_ANNOTATIONS: Final = (ISOLATION_ANNOTATION, SHARING_ANNOTATION, MODEL_ANNOTATION, MIG_PROFILE_ANNOTATION)
+# "true": the pod may be evicted and recreated by its controller elsewhere so that a pod waiting for fragmented GPU
+# room fits (consolidation, issue 19; the extender's --consolidation). Not a request: it changes no placement.
+MOVABLE_ANNOTATION: Final = "sharegpu.io/movable"
+POD_ANNOTATIONS: Final = (*REQUEST_ANNOTATIONS, MOVABLE_ANNOTATION)  # every sharegpu.io/ annotation a pod may set
 # Written by the extender alone: where the pod's shares are (the source of truth the node enforces and the
 # control plane rebuilds its state from), and the fence that moves a pod past a lost Binding's resourceVersion.
 ASSIGNMENT_ANNOTATION: Final = "sharegpu.io/assignment"
