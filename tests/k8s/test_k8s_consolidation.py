@@ -103,14 +103,16 @@ def test_a_movable_share_moves_and_the_freed_room_goes_to_the_waiting_pod() -> N
         await h.ctrl.round()  # no second plan while the first is under way
         assert h.api.evictions == [moved]
 
+        # The moved pod's controller recreates it at once: the replica goes to the other node's free half, never
+        # beside its terminating original (that half is held for the waiting pod already).
+        again = h.pod("a2", memory="40Gi")
+        await until(lambda: h.view.request(again) is not None, again)
+        assert h.filter(again) == [{"n1": "n2", "n2": "n1"}[node]]
+
         h.api.terminate(moved)
         await until(lambda: h.view.held(big) is not None, "room held for the waiting pod")
         assert h.filter(other) == []  # the freed room is the waiting pod's
         assert h.filter(big) == [node]
-        # The moved pod's controller recreates it: the replica fits on the other node's free half.
-        again = h.pod("a2", memory="40Gi")
-        await until(lambda: h.view.request(again) is not None, again)
-        assert h.filter(again) == [{"n1": "n2", "n2": "n1"}[node]]
         args = ExtenderBindingArgs(PodName="big", PodNamespace="default", PodUID=h.uid(big), Node=node)
         assert (await h.ext.bind(args)).Error == ""
         await until(lambda: (p := h.view.pod(big)) is not None and p.spec.node_name == node, "waiting pod bound")

@@ -169,11 +169,18 @@ class Consolidator:
             return f"consolidation's target {plan.node} is not among the nodes the scheduler passed for {key}", ()
         moved = [m.pod for m in plan.moves]
         assert all(m in movable for m in moved), plan  # the planner moves only what it was given
+        # Reserve before evicting: the same hold as a preemption's (the moved pods keep their share until they are
+        # gone, then the room is the waiting pod's until it binds or the reservation lapses), and with hold_free
+        # the part of that room free already is held at once: the moved pods' controllers recreate them the moment
+        # they are evicted, and a replica must not take that part beside its terminating original.
+        ctrl.reserve(pod, pod_priority(pod), plan.node, plan.assignment, moved, hold_free=True)
+        ctrl.settle()
         evicted = await ctrl.evict(moved)
         now = self.clock()
         self._moves.extend(now for _ in evicted.done)
         self.metrics.moves.inc(len(evicted.done))
         if evicted.failure is not None:
+            ctrl.cancel(key)
             self.metrics.count(PlanOutcome.BLOCKED if evicted.blocked else PlanOutcome.FAILED)
             ctrl.back_off(key)
             why = evicted.failure + (f" (already moved: {', '.join(evicted.done)})" if evicted.done else "")
@@ -190,32 +197,14 @@ class Consolidator:
             )
             return why, ()
         self.metrics.count(PlanOutcome.MOVED)
-        # The same hold as a preemption's: the moved pods keep their share until they are gone, then the room is
-        # the waiting pod's (nominated there) until it binds or the reservation lapses.
-        ctrl.reserve(pod, pod_priority(pod), plan.node, plan.assignment, moved)
         log.info("consolidating for %s on %s: moving %s", key, plan.node, ", ".join(moved))
         await ctrl.nominate(pod, plan.node)
         for m in plan.moves:
-            ns, _, name = m.pod.partition("/")
-            moved_pod = view.pod(m.pod)
-            ctrl.event(
-                PodEvent(
-                    ns,
-                    name,
-                    moved_pod.metadata.uid if moved_pod is not None else "",
-                    "Consolidated",
-                    f"moved off node {m.source} so that {key} fits",
-                    "Normal",
-                )
-            )
-        ctrl.event(
-            PodEvent(
-                pod.metadata.namespace,
-                pod.metadata.name,
-                pod.metadata.uid,
-                "Consolidating",
-                f"Moving {len(moved)} pod(s) so that this pod fits on node {plan.node}: {', '.join(moved)}",
-            )
+            ctrl.pod_event(m.pod, "Consolidated", f"moved off node {m.source} so that {key} fits")
+        ctrl.pod_event(
+            key,
+            "Consolidating",
+            f"Moving {len(moved)} pod(s) so that this pod fits on node {plan.node}: {', '.join(moved)}",
         )
         ctrl.settle()  # moved pods evicted without a grace period may be gone already
         return "", tuple(evicted.done)

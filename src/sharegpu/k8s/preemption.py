@@ -132,10 +132,18 @@ class _Reservation:
     # The victims' assignments: a victim that is gone while others still terminate leaves its share held under a
     # placeholder key (KEPT), so that a lower-priority pod cannot take the part of the room already freed.
     kept: dict[str, Assignment] = field(default_factory=dict)
+    # Hold the part of the pod's room that is free already while the victims terminate (consolidation: the moved
+    # pods' controllers recreate them at once, and a replica would otherwise take that part beside its terminating
+    # original, so the room never comes together).
+    hold_free: bool = False
 
     def placeholder(self, victim: str) -> str:
         # Never a pod's key ("#" is not allowed in names), so no pod's filter or relist can take it for its own.
         return f"{victim}#kept-for-{self.pod}"
+
+    @property
+    def free_placeholder(self) -> str:
+        return f"free#kept-for-{self.pod}"
 
 
 @dataclass(frozen=True)
@@ -333,6 +341,8 @@ class PreemptionController:
                 for v in r.victims:
                     if v not in leaving:
                         self._keep(r, v, r.started + self.config.victims_timeout_s)
+                if r.hold_free:
+                    self._keep_free(r, r.started + self.config.victims_timeout_s)
                 continue
             self._unkeep(r)
             if r.freed_at is None:
@@ -362,6 +372,35 @@ class PreemptionController:
     def _unkeep(self, r: _Reservation) -> None:
         for v in r.victims:
             self.view.drop_hold(r.placeholder(v))
+        self.view.drop_hold(r.free_placeholder)
+
+    def _keep_free(self, r: _Reservation, expires: float) -> None:
+        """Hold what ``r``'s pod needs on its GPUs beyond what its victims hold (see ``_Reservation.hold_free``)."""
+        key = r.free_placeholder
+        if r.assignment is None or self.view.held(key) is not None:
+            return
+        memory: dict[int, int] = {}
+        milli: dict[int, int] = {}
+        for a in r.kept.values():
+            if a.node != r.node:
+                continue
+            for s in a.shares:
+                memory[s.gpu_index] = memory.get(s.gpu_index, 0) + s.memory_mib
+                milli[s.gpu_index] = milli.get(s.gpu_index, 0) + s.compute_milli
+        shares = []
+        for s in r.assignment.shares:
+            if s.mig is not None:
+                return  # a MIG instance is had whole or not at all: nothing partial to hold
+            mem = s.memory_mib - memory.get(s.gpu_index, 0)
+            compute = s.compute_milli - milli.get(s.gpu_index, 0)
+            if mem > 0 or compute > 0:
+                shares.append(replace(s, memory_mib=max(mem, 0), compute_milli=max(compute, 1)))
+        if not shares:
+            return
+        try:
+            self.view.hold(Assignment(key, r.node, tuple(shares)), "", expires)
+        except (LedgerError, ValueError) as e:  # taken in the same step: the pod's own hold will say so
+            log.info("cannot hold the free part of %s's room on %s: %s", r.pod, r.node, e)
 
     def _hold(self, r: _Reservation, expires: float) -> None:
         view = self.view
@@ -503,6 +542,8 @@ class PreemptionController:
             if leaving or key in evicted:
                 led.release(key)
         for r in self._reservations.values():
+            if r.free_placeholder in led.assignments:
+                led.release(r.free_placeholder)  # part of the reservation's own room, placed just below
             for v in r.victims:
                 if r.placeholder(v) in led.assignments:
                     led.release(r.placeholder(v))  # the victim's room, kept for this very reservation
@@ -561,26 +602,11 @@ class PreemptionController:
         )
         await self.nominate(pod, plan.node)
         for v in plan.victims:
-            vns, _, vname = v.pod.partition("/")
-            victim = view.pod(v.pod)
-            self.event(
-                PodEvent(
-                    vns,
-                    vname,
-                    victim.metadata.uid if victim is not None else "",
-                    "Preempted",
-                    f"preempted by {key} (priority {prio}) for GPU room on node {plan.node}",
-                    "Normal",
-                )
-            )
-        self.event(
-            PodEvent(
-                pod.metadata.namespace,
-                pod.metadata.name,
-                pod.metadata.uid,
-                "Preempting",
-                f"Preempting {len(plan.victims)} pod(s) on node {plan.node}: " + ", ".join(v.pod for v in plan.victims),
-            )
+            self.pod_event(v.pod, "Preempted", f"preempted by {key} (priority {prio}) for GPU room on node {plan.node}")
+        self.pod_event(
+            key,
+            "Preempting",
+            f"Preempting {len(plan.victims)} pod(s) on node {plan.node}: " + ", ".join(v.pod for v in plan.victims),
         )
         self.settle()  # victims evicted without a grace period may be gone already
         return "", tuple(done)
@@ -626,7 +652,15 @@ class PreemptionController:
             done.append(key)
         return Evicted(tuple(done))
 
-    def reserve(self, pod: Pod, prio: int, node: str, assignment: Assignment | None, leaving: Iterable[str]) -> None:
+    def reserve(
+        self,
+        pod: Pod,
+        prio: int,
+        node: str,
+        assignment: Assignment | None,
+        leaving: Iterable[str],
+        hold_free: bool = False,
+    ) -> None:
         """Hold the room ``leaving`` pods free on ``node`` for ``pod`` once they are gone (see :meth:`settle`); they
         keep their share until then."""
         leaving = frozenset(leaving)
@@ -639,8 +673,13 @@ class PreemptionController:
             leaving,
             self.clock(),
             kept=self._assignments(leaving),
+            hold_free=hold_free,
         )
         self.metrics.reservations.set(len(self._reservations))
+
+    def cancel(self, key: str) -> None:
+        """Forget pod ``key``'s reservation (its evictions failed) and release the room it kept."""
+        self._end(key, None)
 
     def _assignments(self, pods: Iterable[str]) -> dict[str, Assignment]:
         led = self.view.ledger
@@ -674,6 +713,12 @@ class PreemptionController:
         except KubeError as e:
             # The reservation, not the nomination, holds the room: go on without it.
             log.warning("cannot nominate %s for %s: %s", node, pod.key, e)
+
+    def pod_event(self, key: str, reason: str, message: str) -> None:
+        """A Normal Event on pod ``key`` (namespace/name) of the view, even if it is gone from the view already."""
+        ns, _, name = key.partition("/")
+        pod = self.view.pod(key)
+        self.event(PodEvent(ns, name, pod.metadata.uid if pod is not None else "", reason, message, "Normal"))
 
     def event(self, event: PodEvent) -> None:
         """Create an Event without waiting for it: Events are best effort and must not slow preemption down."""
