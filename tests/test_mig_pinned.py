@@ -72,3 +72,23 @@ def test_the_inventory_carries_the_pin_and_refuses_a_pin_without_mig_mode() -> N
     bad = spec.to_json().replace('"migEnabled":true', '"migEnabled":false', 1)
     with pytest.raises(InvalidInventory, match="migPinned needs migEnabled"):
         NodeSpec.from_json(bad)
+
+
+def test_a_mig_request_prefers_the_pinned_gpu_so_free_gpus_stay_open_for_other_shares() -> None:
+    """As on the rig: two free H100s and one an administrator put in MIG mode. The MIG pod goes to the pinned GPU, so
+    an MPS share and a time-sliced share still find free GPUs afterwards."""
+    gpus = tuple(GpuDevice(i, f"GPU-a-{i}", "H100-80GB", mig_enabled=i == 2, mig_pinned=i == 2) for i in range(3))
+    reqs = [
+        GpuRequest("mig", 1, memory_mib=10 * GIB, isolation=Isolation.HARDWARE),
+        GpuRequest("ts", 1, compute_milli=100, memory_mib=4 * GIB, sharing=Sharing.TIME_SLICING),
+        GpuRequest("mps", 1, compute_milli=300, memory_mib=10 * GIB, isolation=Isolation.MEMORY),
+    ]
+    for policy in ("bestfit", "fgd", "sharegpu"):
+        s = Scheduler(
+            Ledger([NodeSpec("a", 64_000, 256 * GIB, gpus)]),
+            make_policy(policy, PolicyContext(Workload.from_requests(reqs))),
+        )
+        placed = {r.name: s.place(r).assignment.shares[0] for r in reqs}
+        assert placed["mig"].gpu_index == 2, policy
+        assert {placed["ts"].gpu_index, placed["mps"].gpu_index} == {0, 1}, policy
+        s.ledger.check_invariants()
