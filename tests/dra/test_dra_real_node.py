@@ -266,17 +266,7 @@ def _cleanup(s: Session) -> None:
 
 
 def restart_kubelet(node: RealNode) -> None:
-    """``kubelet-node.sh restart-kubelet``, once more if the rig's script trips over its own image check.
-
-    Under load its ``ctr images ls -q | grep -qx`` (with ``pipefail``) can fail on SIGPIPE and stop the script with
-    "importing registry.k8s.io/pause:3.10.2 failed" after it stopped the kubelet: a second run starts it.
-    """
-    try:
-        node.restart_kubelet()
-    except AssertionError as e:
-        if "importing" not in str(e):
-            raise
-        node.restart_kubelet()
+    node.restart_kubelet()  # retries the rig script's image-check race itself
 
 
 # ----- manifests ------------------------------------------------------------------------------------------------

@@ -43,7 +43,14 @@ def test_pods_are_bound_through_the_real_scheduler_with_their_assignments(rig: R
     ns = rig.namespace()
     pods = [
         rig_pod("mps", memory="10Gi", compute=30, annotations={"sharegpu.io/isolation": "memory"}),
-        rig_pod("mig", memory="10Gi", annotations={"sharegpu.io/isolation": "hardware"}),
+        # On the H100 node, where a GPU an administrator keeps in MIG mode waits for it. Left free to choose, the
+        # policy may open the A30 for it instead (the pinned GPU is preferred within a node, not across nodes), and
+        # then the whole-GPU pod finds no idle GPU: the pinned one never takes it.
+        rig_pod(
+            "mig",
+            memory="10Gi",
+            annotations={"sharegpu.io/isolation": "hardware", "sharegpu.io/gpu-model": "H100-80GB"},
+        ),
         rig_pod("whole", gpu=1),
         rig_pod("ts", memory="4Gi", annotations={"sharegpu.io/sharing": "time-slicing"}),
     ]
