@@ -119,6 +119,9 @@ class Ledger:
         self.free_milli = np.where(self.present, FULL_MILLI, 0).astype(np.int64)
         self.free_mem = self.gpu_mem_total.copy()
         self.mode = np.where(self.mig_pinned, GpuMode.MIG, GpuMode.FREE).astype(np.int8)
+        # Pins come from the node specs and never change in a ledger's life; most clusters (and every simulated one)
+        # have none, so the filters skip the pin check on every decision.
+        self.any_mig_pinned = bool(self.mig_pinned.any())
         self.clients = np.zeros((n_nodes, width), dtype=np.int16)
         self.mig_slots_used = np.zeros((n_nodes, width), dtype=np.int16)  # bitmask on the memory-slot axis
         self.mig_slices_used = np.zeros((n_nodes, width), dtype=np.int8)

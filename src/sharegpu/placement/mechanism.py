@@ -215,9 +215,9 @@ class UsablePlan:
             if on_model.any():
                 candidates = on_model & ((mode == GpuMode.FREE) | (mode == GpuMode.MIG))
                 mig_ok = _mig_usable(ledger, req, ledger.models[m], candidates, nodes)
-                pinned = mig_ok & ledger.mig_pinned[nodes]
-                rows = pinned.any(axis=1)
-                if rows.any():
+                if ledger.any_mig_pinned:
+                    pinned = mig_ok & ledger.mig_pinned[nodes]
+                    rows = pinned.any(axis=1)
                     # On a node with a GPU an administrator keeps in MIG mode, a MIG share goes there: opening a free
                     # GPU for it would take that GPU from whole and MPS shares, which the pinned one never serves.
                     mig_ok[rows] = pinned[rows]
