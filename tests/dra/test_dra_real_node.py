@@ -265,10 +265,6 @@ def _cleanup(s: Session) -> None:
             s.kubectl("label", "node", s.node.name, f"{DEVICE_PATH_LABEL}-", check=False)
 
 
-def restart_kubelet(node: RealNode) -> None:
-    node.restart_kubelet()  # retries the rig script's image-check race itself
-
-
 # ----- manifests ------------------------------------------------------------------------------------------------
 def claim_spec(
     cls: str,
@@ -527,7 +523,7 @@ def test_slices_are_back_within_seconds_of_a_kubelet_restart(session: Session) -
     wait_driver_ready(s)
     before = {sl["metadata"]["name"]: sl["metadata"]["uid"] for sl in s.slices()}
     registrations = s.driver.log_text().count("the kubelet registered DRA driver")
-    restart_kubelet(s.node)
+    s.node.restart_kubelet()
     back = time.monotonic()
 
     def republished() -> bool:
@@ -565,7 +561,7 @@ def test_kubelet_and_driver_restarts_mid_burst_keep_shares_and_hand_nothing_out_
 
     # The burst: pods arrive while the kubelet restarts and the driver is killed and started again.
     s.apply(*(pod_obj(n, node, claim=n, sleep=True, mps=True) for n in names[3:5]))
-    restart_kubelet(s.node)
+    s.node.restart_kubelet()
     s.apply(*(pod_obj(n, node, claim=n, sleep=True, mps=True) for n in names[5:7]))
     time.sleep(0.5)
     s.driver.stop(signal.SIGKILL)

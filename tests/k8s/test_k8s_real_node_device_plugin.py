@@ -266,9 +266,26 @@ def test_a_container_no_pod_holds_is_refused_with_a_reason(real_node: RealNode, 
         asyncio.run(attributor.owner(["GPU-none::0"]))
 
 
+# What the kubelet says when it admits a pod before any plugin has (re-)registered the resource: after a restart it
+# re-admits every pod whose containers are not running, in the first moments, and rejects these (kubelet device
+# manager, since kubernetes/kubernetes#116376; open upstream: #133382, #125579, #118559). No plugin can stop it; the
+# agent only narrows the window by registering within a poll (0.1 s) of the new kubelet.sock.
+KUBELET_REJECTS_BEFORE_REGISTRATION = ("no healthy devices present", "cannot allocate unregistered device")
+
+
+def rejected_by_the_kubelet_before_registration(p: dict[str, Any]) -> bool:
+    status = p.get("status", {})
+    message = status.get("message", "")
+    return (
+        status.get("reason") == "UnexpectedAdmissionError"
+        and "rpc error" not in message  # a refusal of our Allocate comes back as an rpc error: never allowed
+        and any(t in message for t in KUBELET_REJECTS_BEFORE_REGISTRATION)
+    )
+
+
 def test_the_agent_restarted_and_the_kubelet_restarted_mid_burst(rig: Rig, real_node: RealNode) -> None:
-    """Restarts on the real node in the middle of bursts: running pods keep their share, new pods get theirs,
-    nothing is handed out twice."""
+    """Restarts on the real node in the middle of bursts: running pods keep their share, no container gets another's
+    share, no pod is refused by sharegpu, and once the plugin is registered again a new burst runs whole."""
     node = start(rig, real_node)
     ns = rig.namespace()
     # Long-running pods first: they must keep their shares through both restarts.
@@ -288,19 +305,29 @@ def test_the_agent_restarted_and_the_kubelet_restarted_mid_burst(rig: Rig, real_
     settled = wait_until(
         lambda: (ps := rig.pods(ns2)) and all(p.get("status", {}).get("phase") in ("Succeeded", "Failed") for p in ps)
         and ps, "the burst across restarts", 240, every=1.0)  # fmt: skip
+    rejected = {p["metadata"]["name"] for p in settled if rejected_by_the_kubelet_before_registration(p)}
     verdict = Verdict(allow_lost_logs=True)
     for p in settled:
-        check_pod(p, logs_of(rig, ns2, p), verdict)
+        if p["metadata"]["name"] not in rejected:
+            check_pod(p, logs_of(rig, ns2, p), verdict)
     assert verdict.wrong == [], verdict.wrong[:10]
-    print(f"\nrestarts mid-burst: {verdict.containers} containers, {len(verdict.lost_logs)} without a log to read back")
-
-    # A pod may fail only as the kubelet restart left it (no container with a log), never by a sharegpu refusal.
-    lost_pods = {c.split("/")[0] for c in verdict.lost_logs}
-    failed = [(p["metadata"]["name"], p["status"].get("reason"), p["status"].get("message")) for p in settled
-              if p["status"]["phase"] != "Succeeded"]  # fmt: skip
-    assert all(name in lost_pods and "sharegpu" not in f"{reason} {message}" for name, reason, message in failed), (
-        failed
+    print(
+        f"\nrestarts mid-burst: {len(settled)} pods, {len(rejected)} rejected by the restarted kubelet before the plugin"
+        f" registered again, {verdict.containers} containers checked, {len(verdict.lost_logs)} without a log"
     )
+    # Any other failed pod may only be one the kubelet restart left without a container that ran (no log), and none
+    # was refused by sharegpu (the kubelet reports a refusal of our Allocate or PreStartContainer as an rpc error).
+    lost_pods = {c.split("/")[0] for c in verdict.lost_logs}
+    failed = [(p["metadata"]["name"], p["status"].get("reason"), p["status"].get("message", "")) for p in settled
+              if p["status"]["phase"] != "Succeeded" and p["metadata"]["name"] not in rejected]  # fmt: skip
+    assert all(name in lost_pods and "rpc error" not in m for name, _, m in failed), failed
+
+    # Registered again, the plugin serves a new burst whole: every pod runs with its own share (the shares of the
+    # rejected pods were given back, or this burst would not fit beside the long-running pods).
+    real_node.wait_allocatable("sharegpu.io/gpu")
+    after_restart, _, after_failed = run_burst(rig, node, 101, 12)
+    assert after_restart.wrong == [] and after_failed == [], (after_restart.wrong[:10], after_failed[:10])
+
     # The long-running pods still run, with what they had; their assignments hold no share twice.
     now = rig.pods(ns)
     assert all(p["status"]["phase"] == "Running" for p in now)

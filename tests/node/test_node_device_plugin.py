@@ -389,15 +389,40 @@ def test_registers_again_after_the_kubelet_restarts(sock_dir: Path) -> None:
     run(sock_dir, body)
 
 
+class NoAllocator:
+    def allocate(self, device_ids: Sequence[str]) -> object:
+        raise AssertionError
+
+    async def prestart(self, device_ids: Sequence[str]) -> object:
+        raise AssertionError
+
+
+def test_a_kubelet_sock_nobody_listens_on_fails_at_once_and_the_new_kubelet_gets_the_next_try(sock_dir: Path) -> None:
+    """A stopping kubelet leaves a ``kubelet.sock`` that refuses connections; a registration held on it until its
+    timeout once let a restarted kubelet admit (and reject) a whole burst before the plugin registered again."""
+    import socket as sk
+
+    async def main() -> None:
+        kubelet = FakeKubelet(sock_dir)
+        dead = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+        dead.bind(str(kubelet.socket))  # a socket file with no listener: connect() is refused
+        dead.close()
+        plugin = DevicePluginServer(sock_dir, NoAllocator(), poll_s=0.05, register_timeout_s=60)  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(plugin.tick(), 10)  # wait_for_ready would hold this call for the whole 60 s
+            assert plugin.registrations == 0
+            kubelet.socket.unlink()
+            await kubelet.start()
+            await asyncio.wait_for(plugin.tick(), 10)
+            assert plugin.registrations == 1 and kubelet.requests[-1].resource_name == "sharegpu.io/gpu"
+        finally:
+            await plugin.close()
+            await kubelet.stop()
+
+    asyncio.run(main())
+
+
 def test_socket_path_too_long_is_a_clear_error(tmp_path: Path) -> None:
     long_dir = tmp_path / ("d" * 120)
-
-    class NoAllocator:
-        def allocate(self, device_ids: Sequence[str]) -> object:
-            raise AssertionError
-
-        async def prestart(self, device_ids: Sequence[str]) -> object:
-            raise AssertionError
-
     with pytest.raises(DevicePluginError, match="shorter --device-plugin-dir"):
         DevicePluginServer(long_dir, NoAllocator())  # type: ignore[arg-type]

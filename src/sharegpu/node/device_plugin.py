@@ -42,6 +42,12 @@ UNHEALTHY = "Unhealthy"
 TOKENS_PER_GPU = 64
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 NO_KUBELET_WARN_EVERY_S = 60.0  # while kubelet.sock is missing, say so at start and then this often
+# A restarted kubelet re-admits every pod whose containers are not running within a few hundred milliseconds of
+# creating kubelet.sock, and rejects those that ask for a resource no plugin has re-registered yet
+# ("UnexpectedAdmissionError: … no healthy devices present"; kubernetes/kubernetes#133382, #125579, #118559): the
+# sooner the plugin registers, the fewer pods are lost, so the sockets are looked at this often.
+POLL_S = 0.1
+REGISTER_RETRY_WARN_EVERY_S = 10.0  # failed registrations are retried every poll; say so at first and then this often
 
 
 class DevicePluginError(NodeError):
@@ -107,7 +113,7 @@ class DevicePluginServer:
         plugin_dir: Path,
         allocator: ContainerAllocator,
         resource_name: str = GPU_RESOURCE,
-        poll_s: float = 1.0,
+        poll_s: float = POLL_S,
         register_timeout_s: float = 5.0,
     ) -> None:
         self.plugin_dir = plugin_dir
@@ -127,6 +133,8 @@ class DevicePluginServer:
         self._created_dir = False  # the plugin directory did not exist: we made it (a wrong path, most likely)
         self._no_kubelet_since: float | None = None
         self._next_no_kubelet_warning = 0.0
+        self._register_failures = 0
+        self._next_register_warning = 0.0
 
     # ----- devices ---------------------------------------------------------------------------------------------
     async def set_devices(self, tokens: tuple[DeviceToken, ...]) -> None:
@@ -161,8 +169,13 @@ class DevicePluginServer:
             try:
                 await self._register()
             except DevicePluginError as e:
-                log.warning("%s; retrying", e)
+                self._register_failures += 1
+                now = time.monotonic()
+                if self._register_failures == 1 or now >= self._next_register_warning:
+                    log.warning("%s; retrying every %.1fs (%d tries)", e, self._poll_s, self._register_failures)
+                    self._next_register_warning = now + REGISTER_RETRY_WARN_EVERY_S
                 return
+            self._register_failures = 0
             self._registered_with = kubelet
             self.registrations += 1
             log.info("registered %s with the kubelet at %s", self.resource_name, self.kubelet_socket)
@@ -230,13 +243,19 @@ class DevicePluginServer:
             options=pb.DevicePluginOptions(**OPTIONS),
         )
         try:
-            async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+            # A channel of its own subchannels: gRPC otherwise shares one per address across channels, and a
+            # refused connect leaves it backing off (1 s, growing), failing every new channel at once meanwhile.
+            local = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(f"unix://{self.kubelet_socket}", options=local) as channel:
                 register = channel.unary_unary(
                     "/v1beta1.Registration/Register",
                     request_serializer=pb.RegisterRequest.SerializeToString,
                     response_deserializer=pb.Empty.FromString,
                 )
-                await register(request, timeout=self._register_timeout_s, wait_for_ready=True)
+                # Not wait_for_ready: a kubelet.sock that nobody listens on (a kubelet stopping or not yet serving)
+                # fails at once and the next poll tries the socket again, instead of holding the call for the whole
+                # timeout while a new kubelet is already admitting pods.
+                await register(request, timeout=self._register_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise DevicePluginError(
                 f"the kubelet at {self.kubelet_socket} refused registration: {e.code().name}: {e.details()}"
