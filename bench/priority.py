@@ -5,7 +5,7 @@ Usage: uv run python bench/priority.py [--trace default] [--seeds 42,43] [--arri
            [--high 0.2] [--max-moves 2] [--jobs 2] [--plot docs/priority.png]
 
 Workload: the openb trace redrawn with its pods' lifetimes, arriving so that the GPU busy on average is --load × the
-cluster (sharegpu.sim.priority.overloaded; the trace as recorded never fills its cluster), a seeded --high share of
+cluster (sharegpu.sim.replay.overloaded; the trace as recorded never fills its cluster), a seeded --high share of
 pods marked high priority. Every variant of a seed replays the same pods with the same marking. In every variant the
 pending queue retries higher priority first (the kube-scheduler's order, so "today" already favours them); the
 features add preemption (victims chosen as the kube-scheduler chooses them) and consolidation (at most --max-moves
@@ -26,7 +26,7 @@ from typing import Any
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.sim.engine import RunResult
 from sharegpu.sim.openb import load_nodes, load_pods
-from sharegpu.sim.priority import PriorityOptions, overloaded, replay_priority
+from sharegpu.sim.replay import PriorityOptions, overloaded, replay_trace
 from sharegpu.sim.runner import Experiment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def one(args: tuple[str, str, int, int, float, float, int, str, bool, bool]) -> 
     tasks = overloaded(base, exp.capacity_milli, arrivals, seed, load)
     pol = make_policy(policy, PolicyContext(exp.workload()))
     opts = PriorityOptions(high, pre, cons, max_moves)
-    return label, seed, replay_priority(nodes, tasks, pol, opts, seed).run
+    return label, seed, replay_trace(nodes, tasks, pol, opts, seed).run
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ cluster, so that demand exceeds capacity and the pending queue fills (10,000 pod
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -31,11 +30,9 @@ import time
 from io import BytesIO
 from pathlib import Path
 
-import numpy as np
-
 from sharegpu.placement.policies import PolicyContext, make_policy
-from sharegpu.sim.engine import replay_timed
 from sharegpu.sim.openb import TraceTask, load_nodes, load_pods
+from sharegpu.sim.replay import overloaded, replay_trace
 from sharegpu.sim.runner import Experiment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,33 +76,21 @@ def fgd_run(src: Path, data: Path, trace: str, policy: str, seed: int) -> dict[s
     return result
 
 
-def overloaded_tasks(data: Path, trace: str, pods: int, seed: int, load: float = 1.5) -> list[TraceTask]:
-
-    base = [t for t in load_pods(data / f"openb_pod_list_{trace}.csv") if t.deletion_time is not None]
-    capacity = sum(len(n.gpus) for n in load_nodes(data / "openb_node_list_gpu_node.csv"))
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(len(base), size=pods)
-    life = np.array([max(1, (t.deletion_time or 0) - (t.creation_time or 0)) for t in base], dtype=np.float64)
-    life = np.minimum(life, np.percentile(life, 90))  # the trace's tail lives for months: it would never settle
-    gpus = np.array([t.request.total_milli / 1000 for t in base], dtype=np.float64)
-    # One arrival per 1,000 time units on average; lifetimes keep the trace's shape, rescaled so that the GPUs
-    # busy on average (Little's law: arrival rate × mean of lifetime × GPUs) are ``load`` × the cluster's.
-    created = np.cumsum(rng.exponential(1000.0, size=pods)).astype(np.int64)
-    life = life * (load * capacity * 1000.0 / float((life * gpus).mean()))
-    out: list[TraceTask] = []
-    for i, (k, c) in enumerate(zip(picks.tolist(), created.tolist(), strict=True)):
-        req = dataclasses.replace(base[k].request, name=f"pod-{i:06d}")
-        out.append(TraceTask(req, c, c + int(life[k])))
-    return out
+def overloaded_tasks(data: Path, trace: str, pods: int, seed: int, load: float = 1.5) -> tuple[TraceTask, ...]:
+    """The trace's pods redrawn to overload its cluster (:func:`sharegpu.sim.replay.overloaded`, as `sharegpu sim
+    --replay --load` does)."""
+    base = load_pods(data / f"openb_pod_list_{trace}.csv")
+    capacity_milli = 1000 * sum(len(n.gpus) for n in load_nodes(data / "openb_node_list_gpu_node.csv"))
+    return overloaded(base, capacity_milli, pods, seed, load)
 
 
 def replay_bench(data: Path, trace: str, policy: str, pods: int, retry_all: bool) -> None:
     nodes = tuple(load_nodes(data / "openb_node_list_gpu_node.csv"))
-    tasks = tuple(overloaded_tasks(data, trace, pods, seed=42))
+    tasks = overloaded_tasks(data, trace, pods, seed=42)
     exp = Experiment(trace, nodes, tasks, (policy,), (0,), replay=True)
     pol = make_policy(policy, PolicyContext(exp.workload()))
     t0 = time.perf_counter()
-    res = replay_timed(nodes, tasks, pol, retry_all=retry_all)
+    res = replay_trace(nodes, tasks, pol, retry_all=retry_all)
     wall = time.perf_counter() - t0
     how = "whole queue retried" if retry_all else "indexed queue"
     print(

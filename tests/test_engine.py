@@ -14,8 +14,9 @@ from sharegpu.model.request import GpuRequest
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Policy
 from sharegpu.placement.policies import POLICIES, PolicyContext, make_policy
-from sharegpu.sim.engine import RunResult, replay_timed, run_arrivals
+from sharegpu.sim.engine import RunResult, run_arrivals
 from sharegpu.sim.openb import TraceTask
+from sharegpu.sim.replay import replay_trace
 
 
 def node(name: str, gpus: int, model: str = "V100-16GB", cpu: int = 8000, mem: int = 16 * GIB) -> NodeSpec:
@@ -221,7 +222,7 @@ def test_fragmentation_and_progress_callbacks() -> None:
     assert r.fragmentation_pct is None
 
 
-# ----- replay_timed ----------------------------------------------------------------------------------------------
+# ----- replay (plain) -------------------------------------------------------------------------------------------
 def whole(name: str, created: int | None, deleted: int | None, gpus: int = 1) -> TraceTask:
     return TraceTask(req(name, gpus, 1000, cpu=100, mem=64), created, deleted)
 
@@ -242,7 +243,7 @@ def test_replay_pending_pods_are_placed_when_a_deletion_frees_room() -> None:
         whole("p3", 6, None),  # waits; placed at 20 when p2 leaves; never leaves
         share("p4", 500, 30, None),  # waits for good: p3 holds the GPU whole and never leaves
     ]
-    res = replay_timed(nodes, tasks, replay_policy(tasks))
+    res = replay_trace(nodes, tasks, replay_policy(tasks))
     assert res.run.pods == 4
     assert res.run.placed == 3
     assert res.waited == 3
@@ -264,7 +265,7 @@ def test_replay_pending_pods_are_placed_when_a_deletion_frees_room() -> None:
 def test_replay_pods_without_deletion_never_leave() -> None:
     nodes = [node("a", 2)]
     tasks = [whole("stay", 0, None), whole("go", 0, 5), whole("late", 10, None), whole("later", 20, None)]
-    res = replay_timed(nodes, tasks, replay_policy(tasks))
+    res = replay_trace(nodes, tasks, replay_policy(tasks))
     # "stay" never leaves, so after "go" leaves there is room for exactly one more pod.
     assert res.run.placed == 3
     assert res.never_placed == 1
@@ -274,7 +275,7 @@ def test_replay_pods_without_deletion_never_leave() -> None:
 def test_replay_everything_leaves() -> None:
     nodes = [node("a", 1)]
     tasks = [whole("p1", 0, 10), whole("p2", 1, 11), whole("p3", 2, 12)]
-    res = replay_timed(nodes, tasks, replay_policy(tasks))
+    res = replay_trace(nodes, tasks, replay_policy(tasks))
     assert res.run.placed == 3
     assert res.never_placed == 0 and res.run.failed == 0
     assert res.waited == 2
@@ -284,7 +285,7 @@ def test_replay_everything_leaves() -> None:
 def test_replay_deletion_goes_before_a_creation_at_the_same_time() -> None:
     nodes = [node("a", 1)]
     tasks = [whole("p1", 0, 10), whole("p2", 10, None)]
-    res = replay_timed(nodes, tasks, replay_policy(tasks))
+    res = replay_trace(nodes, tasks, replay_policy(tasks))
     assert res.waited == 0  # p1's deletion at 10 is handled before p2's creation at 10
     assert res.run.placed == 2 and res.peak_pending == 0
 
@@ -292,7 +293,7 @@ def test_replay_deletion_goes_before_a_creation_at_the_same_time() -> None:
 def test_replay_without_times_arrive_at_zero_in_name_order() -> None:
     nodes = [node("a", 1)]
     tasks = [whole("b", None, None), whole("a", None, None)]
-    res = replay_timed(nodes, tasks, replay_policy(tasks))
+    res = replay_trace(nodes, tasks, replay_policy(tasks))
     assert res.run.placed == 1
     assert res.waited == 1 and res.never_placed == 1
 
@@ -301,7 +302,7 @@ def test_replay_pending_queue_is_fifo_but_not_blocked_by_its_head() -> None:
     # A 2-GPU pod waits first, then a 1-GPU pod; when one GPU frees, the 1-GPU pod behind the head is placed.
     nodes = [node("a", 2)]
     tasks = [whole("hold-a", 0, 10), whole("hold-b", 0, None), whole("two", 1, None, gpus=2), whole("one", 2, 30)]
-    res = replay_timed(nodes, tasks, replay_policy(tasks))
+    res = replay_trace(nodes, tasks, replay_policy(tasks))
     assert res.waited == 2
     assert res.run.placed == 3  # hold-a, hold-b, then "one" at 10; "two" never fits next to hold-b
     assert res.never_placed == 1
@@ -311,7 +312,7 @@ def test_replay_pending_queue_is_fifo_but_not_blocked_by_its_head() -> None:
 def test_replay_full_pending_queue_drops_pods() -> None:
     nodes = [node("a", 1)]
     tasks = [whole("p0", 0, None), whole("p1", 1, None), whole("p2", 2, None), whole("p3", 3, None)]
-    res = replay_timed(nodes, tasks, replay_policy(tasks), max_pending=1)
+    res = replay_trace(nodes, tasks, replay_policy(tasks), max_pending=1)
     assert res.run.placed == 1
     assert res.run.failures == {"pending queue full": 2, "still pending at the end of the trace": 1}
     assert res.run.failed == 3
@@ -327,7 +328,7 @@ def test_replay_random_trace_accounts_for_every_pod(name: str) -> None:
         created = rnd.randrange(0, 1000)
         deleted = rnd.choice([None, created + rnd.randrange(0, 300)])
         tasks.append(TraceTask(r, created, deleted))
-    res = replay_timed(CLUSTER, tasks, replay_policy(tasks, name))
+    res = replay_trace(CLUSTER, tasks, replay_policy(tasks, name))
     assert res.run.pods == 150
     # Every pod is placed once, or is left pending, or was dropped.
     assert res.run.placed + res.run.failed == 150

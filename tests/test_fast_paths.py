@@ -22,8 +22,8 @@ from sharegpu.placement.framework import BoolArray, CycleState, Decision, Schedu
 from sharegpu.placement.mechanism import Route, mig_choice, route_for, share_modes, usable_gpus
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.reasons import FilterReason, NodeRoom, RoomArrays, node_kinds, node_reason
-from sharegpu.sim.engine import replay_timed
 from sharegpu.sim.openb import TraceTask
+from sharegpu.sim.replay import replay_trace
 
 MODELS = ["A100-40GB", "H100-80GB", "A30-24GB", "T4", "P100", "V100-16GB", "G2"]
 NODE_MODELS = ["A100-40GB", "H100-80GB", "T4", "P100", "V100-16GB", "G2"]
@@ -216,7 +216,7 @@ def test_indexed_pending_queue_places_what_retrying_everything_places(
     for retry_all in (False, True):
 
         def go(retry_all: bool = retry_all) -> None:
-            results[retry_all] = replay_timed(nodes, tasks, pol, seed=5, max_pending=max_pending, retry_all=retry_all)
+            results[retry_all] = replay_trace(nodes, tasks, pol, seed=5, max_pending=max_pending, retry_all=retry_all)
 
         seen[retry_all] = placements(monkeypatch, go)
     assert seen[False] == seen[True]

@@ -29,8 +29,8 @@ from sharegpu.sim.openb import (
     replay_gaps,
     unplaceable_models,
 )
-from sharegpu.sim.priority import PriorityOptions
 from sharegpu.sim.protocol import MAX_SEEDS, parse_seeds
+from sharegpu.sim.replay import PriorityOptions
 from sharegpu.sim.report import print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
 from sharegpu.sim.scenario import DEFAULT_POLICIES, DEFAULT_SEEDS, scenario_nodes, scenario_tasks

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import time
 from collections import deque
@@ -16,8 +15,7 @@ from sharegpu.ledger import Ledger
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.framework import Policy, Scheduler, Unschedulable
-from sharegpu.sim.metrics import RunLog, Timeline, allocation_curve, percentile, sample_timeline
-from sharegpu.sim.openb import TraceTask
+from sharegpu.sim.metrics import RunLog, Timeline, allocation_curve, percentile
 
 Progress = Callable[[int], None]
 
@@ -134,91 +132,6 @@ class ReplayResult:
     waited: int  # requests that waited in the pending queue at least once
     never_placed: int
     peak_pending: int
-
-
-def replay_timed(
-    nodes: Sequence[NodeSpec],
-    tasks: Sequence[TraceTask],
-    policy: Policy,
-    seed: int = 0,
-    max_pending: int = 10_000,
-    progress: Progress | None = None,
-    retry_all: bool = False,
-) -> ReplayResult:
-    """Honours creation and deletion times: pods leave, and a FIFO pending queue is retried whenever
-    capacity is freed. Tasks without a creation time arrive at 0; without a deletion time they never leave.
-
-    After each event every waiting pod fits nowhere, and a placement never makes room, so a deletion can only
-    let in pods that fit on the node it freed, and they can only go there. The queue therefore retries, in
-    FIFO order, only the pods whose shape fits that node now (:class:`PendingQueue`), which places exactly the
-    pods that retrying the whole queue would, where it would. ``retry_all`` retries the whole queue instead:
-    the plain reference, kept for tests and benchmarks.
-    """
-    t0 = time.perf_counter()
-    ledger = Ledger(nodes)
-    sched = Scheduler(ledger, policy, seed=seed)
-    log = RunLog(ledger.total_gpu_milli)
-    events: list[tuple[int, int, int, str]] = []  # (time, kind 0=delete first, seq, name)
-    by_name = {t.name: t for t in tasks}
-    for seq, t in enumerate(sorted(tasks, key=lambda t: (t.creation_time or 0, t.name))):
-        heapq.heappush(events, (t.creation_time or 0, 1, seq, t.name))
-    pending = PendingQueue(sched)
-    waited: set[str] = set()
-    arrived = 0
-    peak = 0
-    times: list[int] = []
-    pending_sizes: list[int] = []
-    now = 0
-
-    def try_place(name: str) -> bool:
-        t = by_name[name]
-        start = time.perf_counter()
-        d = sched.decide(t.request)
-        log.latencies_s.append(time.perf_counter() - start)
-        if isinstance(d, Unschedulable):
-            return False
-        ledger.place(d.assignment)
-        log.placed += 1
-        if t.deletion_time is not None:
-            # A pod that waited past its deletion time ends at once; its end is "now", never earlier: the event
-            # times (and the timeline sampled from them) must not run backwards.
-            heapq.heappush(events, (max(t.deletion_time, now), 0, len(events), name))
-        return True
-
-    while events:
-        now, kind, seq, name = heapq.heappop(events)
-        if kind == 0:
-            a = ledger.release(name)
-            if retry_all:
-                pending.retry_all(try_place)
-            else:
-                pending.retry_on(ledger.node_of(a.node), try_place)
-        else:
-            arrived += by_name[name].request.total_milli
-            if not try_place(name):
-                waited.add(name)
-                if len(pending) < max_pending:
-                    pending.add(name, by_name[name].request)
-                else:
-                    log.fail("pending queue full")
-        peak = max(peak, len(pending))
-        log.record(arrived, int(ledger.total_gpu_milli - np.where(ledger.healthy, ledger.free_milli, 0).sum()))
-        times.append(now)
-        pending_sizes.append(len(pending))
-        if progress is not None and kind == 1 and seq % 256 == 0:
-            progress(seq)
-    for _ in range(len(pending)):
-        log.fail("still pending at the end of the trace")
-    run = _result(policy.name, seed, ledger, log, t0, len(tasks), None)
-    total = ledger.total_gpu_milli
-    stats: dict[str, float] = {
-        "waited": len(waited),
-        "never_placed": len(pending),
-        "peak_pending": peak,
-        "mean_alloc_pct": round(100 * float(np.mean(log.allocated)) / total, 2) if total else 0.0,
-    }
-    timeline = sample_timeline(times, log.allocated[1:], pending_sizes, total)
-    return ReplayResult(dataclasses.replace(run, replay=stats, timeline=timeline), len(waited), len(pending), peak)
 
 
 class PendingQueue:

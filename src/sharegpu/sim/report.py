@@ -203,7 +203,7 @@ def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
 
 
 REPLAY_FIGURES = ("waited", "never_placed", "peak_pending", "mean_alloc_pct")
-# A priority replay's own figures (sim.priority), and their columns.
+# A priority replay's own figures (sim.replay), and their columns.
 PRIORITY_FIGURES = ("high_wait_p50_s", "high_wait_p95_s", "high_never_placed", "evictions", "moves")
 PRIORITY_COLUMNS = ("hi p50 s", "hi p95 s", "hi never", "evicted", "moves")
 PRIORITY_CAPTION = (

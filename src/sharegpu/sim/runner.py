@@ -20,10 +20,10 @@ from sharegpu.placement.fragmentation import Workload, fragmentation_of
 from sharegpu.placement.framework import Scheduler, Unschedulable
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.scorers import FragmentationModel
-from sharegpu.sim.engine import RunResult, replay_timed, run_arrivals, summary_reason
+from sharegpu.sim.engine import RunResult, run_arrivals, summary_reason
 from sharegpu.sim.openb import TraceTask
-from sharegpu.sim.priority import PriorityOptions, overloaded, replay_priority
 from sharegpu.sim.protocol import fgd_arrivals
+from sharegpu.sim.replay import PriorityOptions, overloaded, replay_trace
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Experiment:
     tune: float = 1.3
     replay: bool = False  # honour creation/deletion times instead of the FGD protocol
     priority: PriorityOptions | None = None  # replay with priorities, preemption, consolidation (issue 19)
-    load: float | None = None  # replay a loaded redraw of the trace (see sim.priority.overloaded) instead
+    load: float | None = None  # replay a loaded redraw of the trace (see sim.replay.overloaded) instead
     arrivals: int = 0  # pods of that redraw
 
     @property
@@ -93,9 +93,7 @@ def run_one(
         if exp.load is not None:
             tasks = overloaded(exp.tasks, exp.capacity_milli, exp.arrivals, seed, exp.load)
         progress = reporter.bind(len(tasks)) if reporter else None
-        if exp.priority is not None:
-            return replay_priority(exp.nodes, tasks, policy, exp.priority, seed, progress=progress).run
-        return replay_timed(exp.nodes, tasks, policy, seed, progress=progress).run
+        return replay_trace(exp.nodes, tasks, policy, exp.priority, seed, progress=progress).run
     arrivals: Sequence[GpuRequest] = fgd_arrivals(exp.tasks, exp.capacity_milli, seed, exp.tune)
     progress = reporter.bind(len(arrivals)) if reporter else None
     return run_arrivals(

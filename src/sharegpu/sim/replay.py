@@ -1,14 +1,21 @@
-"""Replay with priorities, preemption and consolidation (issue 19): how long high-priority pods wait, and at what
-cost in evictions, moves and allocation.
+"""The timed replay: pods arrive at their creation times and leave at their deletion times, and a pending queue
+waits for room; optionally with priorities, preemption and consolidation (issue 19). One event loop for both: a
+replay without :class:`PriorityOptions` is the plain one.
 
-A seeded share of the pods is marked high priority. The pending queue retries higher priority first (the
-kube-scheduler's activeQ order), then FIFO. With ``preemption`` a high-priority pod that fits nowhere evicts
-lower-priority pods as :func:`plan_preemption` says (on arrival over every node; after each departure again on the
-node that departure freed). With ``consolidation`` a pod that still fits nowhere, while enough GPU room is free in
-all, gets the moves :func:`plan_consolidation` plans (only lower-priority pods move, and only when high-priority pods
-are marked; otherwise any pod). An evicted or moved pod is restarted by its controller: it re-enters the pending
-queue (a moved pod is placed at once where the plan says) and runs its whole lifetime again from its new start, so
-an eviction costs the work it loses. Handover is instant: the simulator has no grace period.
+Tasks without a creation time arrive at 0; without a deletion time they never leave. The pending queue retries
+higher priority first (the kube-scheduler's activeQ order), then FIFO. After each event every waiting pod fits
+nowhere, and a placement never makes room, so a deletion can only let in pods that fit on the node it freed, and they
+can only go there: the queue retries, in order, only the pods whose shape fits that node now
+(:class:`~sharegpu.sim.engine.PendingQueue`), which places exactly the pods that retrying the whole queue would,
+where it would (``retry_all``, the plain reference, kept for tests and benchmarks).
+
+With priorities a seeded share of the pods is marked high priority. With ``preemption`` a high-priority pod that fits
+nowhere evicts lower-priority pods as :func:`plan_preemption` says (on arrival over every node; after each departure
+again on the node that departure freed). With ``consolidation`` a pod that still fits nowhere, while enough GPU room
+is free in all, gets the moves :func:`plan_consolidation` plans (only lower-priority pods move, and only when
+high-priority pods are marked; otherwise any pod). An evicted or moved pod is restarted by its controller: it
+re-enters the pending queue (a moved pod is placed at once where the plan says) and runs its whole lifetime again
+from its new start, so an eviction costs the work it loses. Handover is instant: the simulator has no grace period.
 
 Waiting time is from a pod's creation to its first placement; a pod never placed counts as waiting until the last
 event (a lower bound, so that a run that never places a pod cannot look fast).
@@ -117,22 +124,25 @@ def _pct(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 1) if values else 0.0
 
 
-def replay_priority(
+def replay_trace(
     nodes: Sequence[NodeSpec],
     tasks: Sequence[TraceTask],
     policy: Policy,
-    opts: PriorityOptions,
+    opts: PriorityOptions | None = None,
     seed: int = 0,
     max_pending: int = 10_000,
     progress: Progress | None = None,
+    retry_all: bool = False,
 ) -> ReplayResult:
-    """The replay of :func:`sharegpu.sim.engine.replay_timed` with priorities, preemption and consolidation."""
+    """Replay ``tasks`` on ``nodes`` with ``policy``; ``opts`` adds priorities, preemption and consolidation and their
+    figures to the result (without it, only the plain replay's)."""
+    prio_opts = opts or PriorityOptions()
     t0 = time.perf_counter()
     ledger = Ledger(nodes)
     sched = Scheduler(ledger, policy, seed=seed)
     log = RunLog(ledger.total_gpu_milli)
     by_name = {t.name: t for t in tasks}
-    high = mark_high(tasks, opts.high_share, seed)
+    high = mark_high(tasks, prio_opts.high_share, seed)
     prio = {name: HIGH if name in high else LOW for name in by_name}
     limit = kube_candidate_limit(len(ledger.nodes))
     start_time: dict[str, float] = {}  # filled in as pods start (the victims' latest-start criterion reads it)
@@ -227,7 +237,7 @@ def replay_priority(
         req = by_name[name].request
         movable = {p: by_name[p].request for p in ledger.assignments if not high or prio[p] < prio[name]}
         try:
-            plan = plan_consolidation(ledger, req, policy, movable, max_moves=opts.max_moves, max_candidates=limit)
+            plan = plan_consolidation(ledger, req, policy, movable, max_moves=prio_opts.max_moves, max_candidates=limit)
         except ConsolidationError:
             return False
         for m in plan.moves:
@@ -249,8 +259,11 @@ def replay_priority(
                 continue  # the pod was restarted since: this end belongs to its earlier run
             a = ledger.release(name)
             freed = ledger.node_of(a.node)
-            pending.retry_on(freed, try_place)
-            if opts.preemption and high_waiting:
+            if retry_all:
+                pending.retry_all(try_place)
+            else:
+                pending.retry_on(freed, try_place)
+            if prio_opts.preemption and high_waiting:
                 # Preemption is retried where the cluster changed: the node this departure freed.
                 for w in list(high_waiting)[:NODE_RETRIES]:
                     if preempt(w, [freed], queued=True):
@@ -260,8 +273,8 @@ def replay_priority(
             arrived += by_name[name].request.total_milli
             if not try_place(name):
                 waited.add(name)
-                placed = opts.preemption and prio[name] > LOW and preempt(name)
-                if not placed and opts.consolidation:
+                placed = prio_opts.preemption and prio[name] > LOW and preempt(name)
+                if not placed and prio_opts.consolidation:
                     placed = consolidate(name)
                 if not placed:
                     enqueue(name)
@@ -276,18 +289,35 @@ def replay_priority(
     run = _result(policy.name, seed, ledger, log, t0, len(tasks), None)
     total = ledger.total_gpu_milli
     end = times[-1] if times else 0
+    stats: dict[str, float] = {
+        "waited": len(waited),
+        "never_placed": len(pending),
+        "peak_pending": peak,
+        "mean_alloc_pct": round(100 * float(np.mean(log.allocated)) / total, 2) if total else 0.0,
+    }
+    if opts is not None:
+        stats |= _priority_stats(high, waited, first_start, by_name, end, counts)
+        stats["arrival_alloc_pct"] = _window_alloc(times, log.allocated[1:], last_arrival, total)
+    timeline = sample_timeline(times, log.allocated[1:], pending_sizes, total)
+    return ReplayResult(dataclasses.replace(run, replay=stats, timeline=timeline), len(waited), len(pending), peak)
+
+
+def _priority_stats(
+    high: frozenset[str],
+    waited: set[str],
+    first_start: dict[str, int],
+    by_name: dict[str, TraceTask],
+    end: int,
+    counts: dict[str, int],
+) -> dict[str, float]:
+    """How long high- and low-priority pods waited, and what preemption and consolidation did."""
 
     def waits(names: Sequence[str]) -> list[float]:
         return [float(first_start.get(n, end) - (by_name[n].creation_time or 0)) for n in names]
 
     high_w = waits(sorted(high))
     low_w = waits(sorted(set(by_name) - high))
-    stats: dict[str, float] = {
-        "arrival_alloc_pct": _window_alloc(times, log.allocated[1:], last_arrival, total),
-        "waited": len(waited),
-        "never_placed": len(pending),
-        "peak_pending": peak,
-        "mean_alloc_pct": round(100 * float(np.mean(log.allocated)) / total, 2) if total else 0.0,
+    return {
         "high_pods": len(high),
         "high_waited": sum(1 for n in high if n in waited),
         "high_never_placed": sum(1 for n in high if n not in first_start),
@@ -299,5 +329,3 @@ def replay_priority(
         "low_wait_p95_s": _pct(low_w, 95),
         **{k: float(v) for k, v in counts.items()},
     }
-    timeline = sample_timeline(times, log.allocated[1:], pending_sizes, total)
-    return ReplayResult(dataclasses.replace(run, replay=stats, timeline=timeline), len(waited), len(pending), peak)

@@ -13,9 +13,8 @@ from sharegpu.cli import app
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.policies import PolicyContext, make_policy
-from sharegpu.sim.engine import replay_timed
 from sharegpu.sim.openb import TraceTask, load_nodes, load_pods
-from sharegpu.sim.priority import HIGH, PriorityOptions, mark_high, overloaded, replay_priority
+from sharegpu.sim.replay import HIGH, PriorityOptions, mark_high, overloaded, replay_trace
 
 runner = CliRunner()
 NODES = "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,131072,2,V100M16\nn1,32000,131072,4,T4\n"
@@ -96,23 +95,26 @@ def loaded_tasks(n: int = 400, seed: int = 7) -> tuple[TraceTask, ...]:
 
 
 def test_without_features_the_replay_equals_the_plain_one() -> None:
-    """No pod marked and no feature: the same placements, waits and allocation as replay_timed."""
+    """No pod marked and no feature: the same placements, waits and allocation as the plain replay, which reports
+    no priority figures (and the indexed pending queue places as retrying the whole queue does)."""
     tasks = loaded_tasks()
     policy = make_policy("bestfit", PolicyContext())
-    plain = replay_timed(cluster(), tasks, policy, 0).run
-    prio = replay_priority(cluster(), tasks, policy, PriorityOptions(), 0).run
-    assert prio.placed == plain.placed and prio.failed == plain.failed
-    assert prio.curve == plain.curve
+    plain = replay_trace(cluster(), tasks, policy, None, 0).run
+    prio = replay_trace(cluster(), tasks, policy, PriorityOptions(), 0).run
+    whole = replay_trace(cluster(), tasks, policy, PriorityOptions(), 0, retry_all=True).run
+    assert prio.placed == plain.placed == whole.placed and prio.failed == plain.failed
+    assert prio.curve == plain.curve == whole.curve
     assert plain.replay is not None and prio.replay is not None
     for key in ("waited", "never_placed", "peak_pending", "mean_alloc_pct"):
         assert prio.replay[key] == plain.replay[key]
+    assert "high_pods" not in plain.replay and prio.replay["high_pods"] == 0
 
 
 def test_preemption_cuts_high_priority_waits() -> None:
     tasks = loaded_tasks(600)
     policy = make_policy("bestfit", PolicyContext())
-    base = replay_priority(cluster(), tasks, policy, PriorityOptions(0.2), 0).run.replay
-    pre = replay_priority(cluster(), tasks, policy, PriorityOptions(0.2, preemption=True), 0).run.replay
+    base = replay_trace(cluster(), tasks, policy, PriorityOptions(0.2), 0).run.replay
+    pre = replay_trace(cluster(), tasks, policy, PriorityOptions(0.2, preemption=True), 0).run.replay
     assert base is not None and pre is not None
     assert base["high_wait_mean_s"] > 0, "the scenario must make high-priority pods wait"
     assert pre["high_wait_mean_s"] < base["high_wait_mean_s"] / 2
@@ -135,7 +137,7 @@ def test_loaded_openb_replay_with_preemption() -> None:
     base = tuple(load_pods(DATA / "openb_pod_list_default.csv"))
     tasks = overloaded(base, 1000 * sum(len(n.gpus) for n in nodes), 3000, 42, 2.0)
     policy = make_policy("bestfit", PolicyContext())
-    r = replay_priority(nodes, tasks, policy, PriorityOptions(0.2, preemption=True), 42).run
+    r = replay_trace(nodes, tasks, policy, PriorityOptions(0.2, preemption=True), 42).run
     assert r.replay is not None and r.replay["high_never_placed"] == 0
 
 
@@ -146,8 +148,8 @@ def test_event_times_never_run_backwards() -> None:
     tasks = (TraceTask(GpuRequest("a"), 0, 100), TraceTask(GpuRequest("b"), 10, 50))
     policy = make_policy("bestfit", PolicyContext())
     for run in (
-        replay_timed(one, tasks, policy, 0).run,
-        replay_priority(one, tasks, policy, PriorityOptions(0.5), 0).run,
+        replay_trace(one, tasks, policy, None, 0).run,
+        replay_trace(one, tasks, policy, PriorityOptions(0.5), 0).run,
     ):
         assert run.timeline is not None
         assert run.timeline.time_s[0] == 0 and run.timeline.time_s[-1] == 100
@@ -156,7 +158,7 @@ def test_event_times_never_run_backwards() -> None:
 
 def test_loaded_window_allocation() -> None:
     tasks = loaded_tasks(600)
-    r = replay_priority(cluster(), tasks, make_policy("bestfit", PolicyContext()), PriorityOptions(0.2), 0).run
+    r = replay_trace(cluster(), tasks, make_policy("bestfit", PolicyContext()), PriorityOptions(0.2), 0).run
     assert r.replay is not None
     # Over the loaded part the small cluster is nearly full; over all events the drain pulls the mean down.
     assert r.replay["arrival_alloc_pct"] > r.replay["mean_alloc_pct"]
