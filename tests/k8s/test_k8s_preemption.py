@@ -336,6 +336,46 @@ def test_room_freed_by_the_first_victim_is_kept_while_the_others_terminate() -> 
     run(body)
 
 
+def test_the_free_part_of_the_preemptors_room_is_held_while_its_victim_terminates() -> None:
+    """The preemptor needs 60Gi where 40Gi are free and a low-priority 40Gi pod runs: one victim, and while it
+    terminates (its controller recreating it at once) the 40Gi free already must not go to a lower-priority pod, or
+    the room never comes together. Before, only consolidation held that part."""
+
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        low = await h.placed("low", "n1", memory="40Gi")
+        high = await h.waiting("high", memory="60Gi")
+        await h.ctrl.round()
+        assert h.api.evictions == [low]
+        replica = await h.waiting("low-replica", priority=0, memory="30Gi")  # would fit in the free 40Gi
+        assert h.filter(replica) == []
+        assert any(k.startswith("free#kept-for-") for k in h.view.ledger.assignments)
+        h.view.ledger.check_invariants()
+        h.api.terminate(low)
+        await until(lambda: h.view.held(high) is not None, "room held for the preemptor")
+        assert h.filter(replica) == [] and h.filter(high) == ["n1"]
+        assert [k for k in h.view.ledger.assignments if "#" in k] == []  # placeholders gave way to the hold
+
+    run(body)
+
+
+def test_a_refused_eviction_releases_the_room_reserved_before_it() -> None:
+    async def body(h: Harness) -> None:
+        await h.nodes("n1")
+        await h.placed("low", "n1", memory="40Gi", labels={"app": "db"})
+        h.api.pdbs["default/db"] = DisruptionBudget("default", "db", (("app", "db"),), (), 0)
+        high = await h.waiting("high", memory="60Gi")
+        report = await h.ctrl.round()
+        assert high in report.refused and h.api.evictions == []
+        assert h.ctrl.reservations() == {} and [k for k in h.view.ledger.assignments if "#" in k] == []
+        other = h.pod("other", 0, memory="30Gi")
+        await until(lambda: h.view.pod(other) is not None, other)
+        assert h.filter(other) == ["n1"]  # the free 40Gi is anyone's again
+        assert h.filter(high) == []
+
+    run(body)
+
+
 def test_victims_only_on_nodes_the_scheduler_passed_for_the_pod() -> None:
     async def body(h: Harness) -> None:
         await h.nodes("n1", "n2")

@@ -170,10 +170,10 @@ class Consolidator:
         moved = [m.pod for m in plan.moves]
         assert all(m in movable for m in moved), plan  # the planner moves only what it was given
         # Reserve before evicting: the same hold as a preemption's (the moved pods keep their share until they are
-        # gone, then the room is the waiting pod's until it binds or the reservation lapses), and with hold_free
-        # the part of that room free already is held at once: the moved pods' controllers recreate them the moment
-        # they are evicted, and a replica must not take that part beside its terminating original.
-        ctrl.reserve(pod, pod_priority(pod), plan.node, plan.assignment, moved, hold_free=True)
+        # gone, the part of the room free already is held at once, then the room is the waiting pod's until it binds
+        # or the reservation lapses): the moved pods' controllers recreate them the moment they are evicted, and a
+        # replica must not take that part beside its terminating original.
+        ctrl.reserve(pod, pod_priority(pod), plan.node, plan.assignment, moved)
         ctrl.settle()
         evicted = await ctrl.evict(moved)
         now = self.clock()

@@ -132,10 +132,10 @@ class _Reservation:
     # The victims' assignments: a victim that is gone while others still terminate leaves its share held under a
     # placeholder key (KEPT), so that a lower-priority pod cannot take the part of the room already freed.
     kept: dict[str, Assignment] = field(default_factory=dict)
-    # Hold the part of the pod's room that is free already while the victims terminate (consolidation: the moved
-    # pods' controllers recreate them at once, and a replica would otherwise take that part beside its terminating
-    # original, so the room never comes together).
-    hold_free: bool = False
+    # The part of the pod's room that is free already is held too while the victims terminate (FREE placeholder):
+    # the victims' controllers recreate them at once, and a lower-priority replica would otherwise take that part
+    # beside its terminating original, so the room would never come together (as the kube-scheduler counts a
+    # nominated pod on its node for pods of lower priority).
 
     def placeholder(self, victim: str) -> str:
         # Never a pod's key ("#" is not allowed in names), so no pod's filter or relist can take it for its own.
@@ -341,8 +341,7 @@ class PreemptionController:
                 for v in r.victims:
                     if v not in leaving:
                         self._keep(r, v, r.started + self.config.victims_timeout_s)
-                if r.hold_free:
-                    self._keep_free(r, r.started + self.config.victims_timeout_s)
+                self._keep_free(r, r.started + self.config.victims_timeout_s)
                 continue
             self._unkeep(r)
             if r.freed_at is None:
@@ -582,16 +581,20 @@ class PreemptionController:
         assert all(v.priority < prio for v in plan.victims), plan
         if not plan.victims:
             return await self._adopt(pod, prio, plan)
+        # Reserve before evicting: the evictions are awaited, and a filter that ran meanwhile could take the part of
+        # the room that is free already.
+        self.reserve(pod, prio, plan.node, plan.assignment, plan.victim_pods)
+        self.settle()
         # Those a budget protects first: a refusal then ends the plan before the others are evicted for nothing.
         order = [v.pod for v in sorted(plan.victims, key=lambda v: not v.violates_pdb)]
         evicted = await self.evict(order)
         if evicted.failure is not None:
+            self.cancel(key)
             outcome = Outcome.BLOCKED if evicted.blocked else Outcome.FAILED
             return self._gave_up(pod, outcome, evicted.failure, evicted.done)
         done = list(evicted.done)
         self.metrics.victims.inc(len(done))
         self.metrics.count(Outcome.PREEMPTED)
-        self.reserve(pod, prio, plan.node, plan.assignment, plan.victim_pods)
         log.info(
             "preempting %d pod(s) on %s for %s (priority %d): %s",
             len(done),
@@ -659,10 +662,10 @@ class PreemptionController:
         node: str,
         assignment: Assignment | None,
         leaving: Iterable[str],
-        hold_free: bool = False,
     ) -> None:
         """Hold the room ``leaving`` pods free on ``node`` for ``pod`` once they are gone (see :meth:`settle`); they
-        keep their share until then."""
+        keep their share until then, and the part of the room free already is held from now on. Call before
+        evicting (and :meth:`cancel` if the evictions fail), so that no filter runs between the two."""
         leaving = frozenset(leaving)
         self._reservations[pod.key] = _Reservation(
             pod.key,
@@ -673,7 +676,6 @@ class PreemptionController:
             leaving,
             self.clock(),
             kept=self._assignments(leaving),
-            hold_free=hold_free,
         )
         self.metrics.reservations.set(len(self._reservations))
 
