@@ -11,6 +11,7 @@ from pathlib import Path
 from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 
+from proc_helpers import kubeconfig
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.schema import Pod
@@ -103,13 +104,7 @@ def test_lightkube_watches_ask_for_a_server_timeout_and_a_silent_one_is_relisted
     async def main() -> None:
         srv = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        kc = tmp_path / "kubeconfig"
-        kc.write_text(
-            "apiVersion: v1\nkind: Config\n"
-            f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
-            "users: [{name: u, user: {token: x}}]\n"
-            "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
-        )
+        kc = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
         api = LightkubeClusterApi(kc)
         view = ClusterView(policy="bestfit", watch_timeout_s=(240, 300), watch_idle_s=0.4)
         stop = asyncio.Event()

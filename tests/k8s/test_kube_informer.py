@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from proc_helpers import kubeconfig
 from sharegpu.k8s.dra_steer import DraState, follow_dra
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import Gone
@@ -193,13 +194,7 @@ def test_dra_steering_follows_slices_and_claims_over_http(tmp_path: Path) -> Non
     async def main() -> None:
         srv = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
-        kc = tmp_path / "kubeconfig"
-        kc.write_text(
-            "apiVersion: v1\nkind: Config\n"
-            f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
-            "users: [{name: u, user: {token: x}}]\n"
-            "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
-        )
+        kc = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
         client = KubeClient(kc, "test")
         state = DraState()
         stop = asyncio.Event()
