@@ -162,19 +162,49 @@ def _placed(rig: Rig, ns: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _assert_where_said(log: str, placed: dict[str, tuple[str, str]], pods: set[str]) -> None:
-    """Every steered pod's claim is allocated exactly where the extender said first fit would put it (node and
-    GPU): the extender's model of the allocator holds on the real one."""
-    said = {
+def _said(log: str) -> dict[str, tuple[str, str]]:
+    """pod → (node, GPU) that the extender's log says first fit will take."""
+    return {
         m.group(1).split("/")[1]: (m.group(2), f"gpu-{m.group(3)}")
         for m in re.finditer(r"steered DRA pod (\S+) to (\S+) \(.*first fit: GPU (\d+)\)", log)
     }
-    assert set(said) == pods
+
+
+def _assert_where_said(log: str, placed: dict[str, tuple[str, str]], pods: set[str]) -> None:
+    """Every steered pod's claim is allocated exactly where the extender said first fit would put it (node and
+    GPU): the extender's model of the allocator holds on the real one."""
+    said = _said(log)
+    assert set(said) >= pods, f"the extender did not steer {sorted(pods - set(said))}"
     got = {p: (n, d.split("-mig-")[0]) for p, (n, d) in placed.items() if p in pods}
-    assert got == said
+    assert got == {p: said[p] for p in pods}
 
 
-def _assert_not_over_allocated(rig: Rig, ns: str) -> None:
+def _left_first_fit(rig: Rig, ns: str, log: str, pods: set[str]) -> dict[str, tuple[str, str]]:
+    """Pods of a burst whose claim the scheduler's allocator put on another GPU of the node the extender named,
+    although the GPU the extender named still has room for it once everything is allocated: the allocator left first
+    fit, the extender's model was right. Measured on the rig (v1.36.2): in about 1 of 5 bursts under load, the share
+    that would fill a GPU went to the node's next GPU. Any other difference fails: a wrong node, or a named GPU that
+    is really full (the model counted wrong)."""
+    said = _said(log)
+    assert set(said) >= pods
+    placed = _placed(rig, ns)
+    used = _used(rig, ns)
+    left: dict[str, tuple[str, str]] = {}
+    for p in sorted(pods):
+        node, device = placed[p]
+        assert node == said[p][0], f"{p}: allocated on {node}, the extender steered it to {said[p][0]}"
+        if device == said[p][1]:
+            continue
+        mem, compute = used[(node, said[p][1])]
+        assert mem + 10 <= 80 and compute + 25 <= 100, (
+            f"{p}: the extender said {said[p]}, which is full ({mem}Gi, compute {compute}): its model was wrong"
+        )
+        left[p] = (node, device)
+    return left
+
+
+def _used(rig: Rig, ns: str) -> dict[tuple[str, str], list[float]]:
+    """(node, GPU) → [memory Gi, compute] that the namespace's allocated share claims consume."""
     used: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for c in _claims(rig, ns).values():
         alloc = (c.get("status") or {}).get("allocation")
@@ -187,7 +217,11 @@ def _assert_not_over_allocated(rig: Rig, ns: str) -> None:
             mem = float(cc["memory"].removesuffix("Gi")) if cc["memory"].endswith("Gi") else 0.0
             used[(r["pool"], r["device"])][0] += mem
             used[(r["pool"], r["device"])][1] += float(cc["compute"])
-    for dev, (mem, compute) in used.items():
+    return used
+
+
+def _assert_not_over_allocated(rig: Rig, ns: str) -> None:
+    for dev, (mem, compute) in _used(rig, ns).items():
         assert mem <= 80 and compute <= 100, f"{dev} over-allocated: {mem}Gi, compute {compute}"
 
 
@@ -219,11 +253,15 @@ def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
     wait_for(lambda: len(_placed(rig, ns)) == 12, "the burst bound", 90)
     placed = _placed(rig, ns)
     _assert_not_over_allocated(rig, ns)
-    _assert_where_said(ext.text(), placed, {f"p{i}" for i in range(12)})
+    # The one-at-a-time pods exactly where the extender said; the burst's on the node it said, and on the GPU it said
+    # unless the scheduler's allocator itself left first fit (the only difference _left_first_fit lets through).
+    _assert_where_said(ext.text(), placed, {f"p{i}" for i in range(6)})
+    left = _left_first_fit(rig, ns, ext.text(), {f"p{i}" for i in range(6, 12)})
+    print(f"\nDRA burst of 6: {len(left)} claim(s) the allocator put off first fit: {left}")
     per_node = Counter(n for n, _ in placed.values())
     assert per_node[first] == 8, per_node  # the first node is full before another is opened
     assert len(per_node) == 2, per_node  # 12 quarter shares on 3 GPUs of two nodes, the third node untouched
-    assert len({(n, d) for n, d in placed.values()}) == 3, placed
+    assert len({(n, d) for n, d in placed.values()}) == 3 + len(left), placed
 
     # The binding extender entry (it has managedResources) is never called for them: the default binder binds,
     # with no sharegpu assignment; the extender's bind would have refused ("asks for no sharegpu.io resource").
@@ -243,10 +281,11 @@ def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
     wait_for(lambda: "mig" in _placed(rig, ns), "the MIG pod bound", 60)
     (second,) = set(per_node) - {first}
     mig_node, mig_device = _placed(rig, ns)["mig"]
-    assert (mig_node, mig_device.split("-mig-")[0]) == (second, "gpu-1"), mig_device
-    assert mig_device.startswith("gpu-1-mig-3g40gb-")
-
-    _assert_where_said(ext.text(), _placed(rig, ns), {f"p{i}" for i in range(12)} | {"mig"})
+    if not left:
+        assert (mig_node, mig_device.split("-mig-")[0]) == (second, "gpu-1"), mig_device
+        assert mig_device.startswith("gpu-1-mig-3g40gb-")
+    # Where the burst left first fit the second node has no idle GPU: the MIG claim goes where the model says then.
+    _assert_where_said(ext.text(), _placed(rig, ns), {"mig"} | {f"p{i}" for i in range(6)})
 
     _assert_not_over_allocated(rig, ns)
 
