@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger
-from sharegpu.model.assignment import Assignment
+from sharegpu.model.assignment import Assignment, Mechanism
 from sharegpu.model.catalog import GIB
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest, InvalidRequest, Isolation, Sharing
@@ -68,9 +68,27 @@ def random_request(rnd: random.Random, name: str) -> GpuRequest:
                 allowed_models=frozenset(rnd.sample(MODELS, 2)) if rnd.random() < 0.2 else frozenset(),
                 cpu_milli=cpu,
                 host_memory_mib=mem,
+                user=rnd.choice([0, 0, 0, 1000, None]),
             )
         except InvalidRequest:
             continue
+
+
+def mps_users_on(ledger: Ledger, n: int, g: int) -> list[int | None]:
+    """The Unix users of the MPS clients on GPU (n, g), from the assignments alone."""
+    node = ledger.nodes[n].name
+    return [
+        a.user
+        for a in ledger.assignments.values()
+        if a.node == node
+        for s in a.shares
+        if s.gpu_index == g and s.mig is None and s.mechanism is Mechanism.MPS
+    ]
+
+
+def joins_mps_users(users: list[int | None], user: int | None) -> bool:
+    """One MPS server serves one declared UID; a client of unknown UID is joined by no one and joins no one."""
+    return user is not None and all(u == user for u in users)
 
 
 def reference_usable(ledger: Ledger, req: GpuRequest) -> BoolArray:
@@ -92,6 +110,7 @@ def reference_usable(ledger: Ledger, req: GpuRequest) -> BoolArray:
                     and ledger.free_mem[n, g] >= (req.memory_mib or 0)
                     and (mode is GpuMode.FREE or mode in modes)
                     and not (mode is GpuMode.MPS and ledger.clients[n, g] >= MPS_MAX_CLIENTS)
+                    and not (mode is GpuMode.MPS and not joins_mps_users(mps_users_on(ledger, n, g), req.user))
                 )
             elif route == Route.MIG:
                 out[n, g] = mig_choice(ledger, n, g, req) is not None

@@ -82,8 +82,8 @@ def mig(
     return GpuShare(i, f"GPU-{node}-{i}", Mechanism.MIG, compute, memory, MigSlot(profile, start), inner)
 
 
-def asg(pod: str, node: str, *shares: GpuShare, cpu: int = 0, mem: int = 0) -> Assignment:
-    return Assignment(pod, node, tuple(shares), cpu, mem)
+def asg(pod: str, node: str, *shares: GpuShare, cpu: int = 0, mem: int = 0, user: int | None = 0) -> Assignment:
+    return Assignment(pod, node, tuple(shares), cpu, mem, user)
 
 
 def snapshot(ledger: Ledger) -> dict[str, Any]:
@@ -620,3 +620,54 @@ def test_existing_assignment_on_a_gpu_that_turned_unhealthy_is_still_accounted()
     ledger.check_invariants()
     with pytest.raises(LedgerConflict, match="unhealthy"):
         Ledger(nodes).place(running)
+
+
+# ----- one Unix user per MPS unit ---------------------------------------------------------------------------------
+def test_an_mps_gpu_serves_one_unix_user_and_is_free_for_another_once_empty() -> None:
+    ledger = Ledger([mk_node("n", "H100-80GB")])
+    ok(ledger, asg("a", "n", mps("n", 0, 300, 10 * GIB), user=1000))
+    ok(ledger, asg("b", "n", mps("n", 0, 300, 10 * GIB), user=1000))
+    conflict(ledger, asg("root", "n", mps("n", 0, 100, GIB), user=0), "would wait")
+    conflict(ledger, asg("anon", "n", mps("n", 0, 100, GIB), user=None), "unknown")
+    ledger.release("a")
+    ledger.release("b")
+    ledger.check_invariants()
+    ok(ledger, asg("root", "n", mps("n", 0, 100, GIB), user=0))
+
+
+def test_an_mps_client_of_unknown_user_holds_its_gpu_alone() -> None:
+    ledger = Ledger([mk_node("n", "H100-80GB")])
+    ok(ledger, asg("anon", "n", mps("n", 0, 100, GIB), user=None))
+    conflict(ledger, asg("b", "n", mps("n", 0, 100, GIB), user=0), "unknown")
+    conflict(ledger, asg("c", "n", mps("n", 0, 100, GIB), user=None), "unknown")
+    ledger.check_invariants()
+
+
+def test_an_mps_mig_instance_serves_one_unix_user() -> None:
+    ledger = Ledger([mk_node("n", "H100-80GB")])
+    ok(ledger, asg("a", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 300, GIB), user=1000))
+    conflict(ledger, asg("b", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 300, GIB), user=1001), "would wait")
+    ok(ledger, asg("c", "n", mig("n", 0, "3g.40gb", 4, Mechanism.MPS, 300, GIB), user=1001))  # its own instance
+    ledger.check_invariants()
+
+
+def test_time_slicing_mixes_users() -> None:
+    ledger = Ledger([mk_node("n", "H100-80GB")])
+    ok(ledger, asg("a", "n", ts("n", 0, 300, GIB), user=1000))
+    ok(ledger, asg("b", "n", ts("n", 0, 300, GIB), user=None))
+    ledger.check_invariants()
+
+
+def test_running_mps_clients_of_several_users_are_recorded_and_their_gpu_closed_to_new_ones() -> None:
+    # Assignments written before the ledger knew users (no "user"), seen again after an upgrade: they exist, so they
+    # are accounted for, and the GPU takes no new MPS client until they are gone.
+    ledger = Ledger([mk_node("n", "H100-80GB")])
+    ledger.place(asg("old-a", "n", mps("n", 0, 300, 10 * GIB), user=None), check_health=False)
+    ledger.place(asg("old-b", "n", mps("n", 0, 200, 20 * GIB), user=None), check_health=False)
+    ledger.check_invariants()
+    conflict(ledger, asg("new", "n", mps("n", 0, 100, GIB), user=None), "unknown")
+    conflict(ledger, asg("new", "n", mps("n", 0, 100, GIB), user=0), "unknown")
+    ledger.release("old-a")
+    ledger.release("old-b")
+    ledger.check_invariants()
+    ok(ledger, asg("new", "n", mps("n", 0, 100, GIB), user=0))

@@ -116,6 +116,8 @@ def assignments(draw: st.DrawFn, nodes: list[NodeSpec], step: int, placed: list[
             tuple(draw(shares(node, i)) for i in indices),
             draw(st.sampled_from([0, 0, 0, 100, 500, 1_000, 4_000])),
             draw(st.sampled_from([0, 0, 0, 512, 4_096])),
+            # Mostly one user, so MPS units fill; sometimes another, or one the pod does not declare.
+            draw(st.sampled_from([0, 0, 0, 0, 0, 1000, None])),
         )
     except InvalidAssignment:  # the same GPU or MIG instance twice: not a ledger matter
         return None
@@ -147,6 +149,7 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
     cpu: dict[str, int] = defaultdict(int)
     mem: dict[str, int] = defaultdict(int)
     on_gpu: dict[tuple[str, int], list[GpuShare]] = defaultdict(list)
+    user_of: dict[int, int | None] = {}  # id(share) -> the Unix user of its pod
     pods = [a.pod for a in assigned]
     if len(pods) != len(set(pods)):
         problems.append("a pod is placed twice")
@@ -167,6 +170,7 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
             if not dev.healthy:
                 problems.append("unhealthy GPU")
             on_gpu[(a.node, s.gpu_index)].append(s)
+            user_of[id(s)] = a.user
     views: dict[tuple[str, int], GpuView] = {}
     for node in nodes:
         if cpu[node.name] > node.cpu_milli or mem[node.name] > node.memory_mib:
@@ -195,6 +199,8 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
                     problems.append("exclusive share is not alone and whole")
                 if mech is Mechanism.MPS and (not model.mps_capable or len(plain) > MPS_LIMIT):
                     problems.append("MPS where it cannot run, or too many clients")
+                if mech is Mechanism.MPS and not one_known_user([user_of[id(s)] for s in plain]):
+                    problems.append("an MPS GPU serves several Unix users, or an unknown one beside others")
                 if view.used_milli > 1000 or view.used_mem > model.memory_mib:
                     problems.append("GPU over-allocated")
             by_start: dict[int, list[GpuShare]] = defaultdict(list)
@@ -232,6 +238,8 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
                     problems.append("exclusive MIG share is not alone and whole")
                 if Mechanism.MPS in inners and len(ss) > MPS_LIMIT:
                     problems.append("too many MPS clients in an instance")
+                if Mechanism.MPS in inners and not one_known_user([user_of[id(s)] for s in ss]):
+                    problems.append("an MPS instance serves several Unix users, or an unknown one beside others")
                 if used_milli > 1000 or used_mem > profile.memory_mib:
                     problems.append("instance over-allocated")
                 inner = ss[0].inner if ss else None
@@ -241,6 +249,11 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
             if view.instances:
                 view.mode = "mig"
     return problems, views
+
+
+def one_known_user(users: list[int | None]) -> bool:
+    """The clients of one MPS server: all one declared UID, or a single client whose UID is unknown."""
+    return len(users) <= 1 or (None not in users and len(set(users)) == 1)
 
 
 def check_against_reference(ledger: Ledger, nodes: list[NodeSpec]) -> None:

@@ -44,7 +44,7 @@ def test_a_pinned_gpu_refuses_non_mig_shares_and_stays_in_mig_mode_when_empty() 
     [
         GpuRequest("whole", 1),
         GpuRequest("ts", 1, compute_milli=300, memory_mib=8 * GIB, sharing=Sharing.TIME_SLICING),
-        GpuRequest("mps", 1, compute_milli=300, memory_mib=8 * GIB, isolation=Isolation.MEMORY),
+        GpuRequest("mps", 1, compute_milli=300, memory_mib=8 * GIB, isolation=Isolation.MEMORY, user=0),
     ],
 )
 def test_placement_puts_non_mig_shares_only_on_gpus_that_are_not_pinned(req: GpuRequest) -> None:

@@ -137,15 +137,61 @@ def test_memory_isolation_cannot_land_on_p100() -> None:
 
 def test_no_isolation_shares_join_the_same_gpu_and_pick_mps_or_time_slicing_by_model() -> None:
     s = scheduler([node("v", "V100-16GB", 1), node("p", "P100", 1)], policy="packing")
-    a = place(s, GpuRequest("a", 1, compute_milli=400, allowed_models=frozenset({"V100-16GB"})))
-    b = place(s, GpuRequest("b", 1, compute_milli=400, allowed_models=frozenset({"P100"})))
+    a = place(s, GpuRequest("a", 1, compute_milli=400, allowed_models=frozenset({"V100-16GB"}), user=0))
+    b = place(s, GpuRequest("b", 1, compute_milli=400, allowed_models=frozenset({"P100"}), user=0))
     assert a.assignment.shares[0].mechanism is Mechanism.MPS  # MPS also serves later memory-isolated shares
     assert b.assignment.shares[0].mechanism is Mechanism.TIME_SLICING  # Pascal: no usable MPS
     assert not b.assignment.shares[0].compute_enforced
-    c = place(s, GpuRequest("c", 1, compute_milli=600, allowed_models=frozenset({"V100-16GB"})))
+    c = place(s, GpuRequest("c", 1, compute_milli=600, allowed_models=frozenset({"V100-16GB"}), user=0))
     assert c.assignment.node == "v" and c.assignment.shares[0].mechanism is Mechanism.MPS
+    assert a.assignment.user == c.assignment.user == 0 and b.assignment.user is None  # the user keys MPS units only
     with pytest.raises(NoFit):
-        s.place(GpuRequest("d", 1, compute_milli=100, allowed_models=frozenset({"V100-16GB"})))
+        s.place(GpuRequest("d", 1, compute_milli=100, allowed_models=frozenset({"V100-16GB"}), user=0))
+
+
+def test_mps_shares_of_different_users_land_on_different_gpus() -> None:
+    s = scheduler([node("n", "H100-80GB", 2)], policy="packing")
+    mem = Isolation.MEMORY
+    a = place(s, GpuRequest("a", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=1000))
+    b = place(s, GpuRequest("b", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=0))
+    c = place(s, GpuRequest("c", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=1000))
+    assert a.assignment.shares[0].gpu_index != b.assignment.shares[0].gpu_index
+    assert c.assignment.shares[0].gpu_index == a.assignment.shares[0].gpu_index  # packing: with its own user
+    d = s.decide(GpuRequest("d", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=7))
+    assert isinstance(d, Unschedulable)  # both GPUs serve another user, though both have room
+    s.ledger.check_invariants()
+
+
+def test_an_mps_share_of_unknown_user_takes_a_gpu_of_its_own_and_auto_prefers_time_slicing() -> None:
+    s = scheduler([node("n", "H100-80GB", 3)], policy="packing")
+    mem = Isolation.MEMORY
+    a = place(s, GpuRequest("a", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem))
+    b = place(s, GpuRequest("b", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem))
+    assert a.assignment.shares[0].gpu_index != b.assignment.shares[0].gpu_index
+    assert a.assignment.user is None and a.assignment.shares[0].mechanism is Mechanism.MPS
+    # isolation none, user unknown: time-slicing, where any user may join, not an MPS GPU held alone.
+    c = place(s, GpuRequest("c", 1, compute_milli=200))
+    d = place(s, GpuRequest("d", 1, compute_milli=200, user=5))
+    assert c.assignment.shares[0].mechanism is Mechanism.TIME_SLICING
+    assert d.assignment.shares[0].gpu_index == c.assignment.shares[0].gpu_index  # joins the time-sliced GPU
+
+
+def test_fault_isolation_is_time_slicing_never_mps() -> None:
+    s = scheduler([node("n", "H100-80GB", 2)], policy="packing")
+    place(s, GpuRequest("m", 1, compute_milli=200, memory_mib=GIB, isolation=Isolation.MEMORY, user=0))
+    f = place(s, GpuRequest("f", 1, compute_milli=200, isolation=Isolation.FAULT, user=0))
+    assert f.assignment.shares[0].mechanism is Mechanism.TIME_SLICING
+    assert f.assignment.shares[0].gpu_index == 1  # not beside the MPS client on GPU 0
+
+
+def test_a_memory_isolated_share_on_two_gpus_goes_to_mig_instances_of_its_own() -> None:
+    s = scheduler([node("n", "H100-80GB", 4)])
+    d = place(s, GpuRequest("p", 2, compute_milli=200, memory_mib=8 * GIB, isolation=Isolation.MEMORY, user=0))
+    shares = d.assignment.shares
+    assert [sh.mechanism for sh in shares] == [Mechanism.MIG, Mechanism.MIG]
+    assert [sh.inner for sh in shares] == [Mechanism.EXCLUSIVE, Mechanism.EXCLUSIVE]  # no MPS daemon per instance
+    t = place(s, GpuRequest("t", 2, compute_milli=200, user=0))  # isolation none: time-slicing on two GPUs
+    assert all(sh.mechanism is Mechanism.TIME_SLICING for sh in t.assignment.shares)
 
 
 def test_time_slicing_and_mps_never_mix_on_one_gpu() -> None:
@@ -153,7 +199,7 @@ def test_time_slicing_and_mps_never_mix_on_one_gpu() -> None:
     place(s, GpuRequest("ts", 1, compute_milli=300, sharing=Sharing.TIME_SLICING))
     d = s.decide(GpuRequest("mps", 1, compute_milli=300, memory_mib=GIB, isolation=Isolation.MEMORY))
     assert isinstance(d, Unschedulable)
-    ok = place(s, GpuRequest("none", 1, compute_milli=300))  # isolation none may join time-slicing
+    ok = place(s, GpuRequest("none", 1, compute_milli=300, user=0))  # isolation none may join time-slicing
     assert ok.assignment.shares[0].mechanism is Mechanism.TIME_SLICING
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sharegpu.model.request import GpuRequest
 from sharegpu.sim.openb import TraceTask
-from sharegpu.sim.protocol import fgd_arrivals, parse_seeds
+from sharegpu.sim.protocol import fgd_arrivals, parse_seeds, with_users
 
 
 # ----- parse_seeds --------------------------------------------------------------------------------------------
@@ -254,3 +254,35 @@ def test_trace_without_gpu_demand_terminates() -> None:
     except subprocess.TimeoutExpired:
         pytest.fail("fgd_arrivals did not return within 5 s for a CPU-only trace")
     assert r.returncode == 0, r.stderr
+
+
+def test_users_are_drawn_per_pod_with_the_seed() -> None:
+    reqs = [GpuRequest(f"p{i}", 1, compute_milli=100) for i in range(300)]
+    assert {r.user for r in with_users(reqs, 1, 42)} == {0}  # one user: as if the rule did not exist
+    three = with_users(reqs, 3, 42)
+    assert [r.user for r in three] == [r.user for r in with_users(reqs, 3, 42)]
+    assert [r.user for r in three] != [r.user for r in with_users(reqs, 3, 43)]
+    counts = Counter(r.user for r in three)
+    assert set(counts) == {1000, 1001, 1002} and min(counts.values()) > 60  # uniform: about 100 each
+    assert [r.name for r in three] == [r.name for r in reqs]
+    with pytest.raises(ValueError, match="users 0"):
+        with_users(reqs, 0, 42)
+
+
+def test_more_users_place_fewer_mps_shares_together() -> None:
+    from sharegpu.ledger import Ledger
+    from sharegpu.model.inventory import GpuDevice, NodeSpec
+    from sharegpu.placement.fragmentation import Workload
+    from sharegpu.placement.framework import Scheduler, Unschedulable
+    from sharegpu.placement.policies import PolicyContext, make_policy
+
+    node = NodeSpec("n", 64_000, 262_144, tuple(GpuDevice(i, f"GPU-{i}", "V100-16GB") for i in range(4)))
+    reqs = [GpuRequest(f"p{i}", 1, compute_milli=250) for i in range(16)]  # 16 quarter-GPU shares: 4 GPUs' worth
+
+    def placed(users: int) -> int:
+        arrivals = with_users(reqs, users, 7)
+        sched = Scheduler(Ledger([node]), make_policy("bestfit", PolicyContext(Workload.from_requests(arrivals))))
+        return sum(not isinstance(sched.decide(r), Unschedulable) and bool(sched.place(r)) for r in arrivals)
+
+    assert placed(1) == 16
+    assert placed(10) < 16  # a GPU opened as MPS by one user takes no other user's share

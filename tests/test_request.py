@@ -111,7 +111,7 @@ def test_valid_requests_construct(kwargs: dict[str, object]) -> None:
         ({"gpu_count": 0, "compute_milli": 500}, ["0 GPUs"]),
         ({"gpu_count": 0, "compute_milli": 1000}, ["0 GPUs"]),
         ({"gpu_count": 0, "mig_profile": "1g.10gb"}, ["0 GPUs"]),
-        ({"isolation": "strong"}, ["isolation", "'strong'", "none | memory | hardware"]),
+        ({"isolation": "strong"}, ["isolation", "'strong'", "none | memory | fault | hardware"]),
         ({"sharing": "vgpu"}, ["sharing", "'vgpu'", "auto | exclusive | time-slicing | mps | mig"]),
         ({"sharing": "MPS"}, ["sharing", "'MPS'"]),
         ({"sharing": Sharing.MIG, "allowed_models": frozenset({"T4"})}, ["MIG", "T4", "supports MIG"]),
@@ -125,6 +125,14 @@ def test_valid_requests_construct(kwargs: dict[str, object]) -> None:
         ({"isolation": Isolation.MEMORY, "sharing": Sharing.TIME_SLICING}, ["memory", "time-slicing"]),
         ({"sharing": Sharing.MPS, "allowed_models": frozenset({"P100"})}, ["MPS"]),
         ({"sharing": Sharing.MPS, "allowed_models": frozenset({"G2"})}, ["MPS"]),
+        ({"isolation": Isolation.FAULT, "sharing": Sharing.MPS}, ["fault", "MPS", "time-slicing"]),
+        ({"sharing": Sharing.MPS, "gpu_count": 2, "memory_mib": 1024}, ["MPS share on 2 GPUs", "1 GPU per MPS share"]),
+        (
+            {"isolation": Isolation.MEMORY, "gpu_count": 2, "compute_milli": 300, "allowed_models": frozenset({"T4"})},
+            ["memory", "2 GPUs", "MIG"],
+        ),
+        ({"user": -1}, ["user -1", "Unix UID"]),
+        ({"user": 2**40}, ["Unix UID"]),
     ],
 )
 def test_invalid_requests_name_the_problem(kwargs: dict[str, object], fragments: list[str]) -> None:

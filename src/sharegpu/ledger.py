@@ -21,6 +21,22 @@ from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import FULL_MILLI
 
 MPS_MAX_CLIENTS = 48  # per MPS server (Volta and later)
+# Who an MPS unit (GPU or MIG instance) serves: an MPS server serves one Unix UID at a time, and a client of another
+# UID waits in CUDA initialisation until every client of the running server has exited. A known UID is its own key;
+# a client whose UID the pod does not declare holds its unit alone, since it might be anyone.
+NO_MPS_USER = -1  # the unit has no MPS client
+SOLE_MPS_USER = -2  # its one MPS client's UID is unknown: nobody may join
+NEVER_JOINS = -3  # the key of a request of unknown UID: matches no unit
+
+
+def mps_user_key(user: int | None) -> int:
+    """The key a share of ``user`` puts on the MPS unit it opens."""
+    return SOLE_MPS_USER if user is None else user
+
+
+def mps_join_key(user: int | None) -> int:
+    """The unit key a share of ``user`` may join (a unit of unknown user is joined by nobody)."""
+    return NEVER_JOINS if user is None else user
 
 
 class GpuMode(IntEnum):
@@ -67,6 +83,7 @@ class MigInstanceState:
     inner: Mechanism | None  # how the instance is shared; None while empty
     clients: int
     persistent: bool  # exists outside sharegpu's wishes (static layout): kept when empty
+    mps_user: int = NO_MPS_USER  # see mps_user_key
 
 
 def slot_mask(start: int, size: int) -> int:
@@ -123,6 +140,9 @@ class Ledger:
         # have none, so the filters skip the pin check on every decision.
         self.any_mig_pinned = bool(self.mig_pinned.any())
         self.clients = np.zeros((n_nodes, width), dtype=np.int16)
+        self.mps_user = np.full((n_nodes, width), NO_MPS_USER, dtype=np.int64)  # see mps_user_key
+        # MPS units recorded with clients of several users (place(check_health=False)): closed to new MPS clients.
+        self.mps_mixed: set[tuple[int, int, int | None]] = set()
         self.mig_slots_used = np.zeros((n_nodes, width), dtype=np.int16)  # bitmask on the memory-slot axis
         self.mig_slices_used = np.zeros((n_nodes, width), dtype=np.int8)
         self.version = np.zeros(n_nodes, dtype=np.int64)  # bumped on every change of a node
@@ -184,7 +204,8 @@ class Ledger:
 
         ``check_health=False`` accounts for an assignment that already exists (a running pod seen again after a
         restart): a GPU that turned unhealthy since still holds the shares placed on it, so that its pods keep
-        their other GPUs and nothing else is placed there.
+        their other GPUs and nothing else is placed there; and MPS clients of several Unix users on one unit (placed
+        before the ledger knew users, or by hand) are recorded as they are, the unit closed to new MPS clients.
         """
         if a.pod in self.assignments:
             raise LedgerConflict(f"pod {a.pod} is already placed on {self.assignments[a.pod].node}")
@@ -197,7 +218,7 @@ class Ledger:
         done: list[GpuShare] = []
         try:
             for s in a.shares:
-                self._apply(n, s, check_health)
+                self._apply(n, s, check_health, a.user, record=not check_health)
                 done.append(s)
         except LedgerConflict as e:
             for s in reversed(done):
@@ -233,12 +254,14 @@ class Ledger:
             raise LedgerConflict(f"GPU {s.gpu_uuid} is unhealthy")
         return self.gpu_model(n, s.gpu_index)
 
-    def _apply(self, n: int, s: GpuShare, check_health: bool = True) -> None:
+    def _apply(
+        self, n: int, s: GpuShare, check_health: bool = True, user: int | None = None, record: bool = False
+    ) -> None:
         model = self._check_gpu(n, s, check_health)
         g = s.gpu_index
         mode = GpuMode(int(self.mode[n, g]))
         if s.mechanism is Mechanism.MIG:
-            self._apply_mig(n, g, model, mode, s)
+            self._apply_mig(n, g, model, mode, s, user, record)
             return
         want = MODE_OF[s.mechanism]
         if self.mig_pinned[n, g]:
@@ -249,11 +272,15 @@ class Ledger:
             raise LedgerConflict(f"GPU {s.gpu_uuid} is in use as {mode.name.lower()}, not {s.mechanism}")
         if want is GpuMode.EXCLUSIVE and (s.compute_milli != FULL_MILLI or s.memory_mib != model.memory_mib):
             raise LedgerConflict("an exclusive share takes the whole GPU: all its compute and memory")
+        mixed = False
         if want is GpuMode.MPS:
             if not model.mps_capable:
                 raise LedgerConflict(f"{model.name} does not support MPS")
             if self.clients[n, g] >= MPS_MAX_CLIENTS:
                 raise LedgerConflict(f"GPU {s.gpu_uuid} already has {MPS_MAX_CLIENTS} MPS clients")
+            mixed = self.clients[n, g] > 0 and _mps_user_conflict(int(self.mps_user[n, g]), user)
+            if mixed and not record:
+                _check_mps_user(f"GPU {s.gpu_uuid}", int(self.mps_user[n, g]), user)
         if s.compute_milli > self.free_milli[n, g] or s.memory_mib > self.free_mem[n, g]:
             raise LedgerConflict(
                 f"GPU {s.gpu_uuid} has {self.free_milli[n, g]} milli and {self.free_mem[n, g]}Mi free; "
@@ -261,6 +288,11 @@ class Ledger:
             )
         self.free_milli[n, g] -= s.compute_milli
         self.free_mem[n, g] -= s.memory_mib
+        if want is GpuMode.MPS and self.clients[n, g] == 0:
+            self.mps_user[n, g] = mps_user_key(user)
+        elif want is GpuMode.MPS and mixed:
+            self.mps_user[n, g] = SOLE_MPS_USER
+            self.mps_mixed.add((n, g, None))
         self.clients[n, g] += 1
         self.mode[n, g] = want
 
@@ -274,8 +306,19 @@ class Ledger:
         self.clients[n, g] -= 1
         if self.clients[n, g] == 0:
             self.mode[n, g] = GpuMode.FREE
+            self.mps_user[n, g] = NO_MPS_USER
+            self.mps_mixed.discard((n, g, None))
 
-    def _apply_mig(self, n: int, g: int, model: GpuModel, mode: GpuMode, s: GpuShare) -> None:
+    def _apply_mig(
+        self,
+        n: int,
+        g: int,
+        model: GpuModel,
+        mode: GpuMode,
+        s: GpuShare,
+        user: int | None = None,
+        record: bool = False,
+    ) -> None:
         assert s.mig is not None and s.inner is not None
         if mode not in (GpuMode.FREE, GpuMode.MIG):
             raise LedgerConflict(f"GPU {s.gpu_uuid} is in use as {mode.name.lower()}; MIG needs it idle or in MIG mode")
@@ -297,6 +340,9 @@ class Ledger:
                 raise LedgerConflict("an exclusive MIG share takes its whole instance")
             if s.inner is Mechanism.MPS and inst.clients >= MPS_MAX_CLIENTS:
                 raise LedgerConflict(f"the instance already has {MPS_MAX_CLIENTS} MPS clients")
+            mixed = s.inner is Mechanism.MPS and inst.clients > 0 and _mps_user_conflict(inst.mps_user, user)
+            if mixed and not record:
+                _check_mps_user(f"the {profile.name} instance at slot {s.mig.start}", inst.mps_user, user)
             if s.compute_milli > inst.free_milli or s.memory_mib > inst.free_mem:
                 raise LedgerConflict(
                     f"the {profile.name} instance has {inst.free_milli} milli and {inst.free_mem}Mi free; "
@@ -308,6 +354,11 @@ class Ledger:
             raise
         inst.free_milli -= s.compute_milli
         inst.free_mem -= s.memory_mib
+        if s.inner is Mechanism.MPS and inst.clients == 0:
+            inst.mps_user = mps_user_key(user)
+        elif mixed:
+            inst.mps_user = SOLE_MPS_USER
+            self.mps_mixed.add((n, g, s.mig.start))
         inst.clients += 1
         inst.inner = s.inner
 
@@ -319,6 +370,8 @@ class Ledger:
         inst.clients -= 1
         if inst.clients == 0:
             inst.inner = None
+            inst.mps_user = NO_MPS_USER
+            self.mps_mixed.discard((n, g, s.mig.start))
             if not inst.persistent:
                 self._destroy_instance(n, g, self.gpu_model(n, g), s.mig.start)
 
@@ -377,6 +430,7 @@ class Ledger:
         cpu = np.zeros_like(self.cpu_free)
         mem = np.zeros_like(self.mem_free)
         mechs: dict[tuple[int, int, int | None], set[Mechanism]] = {}
+        users: dict[tuple[int, int, int | None], list[int | None]] = {}
         inst_use: dict[tuple[int, int, int], list[GpuShare]] = {}
         plain: dict[tuple[int, int], list[GpuShare]] = {}
         for a in self.assignments.values():
@@ -386,6 +440,8 @@ class Ledger:
             for s in a.shares:
                 unit = (n, s.gpu_index, s.mig.start if s.mig else None)
                 mechs.setdefault(unit, set()).add(s.sharing)
+                if s.sharing is Mechanism.MPS:
+                    users.setdefault(unit, []).append(a.user)
                 if s.mig is None:
                     plain.setdefault((n, s.gpu_index), []).append(s)
                     use_milli[n, s.gpu_index] += s.compute_milli
@@ -401,6 +457,24 @@ class Ledger:
         for unit, ms in mechs.items():
             if len(ms) > 1 or (Mechanism.EXCLUSIVE in ms and self._unit_clients(unit, inst_use) > 1):
                 raise InvariantViolation(f"GPU unit {unit} mixes mechanisms {sorted(ms)}")
+        for unit, us in users.items():
+            n, g, start = unit
+            mixed = (None in us and len(us) > 1) or len(set(us)) > 1
+            if mixed != (unit in self.mps_mixed):
+                raise InvariantViolation(f"MPS unit {unit}: recorded as mixed {unit in self.mps_mixed}, users {us}")
+            if mixed:
+                if (int(self.mps_user[n, g]) if start is None else self.instances_on(n, g)[start].mps_user) != (
+                    SOLE_MPS_USER
+                ):
+                    raise InvariantViolation(f"MPS unit {unit} serves several users but is open to new clients")
+                continue
+            if (None in us and len(us) > 1) or len(set(us)) > 1:
+                raise InvariantViolation(f"MPS unit {unit} serves several Unix users {us}: their clients would wait")
+            key = mps_user_key(us[0])
+            inst = self.instances_on(n, g).get(start) if start is not None else None
+            held = int(self.mps_user[n, g]) if start is None else (inst.mps_user if inst else key)
+            if held != key:
+                raise InvariantViolation(f"MPS unit {unit} is keyed to user {held}, its shares to {key}")
         non_mig_units = {(n, g) for (n, g, start) in mechs if start is None}
         for n, node in enumerate(self.nodes):
             for dev in node.gpus:
@@ -492,8 +566,21 @@ class Ledger:
             "free_mem": self.free_mem.tolist(),
             "mode": self.mode.tolist(),
             "clients": self.clients.tolist(),
+            "mps_user": self.mps_user.tolist(),
+            "mps_mixed": sorted(self.mps_mixed, key=str),
             "mig": sorted(
-                (n, g, start, i.profile.name, i.free_milli, i.free_mem, str(i.inner), i.clients, i.persistent)
+                (
+                    n,
+                    g,
+                    start,
+                    i.profile.name,
+                    i.free_milli,
+                    i.free_mem,
+                    str(i.inner),
+                    i.clients,
+                    i.persistent,
+                    i.mps_user,
+                )
                 for (n, g), insts in self.instances.items()
                 for start, i in insts.items()
             ),
@@ -502,6 +589,23 @@ class Ledger:
     def free_units(self, n: int) -> npt.NDArray[np.int64]:
         """Free milli per GPU of node ``n`` (0 for GPUs that are unhealthy or absent)."""
         return np.where(self.healthy[n], self.free_milli[n], 0)
+
+
+def _mps_user_conflict(held: int, user: int | None) -> bool:
+    return held == SOLE_MPS_USER or user is None or user != held
+
+
+def _check_mps_user(unit: str, held: int, user: int | None) -> None:
+    if held == SOLE_MPS_USER:
+        raise LedgerConflict(
+            f"{unit} serves an MPS client whose Unix user is unknown, and an MPS server serves one user at a time"
+        )
+    if user is None or user != held:
+        who = "a pod whose Unix user is unknown" if user is None else f"user {user}"
+        raise LedgerConflict(
+            f"{unit} serves MPS clients of user {held}; {who} would wait for all of them to exit (one MPS server "
+            "serves one Unix user at a time)"
+        )
 
 
 def replay(nodes: Sequence[NodeSpec], assignments: Iterable[Assignment], catalog: Catalog = DEFAULT_CATALOG) -> Ledger:

@@ -213,11 +213,15 @@ def test_a_foreign_claim_has_no_device_of_ours() -> None:
 
 # ----- the driver on a simulated node, without an API server ---------------------------------------------------
 class Claims:
-    def __init__(self, claims: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, claims: dict[str, dict[str, Any]], pods: dict[str, dict[str, Any]] | None = None) -> None:
         self.claims = claims
+        self.pods = pods or {}
 
     async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         return self.claims[name]
+
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        return self.pods[name]
 
 
 @pytest.fixture
@@ -227,11 +231,13 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def make_driver(root: Path, claims: dict[str, dict[str, Any]], backend: SimBackend) -> DraDriver:
+def make_driver(
+    root: Path, claims: dict[str, dict[str, Any]], backend: SimBackend, pods: dict[str, dict[str, Any]] | None = None
+) -> DraDriver:
     return DraDriver(
         "n1",
         backend,
-        Claims(claims),
+        Claims(claims, pods),
         MigManager(backend, AgentState(root / "mig.json")),
         MpsManager(root / "mps", SimMpsDaemon()),
         Checkpoint(root / "checkpoint.json"),
@@ -271,6 +277,39 @@ def test_prepare_is_idempotent_restart_safe_and_fails_claims_one_by_one(short_tm
         assert [(i.profile, i.start) for i in backend.mig_instances(0)] == [("3g.40gb", 4)]
         await restarted.unprepare([ClaimRef("ns", "u2", "mig")])
         assert backend.mig_instances(0) == ()
+
+    asyncio.run(main())
+
+
+def test_mps_claims_of_different_users_never_share_a_unit_and_the_second_says_why(short_tmp: Path) -> None:
+    backend = SimBackend(SimConfig((SimGpuGroup("A100-80GB", 1),)), seed="n1")
+
+    def mps_claim(name: str, uid: str, pod: str) -> dict[str, Any]:
+        c = claim(consumed={"memory": "10Gi", "compute": "20"}, uid=uid)
+        c["metadata"]["name"] = name
+        c["status"]["reservedFor"] = [{"resource": "pods", "name": pod, "uid": f"pod-{pod}"}]
+        return c
+
+    def pod(name: str, run_as: int | None) -> dict[str, Any]:
+        spec: dict[str, Any] = {"containers": [{"name": "app"}]}
+        if run_as is not None:
+            spec["securityContext"] = {"runAsUser": run_as}
+        return {"metadata": {"name": name, "namespace": "ns"}, "spec": spec}
+
+    claims = {n: mps_claim(n, f"u-{n}", f"p-{n}") for n in ("a", "b", "root", "anon")}
+    pods = {"p-a": pod("p-a", 1000), "p-b": pod("p-b", 1000), "p-root": pod("p-root", 0), "p-anon": pod("p-anon", None)}
+
+    async def main() -> None:
+        driver = make_driver(short_tmp, claims, backend, pods)
+        got = await driver.prepare([ClaimRef("ns", f"u-{n}", n) for n in ("a", "b", "root", "anon")])
+        assert got["u-a"].error == "" and got["u-b"].error == ""  # one user: one MPS server serves both
+        assert "serves claim ns/a of user 1000" in got["u-root"].error and "user 0" in got["u-root"].error
+        assert "one Unix user at a time" in got["u-anon"].error and "runAsUser" in got["u-anon"].error
+        assert driver.checkpoint.claims["u-a"].user == 1000
+        restarted = make_driver(short_tmp, claims, backend, pods)  # the users survive a restart (checkpoint)
+        assert restarted.checkpoint.claims["u-b"].user == 1000
+        await restarted.unprepare([ClaimRef("ns", "u-a", "a"), ClaimRef("ns", "u-b", "b")])
+        assert (await restarted.prepare([ClaimRef("ns", "u-root", "root")]))["u-root"].error == ""
 
     asyncio.run(main())
 

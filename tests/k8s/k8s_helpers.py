@@ -64,7 +64,10 @@ def pod_obj(
     env: Mapping[str, str] | None = None,
     cpu: str | None = "1",
     scheduler_name: str | None = "sharegpu-scheduler",
+    run_as_user: int | None = 0,
 ) -> dict[str, Any]:
+    """A pod as a user would write it; it runs as ``run_as_user`` (None: as its image says, which the API never
+    shows), since an MPS unit serves one Unix user and pods of an undeclared user each get a unit of their own."""
     limits: dict[str, str] = {}
     if gpu is not None:
         limits["sharegpu.io/gpu"] = str(gpu)
@@ -82,6 +85,8 @@ def pod_obj(
     if env:
         container["env"] = [{"name": k, "value": v} for k, v in env.items()]
     spec: dict[str, Any] = {"containers": [container], "restartPolicy": "Never"}
+    if run_as_user is not None:
+        spec["securityContext"] = {"runAsUser": run_as_user}
     if scheduler_name is not None:
         spec["schedulerName"] = scheduler_name
     if node_name:

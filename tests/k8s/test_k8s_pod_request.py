@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -90,3 +91,34 @@ def test_containers_sum_gpus_and_must_agree_on_the_share() -> None:
     obj["spec"]["containers"][1]["resources"]["limits"]["sharegpu.io/gpu-memory"] = "16Gi"
     with pytest.raises(InvalidPodRequest, match=re.escape("same sharegpu.io/gpu-memory")):
         parse(obj)
+
+
+def _with_users(obj: dict, pod_uid: int | None, **container_uids: int | None) -> dict:
+    if pod_uid is not None:
+        obj["spec"]["securityContext"] = {"runAsUser": pod_uid}
+    for c in obj["spec"]["containers"]:
+        if c["name"] in container_uids and container_uids[c["name"]] is not None:
+            c["securityContext"] = {"runAsUser": container_uids[c["name"]]}
+    return obj
+
+
+def test_the_user_is_the_containers_run_as_user_else_the_pods_else_unknown() -> None:
+    base = pod_obj("infer", memory="10Gi", annotations={"sharegpu.io/isolation": "memory"}, run_as_user=None)
+    name = base["spec"]["containers"][0]["name"]
+    assert parse(base).user is None  # type: ignore[attr-defined]
+    assert parse(_with_users(pod_obj("infer", memory="10Gi", run_as_user=None), 1000)).user == 1000  # type: ignore[attr-defined]
+    own = _with_users(pod_obj("infer", memory="10Gi", run_as_user=None), 1000, **{name: 0})
+    assert parse(own).user == 0  # type: ignore[attr-defined]  # a container's own securityContext wins
+
+
+def test_gpu_containers_of_different_users_are_refused_with_what_to_do() -> None:
+    obj = pod_obj("two", memory="10Gi", run_as_user=None)
+    second = json.loads(json.dumps(obj["spec"]["containers"][0]))
+    second["name"] = "side"
+    obj["spec"]["containers"].append(second)
+    obj["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1000}
+    obj["spec"]["containers"][1]["securityContext"] = {"runAsUser": 0}
+    with pytest.raises(InvalidPodRequest, match=r"different Unix users.*runAsUser"):
+        parse(obj)
+    obj["spec"]["containers"][1]["securityContext"] = {"runAsUser": 1000}
+    assert parse(obj).user == 1000  # type: ignore[attr-defined]

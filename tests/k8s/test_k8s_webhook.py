@@ -175,3 +175,16 @@ def test_the_webhook_command_serves_https(tmp_path: Path) -> None:
     else:
         raise AssertionError("the webhook did not come up")
     assert out["response"]["allowed"] is True and out["response"]["patchType"] == "JSONPatch"
+
+
+def test_an_mps_pod_without_run_as_user_is_admitted_with_a_warning_that_says_what_it_costs(
+    srv: LoopbackServer,
+) -> None:
+    pod = pod_obj("mps", memory="10Gi", compute=30, annotations={"sharegpu.io/isolation": "memory"}, run_as_user=None)
+    resp = admit(srv, "/mutate", review(pod))
+    assert resp["allowed"] is True
+    assert any("runAsUser" in w and "one Unix user at a time" in w for w in resp.get("warnings", []))
+    pod["spec"]["securityContext"] = {"runAsUser": 1000}
+    assert "warnings" not in admit(srv, "/mutate", review(pod))
+    whole = pod_obj("whole", gpu=1)  # a whole GPU is no MPS client: its user does not matter
+    assert "warnings" not in admit(srv, "/mutate", review(whole))

@@ -32,6 +32,7 @@ __all__ = [
     "InvalidPodRequest",
     "asks_for_sharegpu",
     "containers_missing_gpu_count",
+    "gpu_user",
     "pod_request",
 ]
 
@@ -161,6 +162,31 @@ def _models(text: str, catalog: Catalog) -> frozenset[str]:
         raise InvalidPodRequest(f"{MODEL_ANNOTATION}: {e}") from None
 
 
+def gpu_user(pod: Pod) -> int | None:
+    """The Unix UID the pod's GPU containers run as, where the pod declares it (a container's
+    ``securityContext.runAsUser``, else the pod's); None when any of them leaves it to the image.
+
+    Raises :class:`InvalidPodRequest` when they declare different UIDs: the clients of one MPS share would wait on
+    each other (one MPS server serves one UID at a time).
+    """
+    uids = {
+        c.name: pod.run_as_user(c)
+        for c in _gpu_containers(pod)
+        if any(resource_text(c, r) is not None for r in RESOURCES)
+    }
+    known = {u for u in uids.values() if u is not None}
+    if len(known) > 1:
+        listed = ", ".join(f"{name}: {uid if uid is not None else 'image user'}" for name, uid in uids.items())
+        raise InvalidPodRequest(
+            f"the containers that use GPUs run as different Unix users ({listed}); an MPS server serves one user at a "
+            "time, so they would wait on each other: run them as one user (securityContext.runAsUser), or split them "
+            "into separate pods"
+        )
+    if None in uids.values() or not known:
+        return None
+    return known.pop()
+
+
 def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | None:
     """The pod's GPU request, or None when it asks for nothing of sharegpu's.
 
@@ -211,5 +237,6 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
         mig_profile=mig.strip() if mig is not None and mig.strip() else None,
         cpu_milli=cpu,
         host_memory_mib=host_mem,
+        user=gpu_user(pod),
         catalog=catalog,
     )

@@ -42,10 +42,17 @@ class EnvVar(K8sModel):
     value: str | None = None
 
 
+class SecurityContext(K8sModel):
+    """The part of a pod's or container's securityContext that sharegpu reads: who its processes run as."""
+
+    run_as_user: int | None = Field(default=None, alias="runAsUser")
+
+
 class Container(K8sModel):
     name: str = ""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     env: list[EnvVar] = Field(default_factory=list)
+    security_context: SecurityContext | None = Field(default=None, alias="securityContext")
     # "Always" on an init container makes it a native sidecar: it runs beside the app containers.
     restart_policy: str = Field(default="", alias="restartPolicy")
 
@@ -55,6 +62,7 @@ class PodSpec(K8sModel):
     init_containers: list[Container] = Field(default_factory=list, alias="initContainers")
     node_name: str = Field(default="", alias="nodeName")
     scheduler_name: str = Field(default="", alias="schedulerName")
+    security_context: SecurityContext | None = Field(default=None, alias="securityContext")
 
 
 class PodStatus(K8sModel):
@@ -69,6 +77,14 @@ class Pod(K8sModel):
     @property
     def key(self) -> str:
         return f"{self.metadata.namespace}/{self.metadata.name}"
+
+    def run_as_user(self, container: Container) -> int | None:
+        """The UID ``container`` runs as where the pod declares it (its own securityContext, else the pod's); None
+        when only the image knows (its USER)."""
+        own = container.security_context.run_as_user if container.security_context else None
+        if own is not None:
+            return own
+        return self.spec.security_context.run_as_user if self.spec.security_context else None
 
     @property
     def finished(self) -> bool:

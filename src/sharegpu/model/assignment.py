@@ -96,6 +96,9 @@ class Assignment:
     shares: tuple[GpuShare, ...]
     cpu_milli: int = 0
     host_memory_mib: int = 0
+    # The Unix UID of the pod's GPU processes where the pod declares it (None: unknown). An MPS unit serves one UID:
+    # the ledger keeps MPS shares of different (or unknown) users on different units.
+    user: int | None = None
 
     def __post_init__(self) -> None:
         if not self.pod or not self.node:
@@ -105,6 +108,8 @@ class Assignment:
             raise InvalidAssignment(f"assignment of {self.pod} names the same GPU or MIG instance twice")
         if self.cpu_milli < 0 or self.host_memory_mib < 0:
             raise InvalidAssignment(f"assignment of {self.pod} has negative CPU or memory")
+        if self.user is not None and self.user < 0:
+            raise InvalidAssignment(f"assignment of {self.pod} names user {self.user}, which is not a Unix UID")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +118,7 @@ class Assignment:
             "node": self.node,
             "cpuMilli": self.cpu_milli,
             "hostMemoryMiB": self.host_memory_mib,
+            **({"user": self.user} if self.user is not None else {}),
             "gpus": [
                 {
                     "index": s.gpu_index,
@@ -169,6 +175,7 @@ class Assignment:
                 shares=tuple(shares),
                 cpu_milli=_int(obj.get("cpuMilli", 0)),
                 host_memory_mib=_int(obj.get("hostMemoryMiB", 0)),
+                user=_int(obj["user"]) if obj.get("user") is not None else None,
             )
         except InvalidAssignment:
             raise

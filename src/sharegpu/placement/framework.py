@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sharegpu.ledger import Ledger
-from sharegpu.model.assignment import Assignment
+from sharegpu.model.assignment import Assignment, Mechanism
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.mechanism import UsablePlan, make_share
 from sharegpu.placement.reasons import (
@@ -294,7 +294,9 @@ class Scheduler:
         req = state.request
         gpus = self.policy.selector.select(self.ledger, state, node) if req.gpu_count else []
         shares = tuple(make_share(self.ledger, node, g, req) for g in gpus)
-        return Assignment(req.name, self.ledger.nodes[node].name, shares, req.cpu_milli, req.host_memory_mib)
+        # The user goes with MPS shares only: it keys their unit (an assignment without one reads as before).
+        user = req.user if any(s.sharing is Mechanism.MPS for s in shares) else None
+        return Assignment(req.name, self.ledger.nodes[node].name, shares, req.cpu_milli, req.host_memory_mib, user)
 
     def decide_on(self, req: GpuRequest, node: int) -> Decision | Unschedulable:
         """Like :meth:`decide`, but on the one node that something else (the kube-scheduler) chose."""

@@ -4,13 +4,17 @@ Rules (DESIGN §2):
 - whole GPUs (no share asked, or ``exclusive``) → an idle GPU, exclusively;
 - ``hardware`` isolation → its own MIG instance: the smallest profile that fits memory and compute at a free
   valid placement; on a model without MIG, a whole GPU (the only other way to keep faults out);
-- ``memory`` isolation → MPS with enforced limits, or a MIG instance shared through MPS where MPS can't go;
+- ``fault`` isolation → time-slicing: its own CUDA context, which a neighbour's fault does not end (an MPS
+  neighbour's does: measured on an H200), with nothing enforced;
+- ``memory`` isolation → MPS with enforced limits, or a MIG instance shared through MPS where MPS can't go; a share
+  on several GPUs goes to MIG instances, since a process is the client of one MPS daemon and each unit has its own;
 - ``none`` → time-slicing or MPS: it joins a GPU already shared either way (both serve it), and opens an idle
   GPU as MPS where the model has MPS, since an MPS GPU can later take memory-isolated shares too (it fragments
-  less), and as time-slicing where it has not.
+  less), and as time-slicing where it has not. A share whose pod does not declare its Unix user, or on several
+  GPUs, stays on time-slicing: it could join no MPS unit and would hold the one it opened alone.
 
-One mechanism per GPU (or per MIG instance) is a ledger invariant, so a share can only join a GPU whose
-current mode it is compatible with.
+One mechanism per GPU (or per MIG instance) and one Unix user per MPS unit are ledger invariants, so a share can
+only join a GPU whose current mode and MPS user it is compatible with.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger, slot_mask
+from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger, mps_join_key, slot_mask
 from sharegpu.model.assignment import GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import GpuModel, MigProfile
 from sharegpu.model.request import FULL_MILLI, GpuRequest, Isolation, Sharing
@@ -53,7 +57,7 @@ def route_for(req: GpuRequest, model: GpuModel) -> str | None:
     if iso is Isolation.HARDWARE:
         return Route.MIG if model.mig_capable else Route.WHOLE
     if iso is Isolation.MEMORY:
-        if model.mps_capable:
+        if model.mps_capable and req.gpu_count == 1:
             return Route.SHARE
         return Route.MIG if model.mig_capable else None
     return Route.SHARE
@@ -61,11 +65,11 @@ def route_for(req: GpuRequest, model: GpuModel) -> str | None:
 
 def share_modes(req: GpuRequest, model: GpuModel) -> tuple[GpuMode, ...]:
     """GPU modes a (non-MIG) share of ``req`` may join on ``model``; the first opens an idle GPU."""
-    if req.sharing is Sharing.TIME_SLICING:
+    if req.sharing is Sharing.TIME_SLICING or req.isolation is Isolation.FAULT:
         return (GpuMode.TIME_SLICING,)
     if req.sharing is Sharing.MPS or req.isolation is Isolation.MEMORY:
         return (GpuMode.MPS,)
-    if model.mps_capable:
+    if model.mps_capable and req.user is not None and req.gpu_count == 1:
         return (GpuMode.MPS, GpuMode.TIME_SLICING)
     return (GpuMode.TIME_SLICING,)
 
@@ -112,6 +116,8 @@ def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | N
             return MigChoice(inst.profile, start, True)
         if inner is Mechanism.EXCLUSIVE or inst.inner is not inner:
             continue
+        if inner is Mechanism.MPS and inst.mps_user != mps_join_key(req.user):
+            continue
         compute = _mig_compute(req, model, inst.profile)
         mem = req.memory_mib or 0
         if inst.free_milli >= compute and inst.free_mem >= mem and inst.clients < MPS_MAX_CLIENTS:
@@ -129,8 +135,11 @@ def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | N
 
 
 def _mig_inner(req: GpuRequest) -> Mechanism:
-    # Hardware isolation wants an instance of its own; memory isolation may share one through MPS.
-    return Mechanism.MPS if req.isolation is Isolation.MEMORY else Mechanism.EXCLUSIVE
+    # Hardware isolation wants an instance of its own; memory isolation may share one through MPS, on one GPU only (a
+    # process is the client of one MPS daemon, and each instance has its own).
+    if req.isolation is Isolation.MEMORY and req.gpu_count == 1:
+        return Mechanism.MPS
+    return Mechanism.EXCLUSIVE
 
 
 def _mig_compute(req: GpuRequest, model: GpuModel, profile: MigProfile) -> int:
@@ -167,6 +176,7 @@ class UsablePlan:
     memory: int
     mig_models: tuple[int, ...]  # model ids reached through MIG (checked per model: placements differ)
     least_compute: int  # a lower bound of the free compute a GPU needs to host a share, on any model
+    mps_user: int  # the MPS unit key a share may join (ledger.mps_join_key)
 
     @classmethod
     def of(cls, ledger: Ledger, req: GpuRequest) -> UsablePlan:
@@ -192,7 +202,7 @@ class UsablePlan:
         # A whole GPU is free only when all its compute is; a MIG GPU's free compute says little (0: no bound).
         needs = [FULL_MILLI if r == _WHOLE else int(c) for r, c in zip(route[:-1], compute[:-1], strict=True) if r]
         least = 0 if mig else min(needs, default=FULL_MILLI + 1)
-        return cls(route, compute, mode_ok, mps_limit, req.memory_mib or 0, tuple(mig), least)
+        return cls(route, compute, mode_ok, mps_limit, req.memory_mib or 0, tuple(mig), least, mps_join_key(req.user))
 
     def usable(self, ledger: Ledger, req: GpuRequest, nodes: npt.NDArray[np.int64]) -> BoolMatrix:
         """(len(nodes) × GPU slots): the GPUs of ``nodes`` that can host one share of ``req`` now."""
@@ -208,7 +218,11 @@ class UsablePlan:
                 & (ledger.free_milli[nodes] >= self.compute[mid])
                 & (ledger.free_mem[nodes] >= self.memory)
                 & self.mode_ok[mid, mode]
-                & (~self.mps_limit[mid] | (mode != GpuMode.MPS) | (ledger.clients[nodes] < MPS_MAX_CLIENTS))
+                & (
+                    ~self.mps_limit[mid]
+                    | (mode != GpuMode.MPS)
+                    | ((ledger.clients[nodes] < MPS_MAX_CLIENTS) & (ledger.mps_user[nodes] == self.mps_user))
+                )
             )
         for m in self.mig_models:
             on_model = base & (mid == m)

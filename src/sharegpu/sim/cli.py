@@ -29,7 +29,7 @@ from sharegpu.sim.openb import (
     replay_gaps,
     unplaceable_models,
 )
-from sharegpu.sim.protocol import MAX_SEEDS, parse_seeds
+from sharegpu.sim.protocol import MAX_SEEDS, MAX_USERS, parse_seeds
 from sharegpu.sim.replay import PriorityOptions
 from sharegpu.sim.report import print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
@@ -128,6 +128,12 @@ def sim(
         "--arrivals",
         help=f"With --load: pods in the redraw, 1 to {MAX_ARRIVALS:,}. Default: {DEFAULT_ARRIVALS:,}.",
     ),
+    users: int = typer.Option(
+        1,
+        "--users",
+        help=f"Unix users the pods run as, drawn per pod with the seed (1 to {MAX_USERS:,}). An MPS unit serves one "
+        "user at a time, so MPS shares of different users never share a GPU; 1: every pod as one user.",
+    ),
     jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
     large: bool = typer.Option(
         False,
@@ -148,6 +154,9 @@ def sim(
         check_not_inputs(paths, {flag: path for flag, path in inputs.items() if path is not None})
         exp = _experiment(nodes_path, pods_path, policy, seeds, tune, replay, warnings.append)
         exp = _priority(exp, high_share, preemption, consolidation, max_moves, load, arrivals)
+        if not 1 <= users <= MAX_USERS:
+            raise UsageError(f"--users {users} must be from 1 to {MAX_USERS:,}")
+        exp = dataclasses.replace(exp, users=users)
         size = run_size(exp)
         if size.decisions > MAX_DECISIONS and not large:
             raise UsageError(
@@ -168,6 +177,8 @@ def sim(
         title += f" of {exp.arrivals:,} pods at load {exp.load:g}"
     if exp.priority is not None:
         title += f", {exp.priority.label()}"
+    if exp.users > 1:
+        title += f", {exp.users} users"
     print_table(console, runs, title, exp.total_gpus)
     meta: dict[str, object] = {
         "experiment": exp.name,
@@ -175,6 +186,7 @@ def sim(
         "total_gpus": exp.total_gpus,
         "tasks": len(exp.tasks),
         "tune": exp.tune,
+        "users": exp.users,
         "mode": "replay" if exp.replay else "fgd-protocol",
         **({"load": exp.load, "arrivals": exp.arrivals} if exp.load is not None else {}),
         **({"priority": dataclasses.asdict(exp.priority)} if exp.priority is not None else {}),

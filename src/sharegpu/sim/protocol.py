@@ -68,3 +68,22 @@ def fgd_arrivals(tasks: Sequence[TraceTask], capacity_milli: int, seed: int, tun
         total += pick.total_milli
         i += 1
     return pods
+
+
+MAX_USERS = 100_000
+
+
+def with_users(requests: Sequence[GpuRequest], users: int, seed: int) -> list[GpuRequest]:
+    """Each request run by one of ``users`` Unix users (UIDs 1000, 1001, …), drawn uniformly per pod with ``seed``.
+
+    One MPS server serves one UID at a time, so placement keeps MPS shares of different users on different MPS units;
+    a trace says nothing about users, and this is how the simulator measures what that rule costs. One user (the
+    default) is every pod as one UID: placement as if the rule did not exist.
+    """
+    if not 1 <= users <= MAX_USERS:
+        raise ValueError(f"users {users} must be from 1 to {MAX_USERS:,}")
+    if users == 1:
+        return [r if r.user == 0 else dataclasses.replace(r, user=0) for r in requests]
+    rng = np.random.default_rng([seed, 0x0515])
+    uids = rng.integers(users, size=len(requests)) + 1000
+    return [dataclasses.replace(r, user=int(u)) for r, u in zip(requests, uids.tolist(), strict=True)]

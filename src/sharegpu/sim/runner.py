@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -22,7 +23,7 @@ from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.scorers import FragmentationModel
 from sharegpu.sim.engine import RunResult, run_arrivals, summary_reason
 from sharegpu.sim.openb import TraceTask
-from sharegpu.sim.protocol import fgd_arrivals
+from sharegpu.sim.protocol import fgd_arrivals, with_users
 from sharegpu.sim.replay import PriorityOptions, overloaded, replay_trace
 
 
@@ -38,6 +39,7 @@ class Experiment:
     priority: PriorityOptions | None = None  # replay with priorities, preemption, consolidation (issue 19)
     load: float | None = None  # replay a loaded redraw of the trace (see sim.replay.overloaded) instead
     arrivals: int = 0  # pods of that redraw
+    users: int = 1  # Unix users the pods are drawn among (sim.protocol.with_users)
 
     @property
     def capacity_milli(self) -> int:
@@ -92,9 +94,13 @@ def run_one(
         tasks = exp.tasks
         if exp.load is not None:
             tasks = overloaded(exp.tasks, exp.capacity_milli, exp.arrivals, seed, exp.load)
+        users = with_users([t.request for t in tasks], exp.users, seed)
+        tasks = tuple(dataclasses.replace(t, request=r) for t, r in zip(tasks, users, strict=True))
         progress = reporter.bind(len(tasks)) if reporter else None
         return replay_trace(exp.nodes, tasks, policy, exp.priority, seed, progress=progress).run
-    arrivals: Sequence[GpuRequest] = fgd_arrivals(exp.tasks, exp.capacity_milli, seed, exp.tune)
+    arrivals: Sequence[GpuRequest] = with_users(
+        fgd_arrivals(exp.tasks, exp.capacity_milli, seed, exp.tune), exp.users, seed
+    )
     progress = reporter.bind(len(arrivals)) if reporter else None
     return run_arrivals(
         exp.nodes, arrivals, policy, seed, rank=tie_rank(seed, len(exp.nodes)), frag=frag, progress=progress

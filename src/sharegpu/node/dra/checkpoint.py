@@ -57,6 +57,7 @@ class Checkpoint:
                     "name": p.name,
                     "devices": [asdict(d) for d in p.devices],
                     "units": list(self.units[uid]),
+                    **({"user": p.user} if p.user is not None else {}),
                 }
                 for uid, p in self.claims.items()
             },
@@ -81,7 +82,10 @@ class Checkpoint:
                     )
                     for d in c["devices"]
                 )
-                self.claims[uid] = ClaimPlan(uid, c["namespace"], c["name"], devices)
+                user = c.get("user")  # absent: written before claims carried their pods' user, or unknown
+                if user is not None and (isinstance(user, bool) or not isinstance(user, int)):
+                    raise ValueError(f"claim {uid}: user {user!r} is not a UID")
+                self.claims[uid] = ClaimPlan(uid, c["namespace"], c["name"], devices, user)
                 self.units[uid] = tuple(str(u) for u in c["units"])
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise CheckpointError(

@@ -55,6 +55,9 @@ class ClaimPlan:
     namespace: str
     name: str
     devices: tuple[DevicePlan, ...]
+    # The Unix UID of the pods the claim is reserved for, where they declare it (None: unknown); an MPS unit serves
+    # one UID at a time, so MPS claims of different (or unknown) users never share a unit.
+    user: int | None = None
 
     @property
     def key(self) -> str:

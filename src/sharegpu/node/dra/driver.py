@@ -13,9 +13,10 @@ import asyncio
 import logging
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from sharegpu.kube.schema import Pod
 from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
@@ -29,7 +30,7 @@ from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, cdi_name
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
-from sharegpu.node.dra.claims import ClaimError, ClaimPlan, plan_claim
+from sharegpu.node.dra.claims import ClaimError, ClaimPlan, DevicePlan, plan_claim
 from sharegpu.node.dra.config import TimeSlice
 from sharegpu.node.mig import MigError, MigManager, MigNeed
 from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 class ClaimSource(Protocol):
     async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         """The ResourceClaim as the API server returns it (JSON); raises on any failure with a readable message."""
+        ...
+
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        """A Pod as the API server returns it (JSON); raises on any failure with a readable message."""
         ...
 
 
@@ -227,6 +232,8 @@ class DraDriver:
         except Exception as e:
             raise ClaimError(f"cannot read claim {ref.namespace}/{ref.name}: {e}") from None
         plan = plan_claim(claim, ref.uid, self.node_name, self.backend.devices(), self._catalog)
+        if any(d.mechanism is Mechanism.MPS for d in plan.devices):
+            plan = replace(plan, user=await self._claim_user(plan, claim))
         units = await self._make_ready(plan)
         self._cdi.write(plan.uid, self._cdi_devices(plan, units))
         self.checkpoint.add(plan, units)
@@ -238,12 +245,60 @@ class DraDriver:
         )
         return self._answer(plan, units)
 
+    async def _claim_user(self, plan: ClaimPlan, claim: Mapping[str, Any]) -> int | None:
+        """The one Unix UID the pods the claim is reserved for declare for all their containers, or None."""
+        users: set[int | None] = set()
+        reserved = (claim.get("status") or {}).get("reservedFor") or []
+        for r in reserved:
+            if not isinstance(r, Mapping) or r.get("resource") != "pods":
+                users.add(None)
+                continue
+            try:
+                pod = Pod.model_validate(await self._claims.get_pod(plan.namespace, str(r.get("name", ""))))
+            except Exception as e:
+                raise ClaimError(f"claim {plan.key}: cannot read its pod {r.get('name')!r}: {e}") from None
+            users |= {pod.run_as_user(c) for c in (*pod.spec.init_containers, *pod.spec.containers)}
+        known = {u for u in users if u is not None}
+        if len(known) > 1:
+            raise ClaimError(
+                f"claim {plan.key}: its pods run as Unix users {sorted(known)}; one MPS server serves one user at a "
+                "time, so they would wait on each other: run them as one user (securityContext.runAsUser)"
+            )
+        return None if None in users or not known else known.pop()
+
+    def _mps_conflict(self, plan: ClaimPlan, unit: str) -> str | None:
+        """Why an MPS client of ``plan`` cannot join the MPS clients already prepared on ``unit``, if it cannot."""
+        for uid, other in self.checkpoint.claims.items():
+            if uid == plan.uid:
+                continue
+            shares_unit = any(
+                d.mechanism is Mechanism.MPS and u == unit
+                for d, u in zip(other.devices, self.checkpoint.units[uid], strict=True)
+            )
+            if not shares_unit:
+                continue
+            if other.user is None or plan.user is None or other.user != plan.user:
+                theirs = f"user {other.user}" if other.user is not None else "a user it does not declare"
+                mine = f"user {plan.user}" if plan.user is not None else "a user they do not declare"
+                return (
+                    f"the MPS unit {unit} serves claim {other.key} of {theirs}, and this claim's pods run as {mine}; "
+                    "one MPS server serves one Unix user at a time, so they would wait until every client of the "
+                    "other has exited. This claim waits until that unit is free; set securityContext.runAsUser to "
+                    "the same UID in both pods to let them share it"
+                )
+        return None
+
     async def _make_ready(self, plan: ClaimPlan) -> tuple[str, ...]:
         if any(d.mechanism is Mechanism.MPS for d in plan.devices) and len(plan.devices) > 1:
             raise ClaimError(
                 f"claim {plan.key}: an MPS client talks to one MPS daemon, which serves one GPU or MIG instance; "
                 "put each MPS share in its own claim"
             )
+        for d in plan.devices:
+            if d.mechanism is Mechanism.MPS:
+                target = self._mps_unit_of(d)
+                if target is not None and (why := self._mps_conflict(plan, target)):
+                    raise ClaimError(f"claim {plan.key}: {why}")
         gpus = {g.index: g for g in self.backend.devices()}
         # The scheduler never allocates a partition beside a whole or shared GPU (they share counters); an
         # allocation that does anyway (a stale pool generation) is refused rather than allowed to break the other.
@@ -277,6 +332,15 @@ class DraDriver:
                 self._sliced.add(d.gpu_uuid)
             units.append(unit)
         return tuple(units)
+
+    def _mps_unit_of(self, d: DevicePlan) -> str | None:
+        """The unit an MPS device will run on, before it is made ready: the GPU, or its MIG instance if prepared."""
+        if not d.on_mig:
+            return d.gpu_uuid
+        for other, unit in self.checkpoint.devices():
+            if (other.gpu_index, other.mig_start, other.on_mig) == (d.gpu_index, d.mig_start, True):
+                return unit
+        return None  # a new instance: nobody else uses it
 
     def _cdi_devices(self, plan: ClaimPlan, units: tuple[str, ...]) -> tuple[CdiDevice, ...]:
         # Every device of the claim names all its units, so that merging their edits never hides one of them.

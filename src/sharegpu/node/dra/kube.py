@@ -20,6 +20,8 @@ FIELD_MANAGER = "sharegpu-dra-driver"
 class DraKube(Protocol):
     async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]: ...
 
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]: ...
+
     async def get_node(self, name: str) -> Mapping[str, Any]: ...
 
     async def label_node(self, name: str, labels: Mapping[str, str | None]) -> None: ...
@@ -50,6 +52,11 @@ class LightkubeDraApi:
         from lightkube.resources.resource_v1 import ResourceClaim
 
         return await self._client.get(ResourceClaim, name, f"read ResourceClaim {namespace}/{name}", namespace)
+
+    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        from lightkube.resources.core_v1 import Pod
+
+        return await self._client.get(Pod, name, f"read pod {namespace}/{name}", namespace)
 
     async def get_node(self, name: str) -> Mapping[str, Any]:
         from lightkube.resources.core_v1 import Node
