@@ -18,16 +18,16 @@ from sharegpu.kube.api import PodEvent
 from sharegpu.kube.errors import EvictionBlocked
 from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.node.agent import NodeAgent
-from sharegpu.node.audit import FindingKind, GpuReading, Role, attribute, audit, pod_usage, unit_shares
+from sharegpu.node.audit import FindingKind, GpuReading, Role, attribute, audit, pod_usage, read_gpu, unit_shares
 from sharegpu.node.backends.base import MPS_SERVER_NAME, XidEvent
-from sharegpu.node.backends.nvml import XID_CRITICAL_ERROR, NvmlBackend, NvmlEvent, NvmlProcess
+from sharegpu.node.backends.nvml import XID_CRITICAL_ERROR, NvmlBackend, NvmlCallError, NvmlEvent, NvmlProcess
 from sharegpu.node.backends.sim import MPS_SERVER_MEMORY_MIB, SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
 from sharegpu.node.enforcement import FAULT_MESSAGE, FAULT_REASON, EnforcementWatch
 from sharegpu.node.kube import NodeInfo
 from sharegpu.node.metrics import new_registry
 from sharegpu.node.mps import SimMpsDaemon
-from sharegpu.node.mps_faults import LogTail, MpsLogWatch, ServerWatch, is_fault, parse_line
+from sharegpu.node.mps_faults import LogTail, MpsLogWatch, ServerWatch, fault_lines, is_fault, parse_line
 
 MIB = 2**20
 SERVER, CLIENT_A, CLIENT_B = 466, 503, 504  # the pids the H200 run showed
@@ -83,16 +83,7 @@ def _h200_under_mps(tmp_path: Path) -> tuple[NvmlBackend, FakeNvml]:
 
 def _reading(backend: NvmlBackend) -> GpuReading:
     (d,) = backend.devices()
-    mps = backend.mps_processes(0)
-    assert mps is not None
-    return GpuReading(
-        d,
-        backend.utilization(0),
-        backend.memory_used_mib(0),
-        backend.processes(0),
-        frozenset(p.pid for p in mps),
-        backend.process_utilization(0),
-    )
+    return read_gpu(backend, d)
 
 
 def _pods(*names: str) -> dict[str, object]:
@@ -152,14 +143,29 @@ def test_xid_events_are_polled_without_waiting_and_tied_to_their_mig_instance() 
     assert api.sets_freed == 1
 
 
-def test_mps_processes_of_a_driver_without_the_query_are_unknown() -> None:
-    class OldDriver(FakeNvml):
-        def mps_processes(self, h: FakeGpu) -> list[NvmlProcess]:
-            from sharegpu.node.backends.nvml import NvmlCallError
+class OldDriver(FakeNvml):
+    """A driver without the MPS-aware query."""
 
-            raise NvmlCallError("not_supported", "Not Supported")
+    def mps_processes(self, h: FakeGpu) -> list[NvmlProcess]:
+        raise NvmlCallError("not_supported", "Not Supported")
 
-    assert NvmlBackend(OldDriver(FakeGpu("NVIDIA H200"))).mps_processes(0) is None
+
+def test_without_the_mps_query_pods_beside_a_named_server_are_taken_for_its_clients(tmp_path: Path) -> None:
+    _, api = _h200_under_mps(tmp_path)
+    old = NvmlBackend(OldDriver(*api.gpus), proc_root=tmp_path / "proc")
+    assert old.mps_processes(0) is None
+    r = _reading(old)
+    assert r.mps_clients is None
+    views = attribute(r, old.pod_uid_of, old.process_name)
+    assert {v.pid: v.role for v in views} == {SERVER: Role.SERVER, CLIENT_A: Role.MPS_CLIENT, CLIENT_B: Role.MPS_CLIENT}
+    rows, _ = pod_usage(views, r.sm_percent, _pods("pod-a", "pod-b"))  # type: ignore[arg-type]
+    assert [row.sm_percent for row in rows] == [None, None]  # still unknown, not each pod's own 0
+    # …and no bypass is claimed, since the driver cannot say who is a client.
+    shares = {
+        uid: unit_shares(assignment(p.name, share(0, "GPU-0", Mechanism.MPS, 500)), {})  # type: ignore[attr-defined]
+        for uid, p in _pods("pod-a", "pod-b").items()
+    }
+    assert audit(views, _pods("pod-a", "pod-b"), shares, {0: False}) == ()  # type: ignore[arg-type]
 
 
 # ----- the audit's findings --------------------------------------------------------------------------------------------
@@ -413,6 +419,21 @@ def test_log_watch_reads_a_file_that_appears_later_from_its_start(tmp_path: Path
     (logs / "control.log").write_text("[t Control 1] Server 2 exited with status 139\n[t Control 1] NEW UI\n")
     (signal,) = watch.scan({"GPU-x": logs})
     assert (signal.unit_uuid, signal.source) == ("GPU-x", "log") and "status 139" in signal.detail
+
+
+def test_fault_lines_reads_a_units_logs_whole(tmp_path: Path) -> None:
+    sim, g = _sim()
+    sim.add_process(501, g[0], 500, "uid-x", mps=True)
+    sim.add_process(502, g[0], 500, "uid-y", mps=True)
+    server = sim.mps_server_pid(g[0])
+    (tmp_path / "control.log").write_text(
+        "[t Control 9] Cmd:get_server_list\n[t Control 9] Server 5 exited with status 0\n"
+    )
+    assert fault_lines(tmp_path) == []
+    sim.mps_fault(g[0], tmp_path)  # the line the simulated server writes is one the patterns know
+    (line,) = fault_lines(tmp_path)
+    assert (line.file, line.writer, line.pid) == ("server.log", "Server", server)
+    assert sim.mps_processes(0) == () and sim.mps_server_pid(g[0]) is None
 
 
 def test_server_watch() -> None:

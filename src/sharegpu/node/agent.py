@@ -29,6 +29,7 @@ from sharegpu.node.audit import (
     attribute,
     audit,
     pod_usage,
+    read_gpu,
     unit_shares,
 )
 from sharegpu.node.backends.base import BackendError, GpuBackend
@@ -208,18 +209,7 @@ class NodeAgent:
         out = []
         for d in self.backend.devices():
             try:
-                mps = self.backend.mps_processes(d.index)
-                out.append(
-                    GpuReading(
-                        d,
-                        self.backend.utilization(d.index),
-                        self.backend.memory_used_mib(d.index),
-                        self.backend.processes(d.index),
-                        None if mps is None else frozenset(p.pid for p in mps),
-                        self.backend.process_utilization(d.index),
-                        self.backend.mig_instances(d.index) if d.mig_enabled else (),
-                    )
-                )
+                out.append(read_gpu(self.backend, d))
             except BackendError as e:
                 log.warning("GPU %d: cannot sample: %s", d.index, e)
         return out

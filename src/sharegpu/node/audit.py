@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from sharegpu.model.assignment import Assignment, Mechanism
-from sharegpu.node.backends.base import DeviceInfo, MigInstanceInfo, ProcessInfo, Utilization, is_mps_server_name
+from sharegpu.node.backends.base import (
+    DeviceInfo,
+    GpuBackend,
+    MigInstanceInfo,
+    ProcessInfo,
+    Utilization,
+    is_mps_server_name,
+)
 from sharegpu.node.kube import PodInfo
 
 
@@ -64,25 +71,48 @@ class ProcView:
     pod_uid: str | None
 
 
+def read_gpu(backend: GpuBackend, device: DeviceInfo) -> GpuReading:
+    """One GPU's processes (both lists), utilisation and MIG instances; raises :class:`BackendError` for a GPU that
+    cannot be read."""
+    mps = backend.mps_processes(device.index)
+    return GpuReading(
+        device,
+        backend.utilization(device.index),
+        backend.memory_used_mib(device.index),
+        backend.processes(device.index),
+        None if mps is None else frozenset(p.pid for p in mps),
+        backend.process_utilization(device.index),
+        backend.mig_instances(device.index) if device.mig_enabled else (),
+    )
+
+
 def attribute(
     reading: GpuReading, pod_uid_of: Callable[[int], str | None], name_of: Callable[[int], str | None]
 ) -> tuple[ProcView, ...]:
     """Each process of the plain list with its role and pod.
 
     An MPS server is a process the MPS-aware query does not list whose name is the server's; where the name cannot
-    be read, one that belongs to no pod and sits on a unit that has MPS clients.
+    be read, one that belongs to no pod and sits on a unit that has MPS clients. Where the driver cannot list MPS
+    clients at all, a pod's process on a unit that has an MPS server is taken for a client (its SM figure is the
+    server's, not its own 0).
     """
     clients = reading.mps_clients or frozenset()
     units_with_clients = {p.unit_uuid for p in reading.processes if p.pid in clients}
+    names = {p.pid: name_of(p.pid) for p in reading.processes if p.pid not in clients}
+    uids = {p.pid: pod_uid_of(p.pid) for p in reading.processes}
+    named_servers = {pid for pid, name in names.items() if name is not None and is_mps_server_name(name)}
+    units_with_server = {p.unit_uuid for p in reading.processes if p.pid in named_servers}
     out = []
     for p in reading.processes:
-        uid = pod_uid_of(p.pid)
+        uid = uids[p.pid]
         if p.pid in clients:
             role = Role.MPS_CLIENT
+        elif p.pid in named_servers or (names[p.pid] is None and uid is None and p.unit_uuid in units_with_clients):
+            role = Role.SERVER
+        elif reading.mps_clients is None and uid is not None and p.unit_uuid in units_with_server:
+            role = Role.MPS_CLIENT
         else:
-            name = name_of(p.pid)
-            server = is_mps_server_name(name) if name is not None else uid is None and p.unit_uuid in units_with_clients
-            role = Role.SERVER if server else Role.OWN_CONTEXT
+            role = Role.OWN_CONTEXT
         out.append(ProcView(p.pid, p.gpu_index, p.unit_uuid, p.used_memory_mib, role, uid))
     return tuple(out)
 

@@ -66,6 +66,18 @@ def is_fault(line: LogLine) -> bool:
     return not any(p.search(line.text) for p in IGNORED) and any(p.search(line.text) for p in FAULT_PATTERNS)
 
 
+def fault_lines(log_dir: Path) -> list[LogLine]:
+    """Every fault line of a unit's logs, read whole (for a check script; the agent reads each line once)."""
+    out = []
+    for name in LOG_FILES:
+        try:
+            text = (log_dir / name).read_text(errors="replace")
+        except OSError:
+            continue
+        out += [line for line in (parse_line(name, raw) for raw in text.splitlines()) if is_fault(line)]
+    return out
+
+
 class LogTail:
     """New complete lines of a log file, each read once.
 
