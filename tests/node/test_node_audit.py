@@ -463,3 +463,11 @@ def test_fault_signals_within_the_window_are_one_incident() -> None:
         assert sorted(f.unit_uuid for f in faults) == ["MIG-a", "MIG-b"]
 
     asyncio.run(main())
+
+
+def test_no_per_process_figures_on_a_mig_gpu_are_unknown_not_zero(tmp_path: Path) -> None:
+    backend, _ = _h200_under_mps(tmp_path)
+    r = _reading(backend)
+    views = attribute(r, backend.pod_uid_of, backend.process_name)
+    rows, units = pod_usage(views, {}, _pods("pod-a", "pod-b"), sm_known=False)  # type: ignore[arg-type]
+    assert [(row.memory_mib, row.sm_percent) for row in rows] == [(500, None), (730, None)] and units == ()

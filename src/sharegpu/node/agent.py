@@ -267,9 +267,10 @@ class NodeAgent:
             if f.unit_uuid not in self.mps.running_units():
                 continue
             try:
-                # A daemon that no longer answers is restarted with the limits it enforced; a healthy one keeps its
-                # state: the server that faulted is replaced by the daemon when the next client connects.
-                await self.mps.ensure(f.unit_uuid, self.mps.limits(f.unit_uuid), grow=False)
+                # A daemon that no longer answers is restarted with the limits it enforced (grow: an Allocate that
+                # widened them meanwhile is kept); a healthy one keeps its state: the daemon replaces the server that
+                # faulted when the next client connects.
+                await self.mps.ensure(f.unit_uuid, self.mps.limits(f.unit_uuid))
             except MpsError as e:
                 errors.append(f"after a fault on {f.unit_uuid}: {e}")
         return faults
@@ -419,7 +420,9 @@ class NodeAgent:
                 )
             )
             mig += [MigSample(d.index, i.uuid, i.profile, i.start, self.mig.is_managed(i.uuid)) for i in r.instances]
-            rows, mps_units = pod_usage(views[d.index], r.sm_percent, by_uid)
+            # In MIG mode NVML keeps no per-process figures: an empty answer there is "unknown", not 0.
+            sm_known = bool(r.sm_percent) or not d.mig_enabled
+            rows, mps_units = pod_usage(views[d.index], r.sm_percent, by_uid, sm_known)
             units += mps_units
             for row in rows:
                 owner = by_uid[row.pod_uid]

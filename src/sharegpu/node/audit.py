@@ -273,13 +273,14 @@ class MpsUnitUsage:
 
 
 def pod_usage(
-    procs: Iterable[ProcView], sm_percent: Mapping[int, int], pods: Mapping[str, PodInfo]
+    procs: Iterable[ProcView], sm_percent: Mapping[int, int], pods: Mapping[str, PodInfo], sm_known: bool = True
 ) -> tuple[tuple[UsageRow, ...], tuple[MpsUnitUsage, ...]]:
     """Each pod's memory and SM use per unit, and each MPS unit's server figure.
 
     Memory is per process under every mechanism. SM utilisation is per process too, except for MPS clients: NVML
     gives the server's pid the figure of all its clients, so an MPS unit with one client pod gives that pod the
-    server's figure, and one with several leaves each pod's figure unknown (None), never 0.
+    server's figure, and one with several leaves each pod's figure unknown (None), never 0. ``sm_known`` False (a
+    GPU in MIG mode that gave no figures: NVML keeps none there) leaves every SM figure unknown.
     """
     procs = list(procs)
     servers: dict[str, int] = {}
@@ -300,7 +301,9 @@ def pod_usage(
         key = (p.pod_uid, p.unit_uuid)
         gpu_of[p.unit_uuid] = p.gpu_index
         memory[key] = memory.get(key, 0) + p.memory_mib
-        if p.role is Role.MPS_CLIENT:
+        if not sm_known:
+            mps[key] = None
+        elif p.role is Role.MPS_CLIENT:
             sole = len(client_pods.get(p.unit_uuid, ())) == 1
             mps[key] = servers.get(p.unit_uuid, 0) if sole else None
         else:
@@ -312,6 +315,8 @@ def pod_usage(
         rows.append(UsageRow(key[0], gpu_of[key[1]], key[1], mem, sm))
     gpu_of_unit = {p.unit_uuid: p.gpu_index for p in procs}
     units = tuple(
-        MpsUnitUsage(gpu_of_unit[u], u, min(100, sm), len(client_pods.get(u, ()))) for u, sm in sorted(servers.items())
+        MpsUnitUsage(gpu_of_unit[u], u, min(100, sm), len(client_pods.get(u, ())))
+        for u, sm in sorted(servers.items())
+        if sm_known
     )
     return tuple(rows), units
