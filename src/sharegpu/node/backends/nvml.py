@@ -179,6 +179,7 @@ class NvmlBackend:
         self._events: Any = None  # the Xid event set, made at the first poll
         self._events_on: set[str] = set()  # UUIDs of the GPUs registered with it
         self._events_refused: set[str] = set()  # GPUs whose driver refused Xid events (told once)
+        self._events_unavailable = False  # no event set could be made (told once; tried again each poll)
 
     def devices(self) -> tuple[DeviceInfo, ...]:
         """Every GPU; one that fails its queries (fell off the bus, needs a reset) is reported unhealthy.
@@ -431,8 +432,8 @@ class NvmlBackend:
             if self._events is None:
                 self._events = self._api.event_set()
         except NvmlCallError as e:
-            if "event-set" not in self._events_refused:
-                self._events_refused.add("event-set")
+            if not self._events_unavailable:
+                self._events_unavailable = True
                 log.warning("NVML events are unavailable (%s): Xid errors are not watched", e)
             return ()
         index_of: dict[str, int] = {}
