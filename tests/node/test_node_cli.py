@@ -71,3 +71,16 @@ def test_build_agent_wires_a_sim_node(tmp_path: Path, monkeypatch: pytest.Monkey
     assert isinstance(agent, NodeAgent)
     assert [d.model for d in agent.backend.devices()] == ["H100-80GB", "H100-80GB", "A30-24GB"]
     assert agent.config.state_dir == tmp_path / "state" and agent.config.metrics_listen == ("127.0.0.1", 0)
+    assert agent.config.evict_on_audit is False  # eviction on an audit finding is opt-in
+    assert agent.watch.evict is False
+
+
+def test_evict_on_audit_flag_reaches_the_watch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "sim.yaml").write_text(SIM_YAML)
+    monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
+    agent = build_agent(
+        "node-a", None, BackendKind.SIM, tmp_path / "sim.yaml", tmp_path / "dp", "", FakeKube(), evict_on_audit=True
+    )
+    assert agent.config.evict_on_audit is True and agent.watch.evict is True
+    result = CliRunner().invoke(_app(), ["node-agent", "--help"], terminal_width=200)
+    assert "--evict-on-audit" in result.output

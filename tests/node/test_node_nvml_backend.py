@@ -21,6 +21,7 @@ from sharegpu.node.backends.nvml import (
     GiProfile,
     NvmlBackend,
     NvmlCallError,
+    NvmlEvent,
     NvmlProcess,
     pod_uid_from_cgroup,
     resolve_model,
@@ -54,6 +55,9 @@ class FakeGpu:
     gis: list[FakeGi] = field(default_factory=list)
     procs: list[NvmlProcess] = field(default_factory=list)
     broken: bool = False
+    mps_procs: list[NvmlProcess] = field(default_factory=list)  # the MPS-aware query's answer
+    sm: dict[int, int] | None = None  # process_utilization; None: no samples
+    events: bool = True  # whether the driver takes Xid event registrations
 
 
 class FakeNvml:
@@ -61,6 +65,9 @@ class FakeNvml:
         self.gpus = list(gpus)
         self.next_id = 1
         self.fail_ci = False
+        self.queued: list[NvmlEvent] = []  # events the driver has for the set
+        self.registered: list[tuple[int, int]] = []  # (GPU position, event types)
+        self.sets_freed = 0
 
     def init(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -145,7 +152,28 @@ class FakeNvml:
         return 40, 10
 
     def process_utilization(self, h: FakeGpu) -> dict[int, int]:
-        raise NvmlCallError("not_found", "no samples")
+        if h.sm is None:
+            raise NvmlCallError("not_found", "no samples")
+        return dict(h.sm)
+
+    def mps_processes(self, h: FakeGpu) -> list[NvmlProcess]:
+        return list(h.mps_procs)
+
+    def event_set(self) -> Any:
+        return "event-set"
+
+    def register_events(self, h: FakeGpu, event_types: int, event_set: Any) -> None:
+        assert event_set == "event-set"
+        if not h.events:
+            raise NvmlCallError("not_supported", "nvmlDeviceRegisterEvents: Not Supported")
+        self.registered.append((self.gpus.index(h), event_types))
+
+    def wait_event(self, event_set: Any, timeout_ms: int) -> NvmlEvent | None:
+        assert timeout_ms == 0, "the agent must never wait for events"
+        return self.queued.pop(0) if self.queued else None
+
+    def free_event_set(self, event_set: Any) -> None:
+        self.sets_freed += 1
 
 
 def _backend(*gpus: FakeGpu) -> tuple[NvmlBackend, FakeNvml]:

@@ -20,9 +20,22 @@ from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
 from sharegpu.node.allocation import Allocator
 from sharegpu.node.attribution import CHECKPOINT_FILE, DEFAULT_POD_RESOURCES_SOCKET, Attributor, PodResourcesClient
+from sharegpu.node.audit import (
+    GpuReading,
+    MpsUnitUsage,
+    ProcView,
+    Role,
+    UnitShare,
+    attribute,
+    audit,
+    pod_usage,
+    read_gpu,
+    unit_shares,
+)
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import DEFAULT_CDI_DIR, CdiError, CdiWriter
 from sharegpu.node.device_plugin import TOKENS_PER_GPU, DevicePluginServer, device_tokens
+from sharegpu.node.enforcement import EnforcementWatch, MpsFault, PodNotifier
 from sharegpu.node.kube import KubeApi, PodInfo
 from sharegpu.node.metrics import (
     GpuSample,
@@ -34,7 +47,8 @@ from sharegpu.node.metrics import (
     new_registry,
 )
 from sharegpu.node.mig import MigManager, MigNeed
-from sharegpu.node.mps import MpsDaemon, MpsLimits, MpsManager
+from sharegpu.node.mps import MpsDaemon, MpsError, MpsLimits, MpsManager
+from sharegpu.node.mps_faults import MpsLogWatch, ServerWatch
 from sharegpu.node.publish import InventoryPublisher, build_node_spec
 from sharegpu.node.state import AgentState, StateError
 
@@ -55,6 +69,7 @@ class AgentConfig:
     grant_grace_s: float = 120.0  # how long a fresh grant counts as needed whatever a pod list says
     pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET  # the kubelet's record of whose container starts
     cdi_dir: Path = DEFAULT_CDI_DIR  # where PreStartContainer writes each container's CDI spec
+    evict_on_audit: bool = False  # evict a pod the enforcement audit finds breaking its share (Eviction API)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +78,7 @@ class ReconcileResult:
     invalid: tuple[str, ...] = ()  # one message per pod whose assignment cannot be used
     errors: tuple[str, ...] = ()
     published: bool = False
+    faults: tuple[MpsFault, ...] = ()  # MPS units whose clients died of a fault, noticed in this reconcile
 
 
 @dataclass(slots=True)
@@ -82,7 +98,10 @@ class NodeAgent:
         kube: KubeApi,
         mps_daemon: MpsDaemon,
         catalog: Catalog = DEFAULT_CATALOG,
+        notifier: PodNotifier | None = None,
     ) -> None:
+        """``notifier`` posts the audit's and the fault watch's Events (and evictions); without it they are logged
+        and counted only."""
         self.config = config
         self.backend = backend
         self.kube = kube
@@ -111,6 +130,12 @@ class NodeAgent:
         self.registry = new_registry(lambda: self.snapshot)
         self._recovered = False
         self._absent_before: set[str] = set()  # allocated pods missing from the previous pod list
+        self.notifier = notifier
+        self.watch = EnforcementWatch(notifier, evict=config.evict_on_audit)
+        self.mps_logs = MpsLogWatch()
+        self.mps_servers = ServerWatch()
+        self._sharers_before: dict[str, dict[str, PodInfo]] = {}  # MPS unit → pods that shared it, last reconcile
+        self._mps_units_before: dict[str, int] = {}
         self.metrics_server: MetricsServer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -172,8 +197,83 @@ class NodeAgent:
             self.catalog,
         )
         published = await self.publisher.publish(spec, node.labels, node.annotations)
-        self.snapshot = self._snapshot(pods, assignments, len(invalid), len(errors))
-        return ReconcileResult(tuple(assignments), tuple(invalid), tuple(errors), published)
+        readings = self.read_gpus()
+        views = {r.device.index: attribute(r, self.backend.pod_uid_of, self.backend.process_name) for r in readings}
+        faults = await self._enforce(readings, views, live, assignments, errors)
+        self.snapshot = self._snapshot(pods, assignments, readings, views, len(invalid), len(errors))
+        return ReconcileResult(tuple(assignments), tuple(invalid), tuple(errors), published, tuple(faults))
+
+    def read_gpus(self) -> list[GpuReading]:
+        """Every GPU's processes, MPS clients, utilisation and MIG instances, read once per reconcile; a GPU that
+        cannot be read is left out (with a warning) and the others are still served."""
+        out = []
+        for d in self.backend.devices():
+            try:
+                out.append(read_gpu(self.backend, d))
+            except BackendError as e:
+                log.warning("GPU %d: cannot sample: %s", d.index, e)
+        return out
+
+    async def _enforce(
+        self,
+        readings: list[GpuReading],
+        views: dict[int, tuple[ProcView, ...]],
+        live: list[PodInfo],
+        assignments: list[Assignment],
+        errors: list[str],
+    ) -> list[MpsFault]:
+        """The enforcement audit and the MPS fault watch; faults get their unit's daemon checked (and restarted)."""
+        by_uid = {p.uid: p for p in live}
+        uid_of = {p.key: p.uid for p in live}
+        instances = {r.device.index: r.instances for r in readings}
+        shares: dict[str, tuple[UnitShare, ...]] = {}
+        for a in assignments:
+            if a.pod in uid_of:
+                shares[uid_of[a.pod]] = unit_shares(a, instances)
+        procs = [p for r in readings for p in views[r.device.index]]
+        known = {r.device.index: r.mps_clients is not None for r in readings}
+        await self.watch.findings(audit(procs, by_uid, shares, known))
+
+        sharers_now: dict[str, dict[str, PodInfo]] = {}
+        units_now: dict[str, int] = {}
+        for uid, held in shares.items():
+            for s in held:
+                if s.sharing is Mechanism.MPS:
+                    sharers_now.setdefault(s.unit_uuid, {})[uid] = by_uid[uid]
+                    units_now[s.unit_uuid] = s.gpu_index
+        # Pods whose clients just died may be finished already: those of the last reconcile are told too.
+        units = self._mps_units_before | units_now
+        sharers = {u: [*(self._sharers_before.get(u, {}) | sharers_now.get(u, {})).values()] for u in units}
+        self._sharers_before, self._mps_units_before = sharers_now, units_now
+        daemons = self.mps.running_units()
+        log_dirs = {}
+        for u in set(units) | daemons:
+            try:
+                log_dirs[u] = self.mps.spec(u).log_dir
+            except MpsError:
+                continue
+        servers: dict[str, list[int]] = {}
+        for p in procs:
+            if p.role is Role.SERVER:
+                servers.setdefault(p.unit_uuid, []).append(p.pid)
+        signals = self.mps_logs.scan(log_dirs) + self.mps_servers.update(servers, daemons, units)
+        try:
+            xids = self.backend.xid_events()
+        except BackendError as e:
+            log.warning("cannot read Xid events: %s", e)
+            xids = ()
+        faults = await self.watch.faults(signals, xids, units, sharers)
+        for f in faults:
+            if f.unit_uuid not in self.mps.running_units():
+                continue
+            try:
+                # A daemon that no longer answers is restarted with the limits it enforced (grow: an Allocate that
+                # widened them meanwhile is kept); a healthy one keeps its state: the daemon replaces the server that
+                # faulted when the next client connects.
+                await self.mps.ensure(f.unit_uuid, self.mps.limits(f.unit_uuid))
+            except MpsError as e:
+                errors.append(f"after a fault on {f.unit_uuid}: {e}")
+        return faults
 
     async def _reconcile_units(
         self, pods: list[PodInfo], listed_at: float, assignments: list[Assignment], invalid: list[str]
@@ -291,22 +391,21 @@ class NodeAgent:
             return 0.0
 
     def _snapshot(
-        self, pods: list[PodInfo], assignments: list[Assignment], invalid: int, errors: int
+        self,
+        pods: list[PodInfo],
+        assignments: list[Assignment],
+        readings: list[GpuReading],
+        views: dict[int, tuple[ProcView, ...]],
+        invalid: int,
+        errors: int,
     ) -> MetricsSnapshot:
         by_uid = {p.uid: p for p in pods}
         gpus: list[GpuSample] = []
         usage: list[PodUsage] = []
         mig: list[MigSample] = []
-        for d in self.backend.devices():
-            try:
-                u = self.backend.utilization(d.index)
-                used = self.backend.memory_used_mib(d.index)
-                procs = self.backend.processes(d.index)
-                sm = self.backend.process_utilization(d.index)
-                instances = self.backend.mig_instances(d.index) if d.mig_enabled else ()
-            except BackendError as e:
-                log.warning("GPU %d: cannot sample: %s", d.index, e)
-                continue
+        units: list[MpsUnitUsage] = []
+        for r in readings:
+            d = r.device
             gpus.append(
                 GpuSample(
                     d.index,
@@ -315,24 +414,21 @@ class NodeAgent:
                     d.healthy,
                     d.mig_enabled,
                     d.memory_mib,
-                    used,
-                    u.gpu_percent,
-                    u.memory_percent,
+                    r.memory_used_mib,
+                    r.utilization.gpu_percent,
+                    r.utilization.memory_percent,
                 )
             )
-            mig += [MigSample(d.index, i.uuid, i.profile, i.start, self.mig.is_managed(i.uuid)) for i in instances]
-            per_pod: dict[tuple[str, str], list[int]] = {}
-            for proc in procs:
-                uid = self.backend.pod_uid_of(proc.pid)
-                owner = by_uid.get(uid) if uid else None
-                if owner is None:
-                    continue
-                acc = per_pod.setdefault((owner.uid, proc.unit_uuid), [0, 0])
-                acc[0] += proc.used_memory_mib
-                acc[1] += sm.get(proc.pid, 0)
-            for (uid, unit), (mem, util) in sorted(per_pod.items()):
-                owner = by_uid[uid]
-                usage.append(PodUsage(owner.namespace, owner.name, d.index, unit, mem, util))
+            mig += [MigSample(d.index, i.uuid, i.profile, i.start, self.mig.is_managed(i.uuid)) for i in r.instances]
+            # In MIG mode NVML keeps no per-process figures: an empty answer there is "unknown", not 0.
+            sm_known = bool(r.sm_percent) or not d.mig_enabled
+            rows, mps_units = pod_usage(views[d.index], r.sm_percent, by_uid, sm_known)
+            units += mps_units
+            for row in rows:
+                owner = by_uid[row.pod_uid]
+                usage.append(
+                    PodUsage(owner.namespace, owner.name, d.index, row.unit_uuid, row.memory_mib, row.sm_percent)
+                )
         shares = [
             ShareSample(
                 a.pod.split("/", 1)[0],
@@ -359,4 +455,7 @@ class NodeAgent:
             self.mps.status(),
             invalid,
             errors,
+            tuple(units),
+            tuple(self.watch.active.values()),
+            self.watch.counts(),
         )

@@ -24,6 +24,7 @@ from sharegpu.node.attribution import DEFAULT_POD_RESOURCES_SOCKET
 from sharegpu.node.backends.base import GpuBackend
 from sharegpu.node.cdi import DEFAULT_CDI_DIR
 from sharegpu.node.device_plugin import DEFAULT_PLUGIN_DIR, check_plugin_dir
+from sharegpu.node.enforcement import PodNotifier
 from sharegpu.node.errors import COMMAND_ERRORS, NodeError
 from sharegpu.node.kube import KubeApi
 from sharegpu.node.metrics import parse_listen
@@ -68,6 +69,12 @@ def node_agent(
     cdi_dir: Path = typer.Option(
         DEFAULT_CDI_DIR, "--cdi-dir", help="Where the container runtime reads CDI specs (containerd's cdi_spec_dirs)."
     ),
+    evict_on_audit: bool = typer.Option(
+        False,
+        "--evict-on-audit",
+        help="Evict (Eviction API) a pod the enforcement audit finds on a GPU it holds no share of, bypassing MPS, "
+        "or above its memory share. Off: such pods get a Warning Event and a metric only.",
+    ),
 ) -> None:
     """Run the sharegpu node agent: inventory, device plugin, MIG and MPS managers, metrics."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -81,6 +88,7 @@ def node_agent(
             metrics_listen,
             pod_resources_socket=pod_resources_socket,
             cdi_dir=cdi_dir,
+            evict_on_audit=evict_on_audit,
         )
         asyncio.run(_serve(agent))
     except COMMAND_ERRORS as e:
@@ -98,6 +106,8 @@ def build_agent(
     kube: KubeApi | None = None,
     pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET,
     cdi_dir: Path = DEFAULT_CDI_DIR,
+    evict_on_audit: bool = False,
+    notifier: PodNotifier | None = None,
 ) -> NodeAgent:
     if not node_name.strip():
         raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
@@ -115,9 +125,12 @@ def build_agent(
         raise AgentSetupError(f"--cdi-dir {cdi_dir} exists and is not a directory; give the runtime's CDI directory")
     backend, daemon = make_backend(node_name, backend_kind, sim_config)
     if kube is None:
+        from sharegpu.kube.api import LightkubeClusterApi
         from sharegpu.node.kube import LightkubeApi
 
         kube = LightkubeApi(kubeconfig)
+        # Events and evictions of the enforcement audit and the MPS fault watch go through the shared client layer.
+        notifier = LightkubeClusterApi(kubeconfig, field_manager="sharegpu-node-agent")
     config = AgentConfig(
         node_name,
         device_plugin_dir,
@@ -125,8 +138,9 @@ def build_agent(
         listen,
         pod_resources_socket=pod_resources_socket,
         cdi_dir=cdi_dir,
+        evict_on_audit=evict_on_audit,
     )
-    return NodeAgent(config, backend, kube, daemon)
+    return NodeAgent(config, backend, kube, daemon, notifier=notifier)
 
 
 def make_backend(node_name: str, backend_kind: BackendKind, sim_config: Path | None) -> tuple[GpuBackend, MpsDaemon]:
@@ -139,8 +153,8 @@ def make_backend(node_name: str, backend_kind: BackendKind, sim_config: Path | N
 
         if sim_config is None:
             raise AgentSetupError("--backend sim needs --sim-config FILE, e.g. gpus: [{model: H100-80GB, count: 2}]")
-        backend = SimBackend(load_sim_config(sim_config), seed=node_name)
-        daemon = SimMpsDaemon()
+        sim = SimBackend(load_sim_config(sim_config), seed=node_name)
+        backend, daemon = sim, SimMpsDaemon(sim)
     else:
         if sim_config is not None:
             raise AgentSetupError("--sim-config is only for --backend sim")
@@ -172,6 +186,8 @@ async def _serve(agent: NodeAgent) -> None:
         await agent.run(stop)
     finally:
         await agent.kube.close()
+        if agent.notifier is not None:
+            await agent.notifier.close()
         agent.backend.close()
 
 

@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from sharegpu.node.audit import Finding, MpsUnitUsage
+from sharegpu.node.enforcement import WatchCounts
 from sharegpu.node.errors import NodeError
 from sharegpu.node.mps import MpsDaemonStatus
 
@@ -49,7 +51,7 @@ class PodUsage:
     gpu_index: int
     unit_uuid: str
     memory_used_mib: int
-    sm_util_percent: int
+    sm_util_percent: int | None  # None: unknown (the pod shares its MPS server with other pods); never a false 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,9 @@ class MetricsSnapshot:
     mps: tuple[MpsDaemonStatus, ...] = ()
     invalid_assignments: int = 0
     reconcile_errors: int = 0
+    mps_units: tuple[MpsUnitUsage, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    counts: WatchCounts = field(default_factory=WatchCounts)
 
 
 class SnapshotCollector:
@@ -135,13 +140,63 @@ def _render(s: MetricsSnapshot) -> Iterator[Metric]:
         "sharegpu_pod_gpu_memory_used_bytes", "GPU memory a pod's processes use.", labels=pod_labels
     )
     pod_sm = GaugeMetricFamily(
-        "sharegpu_pod_gpu_sm_utilization_percent", "SM utilisation of a pod's processes (in %).", labels=pod_labels
+        "sharegpu_pod_gpu_sm_utilization_percent",
+        "SM utilisation of a pod's processes (in %); absent where unknown (several pods on one MPS server).",
+        labels=pod_labels,
     )
     for u in s.pod_usage:
         lv = [u.namespace, u.pod, str(u.gpu_index), u.unit_uuid]
         pod_mem.add_metric(lv, u.memory_used_mib * MIB)
-        pod_sm.add_metric(lv, u.sm_util_percent)
+        if u.sm_util_percent is not None:
+            pod_sm.add_metric(lv, u.sm_util_percent)
     yield from (pod_mem, pod_sm)
+
+    unit_labels = ["gpu", "UUID"]
+    unit_sm = GaugeMetricFamily(
+        "sharegpu_mps_unit_sm_utilization_percent",
+        "SM utilisation of an MPS server: all its clients together (in %).",
+        labels=unit_labels,
+    )
+    unit_pods = GaugeMetricFamily(
+        "sharegpu_mps_unit_client_pods", "Pods with a client on the unit's MPS server.", labels=unit_labels
+    )
+    for mu in s.mps_units:
+        unit_sm.add_metric([str(mu.gpu_index), mu.unit_uuid], mu.sm_percent)
+        unit_pods.add_metric([str(mu.gpu_index), mu.unit_uuid], mu.client_pods)
+    yield from (unit_sm, unit_pods)
+
+    findings = GaugeMetricFamily(
+        "sharegpu_audit_findings",
+        "What the enforcement audit finds now (kind: wrong-unit, mps-bypass, memory-over-share, no-pod).",
+        labels=["kind", "namespace", "pod", "gpu", "UUID"],
+    )
+    now: dict[tuple[str, str, str, str, str], int] = {}
+    for f in s.findings:
+        key = (f.kind.value, f.namespace, f.pod, str(f.gpu_index), f.unit_uuid)
+        now[key] = now.get(key, 0) + 1
+    for key, n in sorted(now.items()):
+        findings.add_metric(list(key), n)
+    found = CounterMetricFamily(
+        "sharegpu_audit_findings_seen", "Findings of the enforcement audit as they appeared.", labels=["kind", "gpu"]
+    )
+    for kind, gpu, n in s.counts.findings:
+        found.add_metric([kind, str(gpu)], n)
+    evicted = CounterMetricFamily(
+        "sharegpu_audit_evictions", "Pods evicted for an audit finding (--evict-on-audit).", labels=["kind"]
+    )
+    for kind, n in s.counts.evictions:
+        evicted.add_metric([kind], n)
+    faults = CounterMetricFamily(
+        "sharegpu_mps_faults", "Faults that ended the clients of an MPS server.", labels=["gpu", "UUID"]
+    )
+    for gpu, unit, n in s.counts.faults:
+        faults.add_metric([str(gpu), unit], n)
+    xids = CounterMetricFamily(
+        "sharegpu_gpu_xid_errors", "Critical Xid errors the driver reported.", labels=["gpu", "UUID", "xid"]
+    )
+    for gpu, unit, xid, n in s.counts.xids:
+        xids.add_metric([str(gpu), unit, str(xid)], n)
+    yield from (findings, found, evicted, faults, xids)
 
     share_labels = ["namespace", "pod", "gpu", "UUID", "unit", "mechanism", "enforced"]
     limit_mem = GaugeMetricFamily(

@@ -22,9 +22,12 @@ import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sharegpu.node.errors import NodeError
+
+if TYPE_CHECKING:
+    from sharegpu.node.backends.sim import SimBackend
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +193,10 @@ class MpsManager:
             log.warning("MPS reconcile: %s", message)
         return errors
 
+    def running_units(self) -> frozenset[str]:
+        """The units whose daemon this manager started or adopted and has not stopped."""
+        return frozenset(self._running)
+
     def status(self) -> tuple[MpsDaemonStatus, ...]:
         units = self._running | set(self._restarts)
         return tuple(MpsDaemonStatus(u, u in self._running, self._restarts.get(u, 0)) for u in sorted(units))
@@ -294,12 +301,14 @@ class SimMpsDaemon:
     """A stand-in daemon for the simulated backend: its "process" is a file in the pipe directory.
 
     Being on disk, it outlives an agent restart exactly like a real daemon; deleting the file is a crash.
+    Given the simulated backend, a daemon that quits (or crashes) ends its unit's MPS server there, and its clients.
     """
 
     MARKER = "sim-mps-daemon.json"
 
-    def __init__(self) -> None:
+    def __init__(self, backend: SimBackend | None = None) -> None:
         self.starts = 0
+        self._backend = backend
 
     async def start(self, spec: MpsDaemonSpec) -> None:
         spec.pipe_dir.mkdir(parents=True, exist_ok=True)
@@ -311,6 +320,8 @@ class SimMpsDaemon:
 
     async def stop(self, spec: MpsDaemonSpec) -> None:
         (spec.pipe_dir / self.MARKER).unlink(missing_ok=True)
+        if self._backend is not None:
+            self._backend.stop_mps_server(spec.unit_uuid)
 
     async def set_limits(self, spec: MpsDaemonSpec, limits: MpsLimits) -> None:
         marker = spec.pipe_dir / self.MARKER
@@ -332,3 +343,5 @@ class SimMpsDaemon:
 
     def crash(self, spec: MpsDaemonSpec) -> None:
         (spec.pipe_dir / self.MARKER).unlink(missing_ok=True)
+        if self._backend is not None:
+            self._backend.stop_mps_server(spec.unit_uuid)

@@ -114,6 +114,26 @@ class ProcessInfo:
     used_memory_mib: int
 
 
+# The MPS server's executable. Its /proc/<pid>/comm is cut to 15 characters ("nvidia-cuda-mps"), so a name
+# read there is compared with :func:`is_mps_server_name`, never with this string alone.
+MPS_SERVER_NAME = "nvidia-cuda-mps-server"
+_COMM_LEN = 15
+
+
+def is_mps_server_name(name: str) -> bool:
+    """Whether a process name (an executable's base name, or its /proc comm) is the MPS server's."""
+    return name == MPS_SERVER_NAME or name == MPS_SERVER_NAME[:_COMM_LEN]
+
+
+@dataclass(frozen=True, slots=True)
+class XidEvent:
+    """A critical Xid error the driver reported: on a GPU, or on one of its MIG instances (``unit_uuid``)."""
+
+    gpu_index: int
+    unit_uuid: str  # the MIG instance's UUID where the driver named one, else the GPU's
+    xid: int
+
+
 @dataclass(frozen=True, slots=True)
 class Utilization:
     gpu_percent: int  # share of time a kernel ran (NVML's / DCGM's GPU utilisation)
@@ -156,7 +176,27 @@ class GpuBackend(Protocol):
         ...
 
     def process_utilization(self, gpu_index: int) -> dict[int, int]:
-        """SM utilisation per pid over the last sampling period; empty where the driver cannot tell."""
+        """SM utilisation per pid over the last sampling period; empty where the driver cannot tell.
+
+        Under MPS the driver reports the MPS server's pid only, with the figure of all its clients together
+        (measured on an H200, driver 580); time-sliced and exclusive processes have their own figures.
+        """
+        ...
+
+    def mps_processes(self, gpu_index: int) -> tuple[ProcessInfo, ...] | None:
+        """The processes that run as clients of an MPS server (NVML's MPS-aware query), with their own memory.
+
+        :meth:`processes` lists them too, beside the MPS server itself; a process in :meth:`processes` that is
+        missing here holds a context of its own. None where the driver cannot tell.
+        """
+        ...
+
+    def process_name(self, pid: int) -> str | None:
+        """The process's executable name (base name), or None where it cannot be read."""
+        ...
+
+    def xid_events(self) -> tuple[XidEvent, ...]:
+        """The critical Xid errors reported since the last call, without waiting; empty where events are unsupported."""
         ...
 
     def pod_uid_of(self, pid: int) -> str | None:

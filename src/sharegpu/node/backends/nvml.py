@@ -34,6 +34,7 @@ from sharegpu.node.backends.base import (
     ProcessInfo,
     ResetRequired,
     Utilization,
+    XidEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,21 @@ class NvmlProcess:
     gpu_instance_id: int | None  # None outside MIG
 
 
+@dataclass(frozen=True, slots=True)
+class NvmlEvent:
+    """One event out of an NVML event set."""
+
+    gpu_uuid: str  # of the device the event names
+    event_type: int  # NVML's nvmlEventType* bit
+    data: int  # for an Xid event, the Xid
+    gpu_instance_id: int | None  # the MIG GPU instance the driver names; None where it names none
+
+
+XID_CRITICAL_ERROR = 0x8  # nvmlEventTypeXidCriticalError
+_EVENTS_PER_POLL = 256  # a storm of Xids is drained over several reconciles, never in one unbounded loop
+_NO_INSTANCE = 0xFFFFFFFF
+
+
 class NvmlApi(Protocol):
     """What :class:`NvmlBackend` needs from NVML, in plain Python values (handles are opaque)."""
 
@@ -97,6 +113,11 @@ class NvmlApi(Protocol):
     def utilization(self, h: Any) -> tuple[int, int]: ...
     def process_utilization(self, h: Any) -> dict[int, int]: ...
     def minor_number(self, h: Any) -> int: ...  # N of the GPU's /dev/nvidiaN
+    def mps_processes(self, h: Any) -> list[NvmlProcess]: ...  # clients of MPS servers only
+    def event_set(self) -> Any: ...
+    def register_events(self, h: Any, event_types: int, event_set: Any) -> None: ...
+    def wait_event(self, event_set: Any, timeout_ms: int) -> NvmlEvent | None: ...  # None: nothing within the timeout
+    def free_event_set(self, event_set: Any) -> None: ...
 
 
 # The driver's control nodes every CUDA container needs beside its GPU's own /dev/nvidiaN.
@@ -155,6 +176,10 @@ class NvmlBackend:
             ) from None
         self._profiles: dict[int, list[tuple[MigProfileInfo, int]]] = {}
         self._last: dict[int, DeviceInfo] = {}  # the last good reading of each GPU, for when it is lost
+        self._events: Any = None  # the Xid event set, made at the first poll
+        self._events_on: set[str] = set()  # UUIDs of the GPUs registered with it
+        self._events_refused: set[str] = set()  # GPUs whose driver refused Xid events (told once)
+        self._events_unavailable = False  # no event set could be made (told once; tried again each poll)
 
     def devices(self) -> tuple[DeviceInfo, ...]:
         """Every GPU; one that fails its queries (fell off the bus, needs a reset) is reported unhealthy.
@@ -368,6 +393,80 @@ class NvmlBackend:
         except NvmlCallError:
             return {}  # no samples yet, or not kept in MIG mode: nothing to report rather than an error
 
+    def mps_processes(self, gpu_index: int) -> tuple[ProcessInfo, ...] | None:
+        h = self._handle(gpu_index)
+        try:
+            gpu_uuid = self._api.uuid(h)
+            uuids = self._api.mig_uuids(h) if self._api.mig_mode(h)[0] else {}
+            procs = self._api.mps_processes(h)
+        except NvmlCallError as e:
+            if e.kind == "not_supported":
+                return None
+            raise _err(e, f"GPU {gpu_index}: listing MPS clients") from None
+        return tuple(
+            ProcessInfo(
+                p.pid,
+                gpu_index,
+                uuids.get(p.gpu_instance_id, gpu_uuid) if p.gpu_instance_id is not None else gpu_uuid,
+                p.used_bytes // MIB,
+            )
+            for p in procs
+        )
+
+    def process_name(self, pid: int) -> str | None:
+        # argv[0] first: comm is cut to 15 characters. Either can be unreadable (the process ended, no hostPID).
+        try:
+            argv0 = (self._proc / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
+            if argv0:
+                return Path(argv0.decode(errors="replace")).name
+        except OSError:
+            pass
+        try:
+            return (self._proc / str(pid) / "comm").read_text().strip() or None
+        except OSError:
+            return None
+
+    def xid_events(self) -> tuple[XidEvent, ...]:
+        """Polls the event set (timeout 0); GPUs are registered as they appear, a refusal is logged once."""
+        try:
+            if self._events is None:
+                self._events = self._api.event_set()
+        except NvmlCallError as e:
+            if not self._events_unavailable:
+                self._events_unavailable = True
+                log.warning("NVML events are unavailable (%s): Xid errors are not watched", e)
+            return ()
+        index_of: dict[str, int] = {}
+        for d in self.devices():
+            index_of[d.uuid] = d.index
+            if d.uuid in self._events_on or d.uuid in self._events_refused or not d.healthy:
+                continue
+            try:
+                self._api.register_events(self._api.handle(d.index), XID_CRITICAL_ERROR, self._events)
+                self._events_on.add(d.uuid)
+            except NvmlCallError as e:
+                self._events_refused.add(d.uuid)
+                log.warning("GPU %d: the driver refused Xid events (%s): its Xid errors are not watched", d.index, e)
+        out: list[XidEvent] = []
+        for _ in range(_EVENTS_PER_POLL):
+            try:
+                ev = self._api.wait_event(self._events, 0)
+            except NvmlCallError as e:
+                log.warning("reading NVML events failed: %s", e)
+                break
+            if ev is None:
+                break
+            if not ev.event_type & XID_CRITICAL_ERROR or ev.gpu_uuid not in index_of:
+                continue
+            gpu = index_of[ev.gpu_uuid]
+            unit = ev.gpu_uuid
+            if ev.gpu_instance_id is not None:
+                # The instance may be gone already: the GPU is then the best the event still names.
+                with contextlib.suppress(NvmlCallError):
+                    unit = self._api.mig_uuids(self._api.handle(gpu)).get(ev.gpu_instance_id, ev.gpu_uuid)
+            out.append(XidEvent(gpu, unit, ev.data))
+        return tuple(out)
+
     def pod_uid_of(self, pid: int) -> str | None:
         try:
             return pod_uid_from_cgroup((self._proc / str(pid) / "cgroup").read_text())
@@ -386,6 +485,10 @@ class NvmlBackend:
         return tuple(p for p in wanted if (self._dev / p.removeprefix("/dev/")).exists())
 
     def close(self) -> None:
+        if self._events is not None:
+            with contextlib.suppress(NvmlCallError):
+                self._api.free_event_set(self._events)
+            self._events = None
         with contextlib.suppress(NvmlCallError):
             self._api.shutdown()
 
@@ -454,6 +557,7 @@ class PynvmlApi:
                 n.NVML_ERROR_NOT_FOUND: "not_found",
                 n.NVML_ERROR_RESET_REQUIRED: "reset_required",
                 n.NVML_ERROR_GPU_IS_LOST: "gpu_lost",
+                n.NVML_ERROR_TIMEOUT: "timeout",
             }
             raise NvmlCallError(kinds.get(e.value, "other"), f"{fn}: {e}") from None
 
@@ -590,11 +694,34 @@ class PynvmlApi:
         return out
 
     def processes(self, h: Any) -> list[NvmlProcess]:
-        out = []
-        for p in self._call("nvmlDeviceGetComputeRunningProcesses", h):
-            gi = getattr(p, "gpuInstanceId", 0xFFFFFFFF)
-            out.append(NvmlProcess(int(p.pid), int(p.usedGpuMemory or 0), None if gi == 0xFFFFFFFF else int(gi)))
-        return out
+        return [_process(p) for p in self._call("nvmlDeviceGetComputeRunningProcesses", h)]
+
+    def mps_processes(self, h: Any) -> list[NvmlProcess]:
+        return [_process(p) for p in self._call("nvmlDeviceGetMPSComputeRunningProcesses", h)]
+
+    def event_set(self) -> Any:
+        return self._call("nvmlEventSetCreate")
+
+    def register_events(self, h: Any, event_types: int, event_set: Any) -> None:
+        self._call("nvmlDeviceRegisterEvents", h, event_types, event_set)
+
+    def wait_event(self, event_set: Any, timeout_ms: int) -> NvmlEvent | None:
+        try:
+            data = self._call("nvmlEventSetWait", event_set, timeout_ms)
+        except NvmlCallError as e:
+            if e.kind == "timeout":
+                return None
+            raise
+        gi = int(data.gpuInstanceId)
+        return NvmlEvent(
+            _text(self._call("nvmlDeviceGetUUID", data.device)),
+            int(data.eventType),
+            int(data.eventData),
+            None if gi == _NO_INSTANCE else gi,
+        )
+
+    def free_event_set(self, event_set: Any) -> None:
+        self._call("nvmlEventSetFree", event_set)
 
     def utilization(self, h: Any) -> tuple[int, int]:
         u = self._call("nvmlDeviceGetUtilizationRates", h)
@@ -602,6 +729,11 @@ class PynvmlApi:
 
     def process_utilization(self, h: Any) -> dict[int, int]:
         return {int(s.pid): int(s.smUtil) for s in self._call("nvmlDeviceGetProcessUtilization", h, 0)}
+
+
+def _process(p: Any) -> NvmlProcess:
+    gi = getattr(p, "gpuInstanceId", _NO_INSTANCE)
+    return NvmlProcess(int(p.pid), int(p.usedGpuMemory or 0), None if gi == _NO_INSTANCE else int(gi))
 
 
 def _text(v: Any) -> str:

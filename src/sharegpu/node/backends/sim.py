@@ -6,6 +6,14 @@ instance with processes cannot be destroyed. Without an explicit placement it pi
 start, as the driver tends to, which is exactly what lets small instances created first block a later 3g.
 Processes and utilisation are put in by tests (or a demo) through :meth:`SimBackend.add_process`.
 
+MPS is reported as an H200 with driver 580 reported it: the first client of a unit (``add_process(..., mps=True)``)
+brings up an MPS server process on that unit (66 MiB, no pod); :meth:`SimBackend.processes` lists the server and each
+client with its own memory, :meth:`SimBackend.mps_processes` the clients only, and
+:meth:`SimBackend.process_utilization` has the server's pid alone, with its clients' figures summed. A process added
+with ``mps=False`` on a unit whose pods share it through MPS is a client that bypassed its daemon (no limits).
+:meth:`SimBackend.mps_fault` plays a fatal fault in one client: every client of the server ends, the server too, the
+server log gets its line and a critical Xid is queued.
+
 GPU health can change while the process runs through the config's ``healthFile``: a YAML mapping
 ``unhealthy: [1, GPU-…]`` (GPU indices or UUIDs). While the file exists it decides every GPU's health (those listed
 are unhealthy, the others healthy); without it the config's ``healthy`` and :meth:`SimBackend.set_health` do. It is
@@ -19,6 +27,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +35,7 @@ import yaml
 
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel, MigProfile
 from sharegpu.node.backends.base import (
+    MPS_SERVER_NAME,
     BackendError,
     DeviceInfo,
     GpuNotFound,
@@ -40,11 +50,16 @@ from sharegpu.node.backends.base import (
     MigUnsupported,
     ProcessInfo,
     Utilization,
+    XidEvent,
 )
 from sharegpu.node.backends.sim_config import SimConfig, SimConfigError
 
 log = logging.getLogger(__name__)
 _UUID_NAMESPACE = uuid.UUID("6b1f0c52-6a53-4c0e-9a55-3c1b8c0de001")
+MPS_SERVER_MEMORY_MIB = 66  # what NVML listed for the MPS server on the H200
+SERVER_LOG = "server.log"
+_FIRST_SERVER_PID = 900_000  # simulated servers get pids far from those tests give clients
+XID_MMU_FAULT = 31  # the Xid of a GPU memory page fault, as an illegal address gives
 
 
 @dataclass(slots=True)
@@ -58,6 +73,8 @@ class _SimProcess:
     info: ProcessInfo
     pod_uid: str | None
     sm_percent: int
+    mps_client: bool = False
+    name: str = "python3"
 
 
 @dataclass(slots=True)
@@ -83,6 +100,9 @@ class SimBackend:
         self._serial = 0
         self._gpus: list[_SimGpu] = []
         self._procs: dict[int, _SimProcess] = {}
+        self._servers: dict[str, int] = {}  # unit UUID → pid of its MPS server
+        self._next_server_pid = _FIRST_SERVER_PID
+        self._xids: list[XidEvent] = []
         for group in config.gpus:
             model = catalog.strict(group.model)
             for _ in range(group.count):
@@ -199,7 +219,27 @@ class SimBackend:
         return sum(p.info.used_memory_mib for p in self._procs_on(gpu_index))
 
     def process_utilization(self, gpu_index: int) -> dict[int, int]:
-        return {p.info.pid: p.sm_percent for p in self._procs_on(gpu_index)}
+        out: dict[int, int] = {}
+        for p in self._procs_on(gpu_index):
+            if p.mps_client:
+                server = self._servers.get(p.info.unit_uuid)
+                if server is not None:
+                    out[server] = min(100, out.get(server, 0) + p.sm_percent)
+            elif p.info.pid not in self._servers.values():
+                out[p.info.pid] = p.sm_percent
+        return out
+
+    def mps_processes(self, gpu_index: int) -> tuple[ProcessInfo, ...] | None:
+        self._gpu(gpu_index)
+        return tuple(p.info for p in self._procs_on(gpu_index) if p.mps_client)
+
+    def process_name(self, pid: int) -> str | None:
+        p = self._procs.get(pid)
+        return p.name if p else None
+
+    def xid_events(self) -> tuple[XidEvent, ...]:
+        out, self._xids = tuple(self._xids), []
+        return out
 
     def pod_uid_of(self, pid: int) -> str | None:
         p = self._procs.get(pid)
@@ -215,14 +255,78 @@ class SimBackend:
 
     # ----- driving the simulation ---------------------------------------------------------------------------
     def add_process(
-        self, pid: int, unit_uuid: str, used_memory_mib: int, pod_uid: str | None = None, sm_percent: int = 0
+        self,
+        pid: int,
+        unit_uuid: str,
+        used_memory_mib: int,
+        pod_uid: str | None = None,
+        sm_percent: int = 0,
+        *,
+        mps: bool = False,
     ) -> None:
-        """A process that opened a context on a GPU or MIG instance (named by UUID)."""
+        """A process that opened a context on a GPU or MIG instance (named by UUID).
+
+        With ``mps`` it is a client of the unit's MPS server, started with it when it is the first; without, it holds
+        its own context, which on a unit shared through MPS is a client that bypassed its daemon.
+        """
         gpu_index = self._unit_gpu(unit_uuid)
-        self._procs[pid] = _SimProcess(ProcessInfo(pid, gpu_index, unit_uuid, used_memory_mib), pod_uid, sm_percent)
+        if mps:
+            self.start_mps_server(unit_uuid)
+        self._procs[pid] = _SimProcess(
+            ProcessInfo(pid, gpu_index, unit_uuid, used_memory_mib), pod_uid, sm_percent, mps_client=mps
+        )
 
     def remove_process(self, pid: int) -> None:
+        """The process ends (an MPS server's clients are left to the caller: see :meth:`mps_fault`)."""
         self._procs.pop(pid, None)
+        self._servers = {u: s for u, s in self._servers.items() if s != pid}
+
+    def start_mps_server(self, unit_uuid: str) -> int:
+        """The unit's MPS server (started now if it has none, as the daemon does for a first client); its pid."""
+        if unit_uuid in self._servers:
+            return self._servers[unit_uuid]
+        gpu_index = self._unit_gpu(unit_uuid)
+        pid = self._next_server_pid
+        self._next_server_pid += 1
+        self._servers[unit_uuid] = pid
+        self._procs[pid] = _SimProcess(
+            ProcessInfo(pid, gpu_index, unit_uuid, MPS_SERVER_MEMORY_MIB), None, 0, name=MPS_SERVER_NAME
+        )
+        return pid
+
+    def mps_server_pid(self, unit_uuid: str) -> int | None:
+        return self._servers.get(unit_uuid)
+
+    def stop_mps_server(self, unit_uuid: str) -> None:
+        """The daemon quit: its server ends, and its clients with it."""
+        pid = self._servers.pop(unit_uuid, None)
+        if pid is not None:
+            self._procs.pop(pid, None)
+        for p in [p for p in self._procs.values() if p.mps_client and p.info.unit_uuid == unit_uuid]:
+            del self._procs[p.info.pid]
+
+    def mps_fault(
+        self, unit_uuid: str, log_dir: Path | None = None, xid: int | None = XID_MMU_FAULT
+    ) -> tuple[int, ...]:
+        """A fatal fault in one MPS client of ``unit_uuid`` (an illegal address): every client of the server ends,
+        and the server. With ``log_dir`` (the daemon's log directory) the server's log gets its line; with ``xid``
+        the driver reports that critical Xid. Returns the pids that ended."""
+        server = self._servers.get(unit_uuid)
+        clients = sorted(p.info.pid for p in self._procs.values() if p.mps_client and p.info.unit_uuid == unit_uuid)
+        if server is None or not clients:
+            raise BackendError(f"no MPS client runs on {unit_uuid}: nothing to fault")
+        if log_dir is not None:
+            stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+            log_dir.mkdir(parents=True, exist_ok=True)
+            with (log_dir / SERVER_LOG).open("a") as f:
+                f.write(
+                    f"[{stamp} Server {server}] Client {clients[0]} encountered a fatal GPU exception "
+                    "(illegal memory access); all clients of this server are terminated\n"
+                )
+        if xid is not None:
+            self._xids.append(XidEvent(self._unit_gpu(unit_uuid), unit_uuid, xid))
+        self.stop_mps_server(unit_uuid)
+        return (*clients, server)
 
     def set_health(self, gpu_index: int, healthy: bool) -> None:
         self._gpu(gpu_index).healthy = healthy

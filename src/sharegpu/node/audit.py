@@ -1,0 +1,322 @@
+"""The enforcement audit: what runs on each GPU and MIG instance, held against the pods' assignments.
+
+An assignment says where a pod may run and how its unit is shared; only the driver says where its processes really
+are. On every reconcile the agent reads NVML's processes of each GPU (the plain list, and the MPS-aware list of MPS
+clients), ties each process to its pod (``/proc/<pid>/cgroup``) and reports what breaks the promise:
+
+- ``wrong-unit``: a pod's process on a GPU or MIG instance the pod holds no share of (or a pod with no share at all);
+- ``mps-bypass``: a process of a pod whose share on the unit is MPS, holding its own context instead of being an MPS
+  client: it runs without the daemon's limits (a client that cannot reach its control daemon runs without MPS);
+- ``memory-over-share``: a pod's processes on a unit use more memory than its share (shares with a memory figure);
+- ``no-pod``: a process on the GPU that belongs to no pod (the MPS servers themselves excepted).
+
+The same reading gives each pod's usage (:func:`pod_usage`): memory per process always; SM utilisation per process
+except under MPS, where NVML reports the server's pid only, so a pod's figure is known only when it is the unit's one
+client pod. Everything here is pure: the agent passes in what the backend read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sharegpu.model.assignment import Assignment, Mechanism
+from sharegpu.node.backends.base import (
+    DeviceInfo,
+    GpuBackend,
+    MigInstanceInfo,
+    ProcessInfo,
+    Utilization,
+    is_mps_server_name,
+)
+from sharegpu.node.kube import PodInfo
+
+
+class FindingKind(StrEnum):
+    WRONG_UNIT = "wrong-unit"
+    MPS_BYPASS = "mps-bypass"
+    MEMORY_OVER_SHARE = "memory-over-share"
+    NO_POD = "no-pod"
+
+
+class Role(StrEnum):
+    SERVER = "mps-server"  # an MPS server: holds the context its clients run in
+    MPS_CLIENT = "mps-client"  # listed by NVML's MPS-aware query
+    OWN_CONTEXT = "own-context"  # a process with a context of its own (time-slicing, exclusive, MIG, or a bypass)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One GPU as the backend read it in one reconcile."""
+
+    device: DeviceInfo
+    utilization: Utilization
+    memory_used_mib: int
+    processes: tuple[ProcessInfo, ...]  # NVML's plain list: MPS servers, MPS clients, everything else
+    mps_clients: frozenset[int] | None  # pids of the MPS-aware list; None where the driver cannot tell
+    sm_percent: Mapping[int, int]  # per pid; under MPS only the server's pid has one
+    instances: tuple[MigInstanceInfo, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcView:
+    """A process on a unit, with its role and its pod."""
+
+    pid: int
+    gpu_index: int
+    unit_uuid: str
+    memory_mib: int
+    role: Role
+    pod_uid: str | None
+
+
+def read_gpu(backend: GpuBackend, device: DeviceInfo) -> GpuReading:
+    """One GPU's processes (both lists), utilisation and MIG instances; raises :class:`BackendError` for a GPU that
+    cannot be read."""
+    mps = backend.mps_processes(device.index)
+    return GpuReading(
+        device,
+        backend.utilization(device.index),
+        backend.memory_used_mib(device.index),
+        backend.processes(device.index),
+        None if mps is None else frozenset(p.pid for p in mps),
+        backend.process_utilization(device.index),
+        backend.mig_instances(device.index) if device.mig_enabled else (),
+    )
+
+
+def attribute(
+    reading: GpuReading, pod_uid_of: Callable[[int], str | None], name_of: Callable[[int], str | None]
+) -> tuple[ProcView, ...]:
+    """Each process of the plain list with its role and pod.
+
+    An MPS server is a process the MPS-aware query does not list whose name is the server's; where the name cannot
+    be read, one that belongs to no pod and sits on a unit that has MPS clients. Where the driver cannot list MPS
+    clients at all, a pod's process on a unit that has an MPS server is taken for a client (its SM figure is the
+    server's, not its own 0).
+    """
+    clients = reading.mps_clients or frozenset()
+    units_with_clients = {p.unit_uuid for p in reading.processes if p.pid in clients}
+    names = {p.pid: name_of(p.pid) for p in reading.processes if p.pid not in clients}
+    uids = {p.pid: pod_uid_of(p.pid) for p in reading.processes}
+    named_servers = {pid for pid, name in names.items() if name is not None and is_mps_server_name(name)}
+    units_with_server = {p.unit_uuid for p in reading.processes if p.pid in named_servers}
+    out = []
+    for p in reading.processes:
+        uid = uids[p.pid]
+        if p.pid in clients:
+            role = Role.MPS_CLIENT
+        elif p.pid in named_servers or (names[p.pid] is None and uid is None and p.unit_uuid in units_with_clients):
+            role = Role.SERVER
+        elif reading.mps_clients is None and uid is not None and p.unit_uuid in units_with_server:
+            role = Role.MPS_CLIENT
+        else:
+            role = Role.OWN_CONTEXT
+        out.append(ProcView(p.pid, p.gpu_index, p.unit_uuid, p.used_memory_mib, role, uid))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: FindingKind
+    gpu_index: int
+    unit_uuid: str
+    namespace: str  # empty for a process of no pod
+    pod: str
+    pod_uid: str
+    pids: tuple[int, ...]
+    message: str  # for a person: what is wrong, and what it means
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What identifies a finding across reconciles (a persisting one keeps its key)."""
+        who = self.pod_uid or ",".join(str(p) for p in self.pids)
+        return (self.kind.value, self.unit_uuid, who)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitShare:
+    """A pod's share of one unit, the unit named by the UUID its processes show (the GPU's, or the MIG instance's)."""
+
+    unit_uuid: str
+    gpu_index: int
+    sharing: Mechanism  # how the unit is shared: exclusive, time-slicing or mps
+    memory_mib: int
+    label: str  # "GPU 0" or "GPU 1 MIG 3g.40gb@4", for messages
+
+
+def unit_shares(assignment: Assignment, instances: Mapping[int, Iterable[MigInstanceInfo]]) -> tuple[UnitShare, ...]:
+    """The units of an assignment; a MIG share whose instance is not there (yet) has none."""
+    out = []
+    for s in assignment.shares:
+        if s.mig is None:
+            out.append(UnitShare(s.gpu_uuid, s.gpu_index, s.sharing, s.memory_mib, f"GPU {s.gpu_index}"))
+            continue
+        for i in instances.get(s.gpu_index, ()):
+            if i.start == s.mig.start and i.profile == s.mig.profile:
+                label = f"GPU {s.gpu_index} MIG {s.mig.profile}@{s.mig.start}"
+                out.append(UnitShare(i.uuid, s.gpu_index, s.sharing, s.memory_mib, label))
+    return tuple(out)
+
+
+def audit(
+    procs: Iterable[ProcView],
+    pods: Mapping[str, PodInfo],
+    shares: Mapping[str, tuple[UnitShare, ...]],
+    mps_known: Mapping[int, bool],
+) -> tuple[Finding, ...]:
+    """The findings of one reading.
+
+    ``pods``: the node's pods by UID; ``shares``: each pod's units by pod UID (a pod without an assignment has none);
+    ``mps_known``: per GPU index, whether the driver answered the MPS-aware query (a bypass can only be told then).
+    """
+    findings: list[Finding] = []
+    per_pod_unit: dict[tuple[str, str], list[ProcView]] = {}
+    no_pod: dict[tuple[int, str], list[int]] = {}
+    for p in procs:
+        if p.role is Role.SERVER:
+            continue
+        owner = pods.get(p.pod_uid) if p.pod_uid else None
+        if owner is None:
+            no_pod.setdefault((p.gpu_index, p.unit_uuid), []).append(p.pid)
+            continue
+        per_pod_unit.setdefault((owner.uid, p.unit_uuid), []).append(p)
+    for (gpu, unit), pids in sorted(no_pod.items()):
+        findings.append(
+            Finding(
+                FindingKind.NO_POD,
+                gpu,
+                unit,
+                "",
+                "",
+                "",
+                tuple(sorted(pids)),
+                f"process(es) {', '.join(map(str, sorted(pids)))} on GPU {gpu} ({unit}) belong to no pod: "
+                "they use the GPU outside every share sharegpu accounts for",
+            )
+        )
+    for (uid, unit), ps in sorted(per_pod_unit.items()):
+        findings += _pod_findings(pods[uid], unit, ps, shares.get(uid, ()), mps_known.get(ps[0].gpu_index, False))
+    return tuple(findings)
+
+
+def _pod_findings(
+    owner: PodInfo, unit: str, ps: list[ProcView], held: tuple[UnitShare, ...], mps_known: bool
+) -> list[Finding]:
+    """The findings of one pod's processes on one unit."""
+    pids = tuple(sorted(p.pid for p in ps))
+    gpu = ps[0].gpu_index
+    share = next((s for s in held if s.unit_uuid == unit), None)
+
+    def finding(kind: FindingKind, message: str, which: tuple[int, ...] = pids) -> Finding:
+        return Finding(kind, gpu, unit, owner.namespace, owner.name, owner.uid, which, message)
+
+    if share is None:
+        names = ", ".join(s.label for s in held) or "no GPU share at all"
+        return [
+            finding(
+                FindingKind.WRONG_UNIT,
+                f"process(es) {_pids(pids)} of this pod run on GPU {gpu} ({unit}), which the pod holds no share "
+                f"of (it holds: {names}); nothing enforces its limits there",
+            )
+        ]
+    out = []
+    if share.sharing is Mechanism.MPS and mps_known:
+        own = tuple(p.pid for p in ps if p.role is Role.OWN_CONTEXT)
+        if own:
+            out.append(
+                finding(
+                    FindingKind.MPS_BYPASS,
+                    f"process(es) {_pids(own)} of this pod on {share.label} are not clients of the unit's MPS "
+                    "daemon: they run outside MPS, without its compute and memory limits (a client that cannot "
+                    "reach its daemon's pipe directory runs without MPS); check CUDA_MPS_PIPE_DIRECTORY and the "
+                    "mounted pipe directory",
+                    own,
+                )
+            )
+    used = sum(p.memory_mib for p in ps)
+    if share.memory_mib > 0 and used > share.memory_mib:
+        out.append(
+            finding(
+                FindingKind.MEMORY_OVER_SHARE,
+                f"this pod uses {used} MiB on {share.label}, above its share of {share.memory_mib} MiB "
+                f"({share.sharing.value}); other pods on the unit may not get the memory they were promised",
+            )
+        )
+    return out
+
+
+def _pids(pids: Iterable[int]) -> str:
+    return ", ".join(str(p) for p in pids)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """One pod's use of one unit. ``sm_percent`` None: unknown (several pods share the unit's MPS server)."""
+
+    pod_uid: str
+    gpu_index: int
+    unit_uuid: str
+    memory_mib: int
+    sm_percent: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class MpsUnitUsage:
+    """An MPS server's SM figure for its unit: all its clients together."""
+
+    gpu_index: int
+    unit_uuid: str
+    sm_percent: int
+    client_pods: int
+
+
+def pod_usage(
+    procs: Iterable[ProcView], sm_percent: Mapping[int, int], pods: Mapping[str, PodInfo], sm_known: bool = True
+) -> tuple[tuple[UsageRow, ...], tuple[MpsUnitUsage, ...]]:
+    """Each pod's memory and SM use per unit, and each MPS unit's server figure.
+
+    Memory is per process under every mechanism. SM utilisation is per process too, except for MPS clients: NVML
+    gives the server's pid the figure of all its clients, so an MPS unit with one client pod gives that pod the
+    server's figure, and one with several leaves each pod's figure unknown (None), never 0. ``sm_known`` False (a
+    GPU in MIG mode that gave no figures: NVML keeps none there) leaves every SM figure unknown.
+    """
+    procs = list(procs)
+    servers: dict[str, int] = {}
+    for p in procs:
+        if p.role is Role.SERVER:
+            servers[p.unit_uuid] = servers.get(p.unit_uuid, 0) + sm_percent.get(p.pid, 0)
+    client_pods: dict[str, set[str]] = {}
+    for p in procs:
+        if p.role is Role.MPS_CLIENT and p.pod_uid is not None and p.pod_uid in pods:
+            client_pods.setdefault(p.unit_uuid, set()).add(p.pod_uid)
+    memory: dict[tuple[str, str], int] = {}
+    own: dict[tuple[str, str], int] = {}  # SM of the pod's own contexts
+    mps: dict[tuple[str, str], int | None] = {}  # its part of the MPS server's SM (None: unknown)
+    gpu_of: dict[str, int] = {}
+    for p in procs:
+        if p.role is Role.SERVER or p.pod_uid is None or p.pod_uid not in pods:
+            continue
+        key = (p.pod_uid, p.unit_uuid)
+        gpu_of[p.unit_uuid] = p.gpu_index
+        memory[key] = memory.get(key, 0) + p.memory_mib
+        if not sm_known:
+            mps[key] = None
+        elif p.role is Role.MPS_CLIENT:
+            sole = len(client_pods.get(p.unit_uuid, ())) == 1
+            mps[key] = servers.get(p.unit_uuid, 0) if sole else None
+        else:
+            own[key] = own.get(key, 0) + sm_percent.get(p.pid, 0)
+    rows = []
+    for key, mem in sorted(memory.items()):
+        share = mps.get(key, 0)
+        sm = None if share is None else min(100, own.get(key, 0) + share)
+        rows.append(UsageRow(key[0], gpu_of[key[1]], key[1], mem, sm))
+    gpu_of_unit = {p.unit_uuid: p.gpu_index for p in procs}
+    units = tuple(
+        MpsUnitUsage(gpu_of_unit[u], u, min(100, sm), len(client_pods.get(u, ())))
+        for u, sm in sorted(servers.items())
+        if sm_known
+    )
+    return tuple(rows), units

@@ -1,0 +1,219 @@
+"""Telling people what the audit and the fault signals found: Kubernetes Events, counters, and (if asked) evictions.
+
+:class:`EnforcementWatch` runs once per reconcile on what the agent read. A finding (:mod:`sharegpu.node.audit`) gets a
+Warning Event on its pod when it first appears, not on every reconcile while it persists; once gone, a recurrence is
+told again. With ``evict`` (``sharegpu node-agent --evict-on-audit``, off by default) a pod with a finding is evicted
+through the Eviction API, which honours its PodDisruptionBudget. An MPS fault (:mod:`sharegpu.node.mps_faults`) gets a
+Warning Event on every pod that shared the unit and one count per incident: signals of one unit within
+``fault_window_s`` of each other are one incident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from sharegpu.kube.api import PodEvent
+from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
+from sharegpu.node.audit import Finding, FindingKind
+from sharegpu.node.backends.base import XidEvent
+from sharegpu.node.kube import PodInfo
+from sharegpu.node.mps_faults import FaultSignal
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "sharegpu-node-agent"
+FAULT_REASON = "GpuMpsFault"
+FAULT_MESSAGE = (
+    "GPU fault on the MPS unit you share: a fault in one MPS client ends every client of that server; ask for "
+    "isolation hardware (MIG) or sharing time-slicing to keep faults apart"
+)
+FINDING_REASONS: Mapping[FindingKind, str] = {
+    FindingKind.WRONG_UNIT: "GpuAuditWrongGpu",
+    FindingKind.MPS_BYPASS: "GpuAuditMpsBypassed",
+    FindingKind.MEMORY_OVER_SHARE: "GpuAuditMemoryOverShare",
+}
+EVICTED_REASON = "GpuAuditEvicted"
+
+
+class PodNotifier(Protocol):
+    """What the watch asks of the API server (:class:`sharegpu.kube.api.LightkubeClusterApi` has both)."""
+
+    async def create_event(self, event: PodEvent, component: str) -> None: ...
+
+    async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MpsFault:
+    """One incident: an MPS unit whose clients died of a fault, and the pods that shared it."""
+
+    gpu_index: int
+    unit_uuid: str
+    sources: tuple[str, ...]  # log, xid, server-gone
+    details: tuple[str, ...]
+    pods: tuple[str, ...]  # namespace/name of every pod told
+
+
+@dataclass(frozen=True, slots=True)
+class WatchCounts:
+    """The watch's counters since the agent started, for the metrics snapshot."""
+
+    findings: tuple[tuple[str, int, int], ...] = ()  # (kind, GPU index, new findings)
+    evictions: tuple[tuple[str, int], ...] = ()  # (kind, pods evicted)
+    faults: tuple[tuple[int, str, int], ...] = ()  # (GPU index, unit UUID, incidents)
+    xids: tuple[tuple[int, str, int, int], ...] = ()  # (GPU index, unit UUID, Xid, events)
+
+
+class EnforcementWatch:
+    def __init__(
+        self,
+        notifier: PodNotifier | None,
+        *,
+        evict: bool = False,
+        fault_window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._notifier = notifier
+        self.evict = evict
+        self._window = fault_window_s
+        self._clock = clock
+        self.active: dict[tuple[str, str, str], Finding] = {}
+        self._told: set[tuple[str, str, str]] = set()
+        self._evicted: set[str] = set()
+        self._findings_total: Counter[tuple[str, int]] = Counter()
+        self._evictions_total: Counter[str] = Counter()
+        self._faults_total: Counter[tuple[int, str]] = Counter()
+        self._xids_total: Counter[tuple[int, str, int]] = Counter()
+        self._last_fault: dict[str, float] = {}
+
+    def counts(self) -> WatchCounts:
+        return WatchCounts(
+            tuple((k, g, n) for (k, g), n in sorted(self._findings_total.items())),
+            tuple(sorted(self._evictions_total.items())),
+            tuple((g, u, n) for (g, u), n in sorted(self._faults_total.items())),
+            tuple((g, u, x, n) for (g, u, x), n in sorted(self._xids_total.items())),
+        )
+
+    async def findings(self, findings: Iterable[Finding]) -> None:
+        """Take this reconcile's findings: count and tell the new ones, evict where asked, forget those gone."""
+        now = {f.key: f for f in findings}
+        for key, f in now.items():
+            if key not in self.active:
+                self._findings_total[(f.kind.value, f.gpu_index)] += 1
+                log.warning(
+                    "GPU audit: %s: %s%s", f.kind.value, f"pod {f.namespace}/{f.pod}: " if f.pod else "", f.message
+                )
+        self.active = now
+        self._told &= set(now)
+        todo = [f for k, f in now.items() if k not in self._told and f.kind in FINDING_REASONS]
+        results = await asyncio.gather(*(self._tell(f) for f in todo))
+        self._told |= {f.key for f, ok in zip(todo, results, strict=True) if ok}
+        if self.evict:
+            for f in sorted(now.values(), key=lambda f: f.key):
+                if f.pod_uid and f.kind in FINDING_REASONS and f.pod_uid not in self._evicted:
+                    await self._evict(f)
+
+    async def faults(
+        self,
+        signals: Iterable[FaultSignal],
+        xids: Iterable[XidEvent],
+        mps_units: Mapping[str, int],
+        sharers: Mapping[str, Iterable[PodInfo]],
+    ) -> list[MpsFault]:
+        """Turn this reconcile's signals into incidents and tell every pod of each unit.
+
+        ``mps_units``: unit UUID → GPU index of every unit shared through MPS; an Xid that names a whole GPU counts
+        for each MPS unit on it. ``sharers``: unit UUID → the pods that shared it (live now or at the last reconcile).
+        """
+        per_unit: dict[str, list[FaultSignal]] = {}
+        for s in signals:
+            per_unit.setdefault(s.unit_uuid, []).append(s)
+        for x in xids:
+            self._xids_total[(x.gpu_index, x.unit_uuid, x.xid)] += 1
+            log.warning("GPU %d (%s): critical Xid %d", x.gpu_index, x.unit_uuid, x.xid)
+            units = [x.unit_uuid] if x.unit_uuid in mps_units else [u for u, g in mps_units.items() if g == x.gpu_index]
+            for u in units:
+                per_unit.setdefault(u, []).append(FaultSignal(u, "xid", f"critical Xid {x.xid} on GPU {x.gpu_index}"))
+        out: list[MpsFault] = []
+        now = self._clock()
+        for unit, sigs in sorted(per_unit.items()):
+            if unit not in mps_units:
+                continue  # a unit no pod shares through MPS (any more): nobody to tell
+            last = self._last_fault.get(unit)
+            self._last_fault[unit] = now
+            if last is not None and now - last < self._window:
+                log.info("MPS unit %s: more signs of the same fault: %s", unit, "; ".join(s.detail for s in sigs))
+                continue
+            gpu = mps_units[unit]
+            pods = sorted({p.uid: p for p in sharers.get(unit, ())}.values(), key=lambda p: p.key)
+            self._faults_total[(gpu, unit)] += 1
+            sources = tuple(sorted({s.source for s in sigs}))
+            details = tuple(s.detail for s in sigs)
+            log.warning(
+                "MPS unit %s on GPU %d: its clients died of a fault (%s); telling %s",
+                unit,
+                gpu,
+                "; ".join(details),
+                ", ".join(p.key for p in pods) or "no pod",
+            )
+            text = f"{FAULT_MESSAGE} (GPU {gpu}, {unit}: {'; '.join(details)[:400]})"
+            await asyncio.gather(
+                *(self._post(PodEvent(p.namespace, p.name, p.uid, FAULT_REASON, text, "Warning")) for p in pods)
+            )
+            out.append(MpsFault(gpu, unit, sources, details, tuple(p.key for p in pods)))
+        return out
+
+    async def _tell(self, f: Finding) -> bool:
+        return await self._post(PodEvent(f.namespace, f.pod, f.pod_uid, FINDING_REASONS[f.kind], f.message, "Warning"))
+
+    async def _post(self, event: PodEvent) -> bool:
+        if self._notifier is None:
+            return True  # no API to tell: the log line and the metric are all there is
+        try:
+            await self._notifier.create_event(event, COMPONENT)
+        except KubeError as e:
+            log.info(
+                "cannot record event %s on %s/%s (retrying next reconcile): %s",
+                event.reason,
+                event.namespace,
+                event.pod,
+                e,
+            )
+            return False
+        return True
+
+    async def _evict(self, f: Finding) -> None:
+        if self._notifier is None:
+            return
+        try:
+            await self._notifier.evict_pod(f.namespace, f.pod, f.pod_uid)
+        except NotFound:
+            self._evicted.add(f.pod_uid)  # gone already (or replaced: the UID precondition spared the new one)
+            return
+        except EvictionBlocked as e:
+            log.warning("GPU audit: pod %s/%s not evicted now, retrying: %s", f.namespace, f.pod, e)
+            return
+        except KubeError as e:
+            log.warning("GPU audit: evicting pod %s/%s failed, retrying: %s", f.namespace, f.pod, e)
+            return
+        self._evicted.add(f.pod_uid)
+        self._evictions_total[f.kind.value] += 1
+        log.warning("GPU audit: evicted pod %s/%s (%s)", f.namespace, f.pod, f.kind.value)
+        await self._post(
+            PodEvent(
+                f.namespace,
+                f.pod,
+                f.pod_uid,
+                EVICTED_REASON,
+                f"evicted by the sharegpu node agent (--evict-on-audit): {f.message}",
+                "Warning",
+            )
+        )

@@ -1,0 +1,473 @@
+"""The enforcement audit, honest per-pod usage under MPS, and the MPS fault watch.
+
+Two sources: a fake NVML that answers exactly what the H200 answered under MPS (driver 580; gpu-evidence
+h200-2026-11-26 §4: the server's pid with 66 MiB in the plain list, clients with 500 and 730 MiB, utilisation for the
+server's pid only), and the simulated backend driven through the agent's reconcile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from node_fakes import SIM_YAML, FakeKube, agent_config, assignment, pod, share
+from test_node_nvml_backend import FakeGpu, FakeNvml
+
+from sharegpu.kube.api import PodEvent
+from sharegpu.kube.errors import EvictionBlocked
+from sharegpu.model.assignment import Mechanism, MigSlot
+from sharegpu.node.agent import NodeAgent
+from sharegpu.node.audit import FindingKind, GpuReading, Role, attribute, audit, pod_usage, read_gpu, unit_shares
+from sharegpu.node.backends.base import MPS_SERVER_NAME, XidEvent
+from sharegpu.node.backends.nvml import XID_CRITICAL_ERROR, NvmlBackend, NvmlCallError, NvmlEvent, NvmlProcess
+from sharegpu.node.backends.sim import MPS_SERVER_MEMORY_MIB, SimBackend
+from sharegpu.node.backends.sim_config import parse_sim_config
+from sharegpu.node.enforcement import FAULT_MESSAGE, FAULT_REASON, EnforcementWatch
+from sharegpu.node.kube import NodeInfo
+from sharegpu.node.metrics import new_registry
+from sharegpu.node.mps import SimMpsDaemon
+from sharegpu.node.mps_faults import LogTail, MpsLogWatch, ServerWatch, fault_lines, is_fault, parse_line
+
+MIB = 2**20
+SERVER, CLIENT_A, CLIENT_B = 466, 503, 504  # the pids the H200 run showed
+
+
+class FakeNotifier:
+    """The API server's Events and Eviction endpoints, in memory."""
+
+    def __init__(self) -> None:
+        self.events: list[PodEvent] = []
+        self.evicted: list[tuple[str, str, str]] = []
+        self.block_evictions = False
+
+    async def create_event(self, event: PodEvent, component: str) -> None:
+        assert component == "sharegpu-node-agent"
+        self.events.append(event)
+
+    async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:
+        if self.block_evictions:
+            raise EvictionBlocked("its PodDisruptionBudget allows no disruption now", 429)
+        self.evicted.append((namespace, name, uid))
+
+    async def close(self) -> None:
+        pass
+
+    def reasons(self, pod_name: str) -> list[str]:
+        return [e.reason for e in self.events if e.pod == pod_name]
+
+
+# ----- NVML as the H200 answered -------------------------------------------------------------------------------------
+def _h200_under_mps(tmp_path: Path) -> tuple[NvmlBackend, FakeNvml]:
+    gpu = FakeGpu(
+        "NVIDIA H200",
+        procs=[NvmlProcess(SERVER, 66 * MIB, None), NvmlProcess(CLIENT_B, 730 * MIB, None)],
+        mps_procs=[NvmlProcess(CLIENT_B, 730 * MIB, None)],
+        sm={SERVER: 36},
+    )
+    gpu.procs.append(NvmlProcess(CLIENT_A, 500 * MIB, None))
+    gpu.mps_procs.append(NvmlProcess(CLIENT_A, 500 * MIB, None))
+    api = FakeNvml(gpu)
+    proc = tmp_path / "proc"
+    for pid, argv0, pod_uid in (
+        (SERVER, f"/usr/bin/{MPS_SERVER_NAME}", None),
+        (CLIENT_A, "python3", "0a1b2c3d-0000-1111-2222-00000000000a"),
+        (CLIENT_B, "python3", "0a1b2c3d-0000-1111-2222-00000000000b"),
+    ):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cmdline").write_bytes(argv0.encode() + b"\0--flag\0")
+        cgroup = f"0::/kubepods/besteffort/pod{pod_uid}/abc\n" if pod_uid else "0::/system.slice/x.service\n"
+        (proc / str(pid) / "cgroup").write_text(cgroup)
+    return NvmlBackend(api, proc_root=proc), api
+
+
+def _reading(backend: NvmlBackend) -> GpuReading:
+    (d,) = backend.devices()
+    return read_gpu(backend, d)
+
+
+def _pods(*names: str) -> dict[str, object]:
+    return {p.uid: p for p in (pod(n, None, uid=f"0a1b2c3d-0000-1111-2222-00000000000{n[-1]}") for n in names)}
+
+
+def test_h200_mps_reading_gives_the_server_figure_to_a_sole_client_pod_and_unknown_to_several(tmp_path: Path) -> None:
+    backend, _ = _h200_under_mps(tmp_path)
+    r = _reading(backend)
+    views = attribute(r, backend.pod_uid_of, backend.process_name)
+    assert {v.pid: v.role for v in views} == {SERVER: Role.SERVER, CLIENT_A: Role.MPS_CLIENT, CLIENT_B: Role.MPS_CLIENT}
+    # Two pods on the server: each pod's SM figure is unknown (None), never 0; the unit keeps the server's figure.
+    pods = _pods("pod-a", "pod-b")
+    rows, units = pod_usage(views, r.sm_percent, pods)  # type: ignore[arg-type]
+    assert [(row.memory_mib, row.sm_percent) for row in rows] == [(500, None), (730, None)]
+    assert [(u.sm_percent, u.client_pods) for u in units] == [(36, 2)]
+    # One pod (both clients its own): the server's figure is that pod's.
+    one = {uid: p for uid, p in pods.items() if p.name == "pod-a"}  # type: ignore[attr-defined]
+    only_a = tuple(v for v in views if v.pid != CLIENT_B)
+    rows, units = pod_usage(only_a, r.sm_percent, one)  # type: ignore[arg-type]
+    assert [(row.memory_mib, row.sm_percent) for row in rows] == [(500, 36)]
+    assert units[0].client_pods == 1
+    # The server's own memory is nobody's: it is no pod's process and no finding either.
+    assert audit(views, pods, {}, {0: True}) != ()  # pods without shares are on a GPU they hold none of…
+    assert all(f.pids != (SERVER,) for f in audit(views, pods, {}, {0: True}))  # …but the server is never named
+
+
+def test_the_mps_server_is_told_by_its_comm_name_too(tmp_path: Path) -> None:
+    backend, _ = _h200_under_mps(tmp_path)
+    (tmp_path / "proc" / str(SERVER) / "cmdline").unlink()  # comm only: cut to 15 characters
+    (tmp_path / "proc" / str(SERVER) / "comm").write_text("nvidia-cuda-mps\n")
+    assert backend.process_name(SERVER) == "nvidia-cuda-mps"
+    roles = {v.pid: v.role for v in attribute(_reading(backend), backend.pod_uid_of, backend.process_name)}
+    assert roles[SERVER] is Role.SERVER
+    # No name at all (no hostPID): a pod-less process beside MPS clients is taken for the server.
+    (tmp_path / "proc" / str(SERVER) / "comm").unlink()
+    roles = {v.pid: v.role for v in attribute(_reading(backend), backend.pod_uid_of, backend.process_name)}
+    assert roles[SERVER] is Role.SERVER
+
+
+def test_xid_events_are_polled_without_waiting_and_tied_to_their_mig_instance() -> None:
+    backend = NvmlBackend(
+        api := FakeNvml(FakeGpu("NVIDIA H100 80GB HBM3", mig=True), FakeGpu("NVIDIA H100 80GB HBM3", events=False))
+    )
+    backend.create_mig_instance(0, "3g.40gb", 4)
+    mig_uuid = backend.mig_instances(0)[0].uuid
+    assert backend.xid_events() == ()
+    assert api.registered == [(0, XID_CRITICAL_ERROR)]  # GPU 1's refusal is logged, not raised
+    api.queued += [
+        NvmlEvent("GPU-0", XID_CRITICAL_ERROR, 31, 1),
+        NvmlEvent("GPU-0", 0x4, 0, None),  # a P-state event: not an Xid
+        NvmlEvent("GPU-0", XID_CRITICAL_ERROR, 79, None),
+    ]
+    assert backend.xid_events() == (XidEvent(0, mig_uuid, 31), XidEvent(0, "GPU-0", 79))
+    assert backend.xid_events() == ()
+    backend.close()
+    assert api.sets_freed == 1
+
+
+class OldDriver(FakeNvml):
+    """A driver without the MPS-aware query."""
+
+    def mps_processes(self, h: FakeGpu) -> list[NvmlProcess]:
+        raise NvmlCallError("not_supported", "Not Supported")
+
+
+def test_without_the_mps_query_pods_beside_a_named_server_are_taken_for_its_clients(tmp_path: Path) -> None:
+    _, api = _h200_under_mps(tmp_path)
+    old = NvmlBackend(OldDriver(*api.gpus), proc_root=tmp_path / "proc")
+    assert old.mps_processes(0) is None
+    r = _reading(old)
+    assert r.mps_clients is None
+    views = attribute(r, old.pod_uid_of, old.process_name)
+    assert {v.pid: v.role for v in views} == {SERVER: Role.SERVER, CLIENT_A: Role.MPS_CLIENT, CLIENT_B: Role.MPS_CLIENT}
+    rows, _ = pod_usage(views, r.sm_percent, _pods("pod-a", "pod-b"))  # type: ignore[arg-type]
+    assert [row.sm_percent for row in rows] == [None, None]  # still unknown, not each pod's own 0
+    # …and no bypass is claimed, since the driver cannot say who is a client.
+    shares = {
+        uid: unit_shares(assignment(p.name, share(0, "GPU-0", Mechanism.MPS, 500)), {})  # type: ignore[attr-defined]
+        for uid, p in _pods("pod-a", "pod-b").items()
+    }
+    assert audit(views, _pods("pod-a", "pod-b"), shares, {0: False}) == ()  # type: ignore[arg-type]
+
+
+# ----- the audit's findings --------------------------------------------------------------------------------------------
+def _sim() -> tuple[SimBackend, list[str]]:
+    sim = SimBackend(parse_sim_config(SIM_YAML), seed="node-a")
+    return sim, [d.uuid for d in sim.devices()]
+
+
+def test_each_finding_kind(tmp_path: Path) -> None:
+    sim, g = _sim()
+    sim.set_mig_mode(1, True)
+    mig = sim.create_mig_instance(1, "3g.40gb", 4)
+    other = sim.create_mig_instance(1, "3g.40gb", 0)
+    a = pod("a", None, uid="uid-a")
+    b = pod("b", None, uid="uid-b")
+    c = pod("c", None, uid="uid-c")
+    pods = {p.uid: p for p in (a, b, c)}
+    shares = {
+        "uid-a": unit_shares(assignment("a", share(0, g[0], Mechanism.MPS, 500, 4096)), {}),
+        "uid-b": unit_shares(
+            assignment("b", share(1, g[1], Mechanism.MIG, 1000, 0, MigSlot("3g.40gb", 4), Mechanism.EXCLUSIVE)),
+            {1: sim.mig_instances(1)},
+        ),
+    }
+    assert shares["uid-b"][0].unit_uuid == mig.uuid
+    sim.add_process(10, g[0], 3000, "uid-a", mps=True)  # an honest MPS client…
+    sim.add_process(11, g[0], 2000, "uid-a")  # …and one beside MPS: bypass, and 5000 MiB > 4096 together
+    sim.add_process(12, other.uuid, 100, "uid-b")  # the other instance of the same GPU: wrong unit
+    sim.add_process(13, g[2], 100, "uid-c")  # a pod with no share at all
+    sim.add_process(14, g[2], 100)  # no pod
+    views = [
+        v
+        for i in range(3)
+        for v in attribute(
+            GpuReading(
+                sim.devices()[i],
+                sim.utilization(i),
+                0,
+                sim.processes(i),
+                frozenset(p.pid for p in sim.mps_processes(i) or ()),
+                sim.process_utilization(i),
+            ),
+            sim.pod_uid_of,
+            sim.process_name,
+        )
+    ]
+    found = {(f.kind, f.pod, f.pids) for f in audit(views, pods, shares, {0: True, 1: True, 2: True})}
+    assert found == {
+        (FindingKind.MPS_BYPASS, "a", (11,)),
+        (FindingKind.MEMORY_OVER_SHARE, "a", (10, 11)),
+        (FindingKind.WRONG_UNIT, "b", (12,)),
+        (FindingKind.WRONG_UNIT, "c", (13,)),
+        (FindingKind.NO_POD, "", (14,)),
+    }
+    # Where the driver cannot list MPS clients, no bypass is claimed (the memory finding stays).
+    found = {f.kind for f in audit(views, pods, shares, {0: False}) if f.pod == "a"}
+    assert found == {FindingKind.MEMORY_OVER_SHARE}
+
+
+# ----- the sim backend through the agent's reconcile -------------------------------------------------------------------
+def _agent(tmp: Path, sim: SimBackend, kube: FakeKube, notifier: FakeNotifier, **kw: object) -> NodeAgent:
+    config = agent_config(tmp, tmp, tokens_per_gpu=2, **kw)
+    return NodeAgent(config, sim, kube, SimMpsDaemon(sim), notifier=notifier)
+
+
+def _mps_pair(tmp: Path, **kw: object) -> tuple[SimBackend, list[str], FakeKube, FakeNotifier, NodeAgent]:
+    sim, g = _sim()
+    kube = FakeKube(NodeInfo("node-a", {}, {}, 32000, 256 * 1024))
+    for name in ("infer-1", "infer-2"):
+        kube.add(pod(name, assignment(name, share(0, g[0], Mechanism.MPS, 400, 8192)), phase="Running"))
+    notifier = FakeNotifier()
+    return sim, g, kube, notifier, _agent(tmp, sim, kube, notifier, **kw)
+
+
+def _text(agent: NodeAgent) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(new_registry(lambda: agent.snapshot)).decode()
+
+
+def test_sim_under_mps_reports_like_the_h200_and_never_a_false_zero(tmp_path: Path) -> None:
+    async def main() -> None:
+        sim, g, _, _, agent = _mps_pair(tmp_path)
+        await agent.reconcile_once()
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", sm_percent=20, mps=True)
+        sim.add_process(502, g[0], 730, "uid-default-infer-2", sm_percent=16, mps=True)
+        server = sim.mps_server_pid(g[0])
+        assert server is not None
+        assert {(p.pid, p.used_memory_mib) for p in sim.processes(0)} == {
+            (server, MPS_SERVER_MEMORY_MIB),
+            (501, 500),
+            (502, 730),
+        }
+        assert sim.process_utilization(0) == {server: 36}
+        assert {p.pid for p in sim.mps_processes(0) or ()} == {501, 502}
+        await agent.reconcile_once()
+        usage = {u.pod: (u.memory_used_mib, u.sm_util_percent) for u in agent.snapshot.pod_usage}
+        assert usage == {"infer-1": (500, None), "infer-2": (730, None)}
+        text = _text(agent)
+        assert "sharegpu_pod_gpu_sm_utilization_percent{" not in text  # unknown is absent, not 0
+        assert f'sharegpu_mps_unit_sm_utilization_percent{{UUID="{g[0]}",gpu="0"}} 36.0' in text
+        assert agent.snapshot.findings == ()  # honest clients, in their shares
+        sim.remove_process(502)  # one client pod left: the server's figure is its own
+        await agent.reconcile_once()
+        assert {u.pod: u.sm_util_percent for u in agent.snapshot.pod_usage} == {"infer-1": 20}
+
+    asyncio.run(main())
+
+
+def test_a_bypassing_client_gets_one_event_a_metric_and_no_eviction_by_default(tmp_path: Path) -> None:
+    async def main() -> None:
+        sim, g, _, notifier, agent = _mps_pair(tmp_path)
+        await agent.reconcile_once()
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True)
+        sim.add_process(777, g[0], 500, "uid-default-infer-2")  # could not reach the daemon: no MPS, no limits
+        for _ in range(3):
+            await agent.reconcile_once()
+        assert notifier.reasons("infer-2") == ["GpuAuditMpsBypassed"]  # once, not every reconcile
+        assert notifier.events[0].type == "Warning" and "777" in notifier.events[0].message
+        assert notifier.reasons("infer-1") == []
+        assert notifier.evicted == []
+        text = _text(agent)
+        labels = f'UUID="{g[0]}",gpu="0",kind="mps-bypass",namespace="default",pod="infer-2"'
+        assert f"sharegpu_audit_findings{{{labels}}} 1.0" in text
+        assert 'sharegpu_audit_findings_seen_total{gpu="0",kind="mps-bypass"} 1.0' in text
+        sim.remove_process(777)  # gone: the finding clears; a recurrence is told again
+        await agent.reconcile_once()
+        assert agent.snapshot.findings == ()
+        sim.add_process(778, g[0], 500, "uid-default-infer-2")
+        await agent.reconcile_once()
+        assert notifier.reasons("infer-2") == ["GpuAuditMpsBypassed"] * 2
+
+    asyncio.run(main())
+
+
+def test_evict_on_audit_evicts_through_the_eviction_api_and_retries_a_blocked_one(tmp_path: Path) -> None:
+    async def main() -> None:
+        sim, g, _, notifier, agent = _mps_pair(tmp_path, evict_on_audit=True)
+        await agent.reconcile_once()
+        notifier.block_evictions = True
+        sim.add_process(777, g[0], 500, "uid-default-infer-2")
+        await agent.reconcile_once()
+        assert notifier.evicted == []
+        notifier.block_evictions = False
+        await agent.reconcile_once()
+        await agent.reconcile_once()
+        assert notifier.evicted == [("default", "infer-2", "uid-default-infer-2")]  # once
+        assert notifier.reasons("infer-2") == ["GpuAuditMpsBypassed", "GpuAuditEvicted"]
+        assert 'sharegpu_audit_evictions_total{kind="mps-bypass"} 1.0' in _text(agent)
+
+    asyncio.run(main())
+
+
+def test_a_fault_tells_every_pod_of_the_unit_once_counts_it_and_restarts_a_dead_daemon(tmp_path: Path) -> None:
+    async def main() -> None:
+        sim, g, kube, notifier, agent = _mps_pair(tmp_path)
+        kube.add(pod("solo", assignment("solo", share(1, g[1], Mechanism.TIME_SLICING, 500)), phase="Running"))
+        await agent.reconcile_once()
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True)
+        sim.add_process(502, g[0], 730, "uid-default-infer-2", mps=True)
+        sim.add_process(601, g[1], 300, "uid-default-solo")
+        await agent.reconcile_once()
+        spec = agent.mps.spec(g[0])
+        ended = sim.mps_fault(g[0], spec.log_dir)  # log line, Xid, clients and server gone: three signs
+        assert set(ended) >= {501, 502}
+        agent.mps._daemon.crash(spec)  # type: ignore[attr-defined]
+        kube.set_phase("uid-default-infer-1", "Failed")  # its container died of it; the pod is finished already
+        result = await agent.reconcile_once()
+        (fault,) = result.faults
+        assert fault.unit_uuid == g[0] and set(fault.sources) == {"log", "xid", "server-gone"}
+        assert sorted(fault.pods) == ["default/infer-1", "default/infer-2"]
+        for name in ("infer-1", "infer-2"):
+            (event,) = [e for e in notifier.events if e.pod == name]
+            assert event.reason == FAULT_REASON and event.type == "Warning"
+            assert event.message.startswith(FAULT_MESSAGE)
+        assert notifier.reasons("solo") == []  # the time-sliced neighbour on another GPU is nobody's business
+        assert await agent.mps._daemon.healthy(spec)  # type: ignore[attr-defined]
+        assert [s.restarts for s in agent.mps.status() if s.unit_uuid == g[0]] == [1]
+        assert f'sharegpu_mps_faults_total{{UUID="{g[0]}",gpu="0"}} 1.0' in _text(agent)
+        assert f'sharegpu_gpu_xid_errors_total{{UUID="{g[0]}",gpu="0",xid="31"}} 1.0' in _text(agent)
+        await agent.reconcile_once()
+        assert len(notifier.events) == 2  # told once
+
+    asyncio.run(main())
+
+
+def test_a_server_stopped_by_the_agent_is_no_fault(tmp_path: Path) -> None:
+    async def main() -> None:
+        sim, g, kube, notifier, agent = _mps_pair(tmp_path)
+        await agent.reconcile_once()
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True)
+        await agent.reconcile_once()
+        kube.pods.clear()  # every pod gone: the agent stops the daemon, and its server ends
+        sim.remove_process(501)
+        result = await agent.reconcile_once()
+        assert result.faults == () and notifier.events == []
+        assert sim.mps_server_pid(g[0]) is None
+
+    asyncio.run(main())
+
+
+# ----- the signals one by one ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("line", "fault"),
+    [
+        ("[2026-11-26 10:00:00.000 Server 466] Client 503 encountered a fatal GPU exception", True),
+        ("[2026-11-26 10:00:00.000 Control 400] Server 466 exited with status 1", True),
+        ("[2026-11-26 10:00:00.000 Server 466] Xid 31 reported", True),
+        ("illegal memory access was encountered", True),
+        ("[2026-11-26 10:00:00.000 Server 466] Server is in FAULT state", True),
+        ("[2026-11-26 10:00:00.000 Control 400] Server 466 exited with status 0", False),
+        ("[2026-11-26 10:00:00.000 Server 466] New client 503 connected", False),
+        ("[2026-11-26 10:00:00.000 Control 400] Cmd:get_server_status 466 FAULT", False),
+        ("[2026-11-26 10:00:00.000 Server 466] Client 503 disconnected", False),
+    ],
+)
+def test_log_lines(line: str, fault: bool) -> None:
+    assert is_fault(parse_line("server.log", line)) is fault
+
+
+def test_parse_line_reads_the_header() -> None:
+    parsed = parse_line("server.log", "[2013-08-05 13:00:09.269 Server 13929] New client 14781 connected\n")
+    assert (parsed.stamp, parsed.writer, parsed.pid, parsed.text) == (
+        "2013-08-05 13:00:09.269",
+        "Server",
+        13929,
+        "New client 14781 connected",
+    )
+
+
+def test_log_tail_reads_each_complete_line_once(tmp_path: Path) -> None:
+    f = tmp_path / "server.log"
+    f.write_text("old fatal line\n")
+    tail = LogTail(f, from_end=True)
+    assert tail.read() == []  # there before the agent looked: not reported again after a restart
+    with f.open("a") as out:
+        out.write("one\ntwo (half")
+    assert tail.read() == ["one"]
+    with f.open("a") as out:
+        out.write(")\n")
+    assert tail.read() == ["two (half)"]
+    f.write_text("new\n")  # replaced by a new daemon's file (shorter): from its start
+    assert tail.read() == ["new"]
+
+
+def test_log_watch_reads_a_file_that_appears_later_from_its_start(tmp_path: Path) -> None:
+    watch = MpsLogWatch()
+    logs = tmp_path / "GPU-x" / "log"
+    assert watch.scan({"GPU-x": logs}) == []
+    logs.mkdir(parents=True)
+    (logs / "control.log").write_text("[t Control 1] Server 2 exited with status 139\n[t Control 1] NEW UI\n")
+    (signal,) = watch.scan({"GPU-x": logs})
+    assert (signal.unit_uuid, signal.source) == ("GPU-x", "log") and "status 139" in signal.detail
+
+
+def test_fault_lines_reads_a_units_logs_whole(tmp_path: Path) -> None:
+    sim, g = _sim()
+    sim.add_process(501, g[0], 500, "uid-x", mps=True)
+    sim.add_process(502, g[0], 500, "uid-y", mps=True)
+    server = sim.mps_server_pid(g[0])
+    (tmp_path / "control.log").write_text(
+        "[t Control 9] Cmd:get_server_list\n[t Control 9] Server 5 exited with status 0\n"
+    )
+    assert fault_lines(tmp_path) == []
+    sim.mps_fault(g[0], tmp_path)  # the line the simulated server writes is one the patterns know
+    (line,) = fault_lines(tmp_path)
+    assert (line.file, line.writer, line.pid) == ("server.log", "Server", server)
+    assert sim.mps_processes(0) == () and sim.mps_server_pid(g[0]) is None
+
+
+def test_server_watch() -> None:
+    w = ServerWatch()
+    assert w.update({"U": [5]}, ["U"], ["U"]) == []
+    assert w.update({}, ["U"], []) == []  # no pod shares the unit any more: a normal end
+    w.update({"U": [6]}, ["U"], ["U"])
+    (s,) = w.update({}, ["U"], ["U"])
+    assert s.source == "server-gone" and "6" in s.detail
+
+
+def test_fault_signals_within_the_window_are_one_incident() -> None:
+    async def main() -> None:
+        clock = [0.0]
+        notifier = FakeNotifier()
+        watch = EnforcementWatch(notifier, fault_window_s=60, clock=lambda: clock[0])
+        p = pod("p", None, uid="u")
+        xid = XidEvent(0, "GPU-0", 31)
+        assert len(await watch.faults([], [xid], {"GPU-0": 0}, {"GPU-0": [p]})) == 1
+        clock[0] = 30
+        assert await watch.faults([], [xid], {"GPU-0": 0}, {"GPU-0": [p]}) == []
+        clock[0] = 200
+        assert len(await watch.faults([], [xid], {"GPU-0": 0}, {"GPU-0": [p]})) == 1
+        assert watch.counts().faults == ((0, "GPU-0", 2),) and watch.counts().xids == ((0, "GPU-0", 31, 3),)
+        # An Xid on a GPU in MIG mode that names no instance counts for each MPS unit on that GPU.
+        faults = await watch.faults([], [XidEvent(1, "GPU-1", 79)], {"MIG-a": 1, "MIG-b": 1, "GPU-0": 0}, {})
+        assert sorted(f.unit_uuid for f in faults) == ["MIG-a", "MIG-b"]
+
+    asyncio.run(main())
+
+
+def test_no_per_process_figures_on_a_mig_gpu_are_unknown_not_zero(tmp_path: Path) -> None:
+    backend, _ = _h200_under_mps(tmp_path)
+    r = _reading(backend)
+    views = attribute(r, backend.pod_uid_of, backend.process_name)
+    rows, units = pod_usage(views, {}, _pods("pod-a", "pod-b"), sm_known=False)  # type: ignore[arg-type]
+    assert [(row.memory_mib, row.sm_percent) for row in rows] == [(500, None), (730, None)] and units == ()
