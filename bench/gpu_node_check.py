@@ -207,8 +207,10 @@ async def run_checks(out: Path, gpu: int) -> int:
     from sharegpu.ledger import Ledger
     from sharegpu.model.inventory import GpuDevice, NodeSpec
     from sharegpu.model.request import GpuRequest, Isolation
+    from sharegpu.node.audit import read_gpu
     from sharegpu.node.backends.nvml import NvmlBackend, PynvmlApi
     from sharegpu.node.mps import MpsLimits, MpsManager, NvidiaMpsDaemon
+    from sharegpu.node.mps_faults import fault_lines
     from sharegpu.placement.fragmentation import Workload
     from sharegpu.placement.framework import Scheduler, Unschedulable
     from sharegpu.placement.policies import PolicyContext, make_policy
@@ -321,40 +323,53 @@ async def run_checks(out: Path, gpu: int) -> int:
     start_at = time.time() + 5
     pair = [clients.start("rate", {"seconds": 4.0, "start_at": start_at}, pipe, **env) for _ in range(2)]
     time.sleep(max(0.0, start_at - time.time()) + 2.0)
-    procs = backend.processes(gpu)
-    util = backend.process_utilization(gpu)
-    mps_procs = mps_clients(backend, gpu)
+    two = read_gpu(backend, dev)
     rp = [clients.result(p) for p in pair]
+    start_at = time.time() + 5
+    alone = clients.start("rate", {"seconds": 4.0, "start_at": start_at}, pipe, **env)
+    time.sleep(max(0.0, start_at - time.time()) + 2.0)
+    one = read_gpu(backend, dev)
+    ra1 = clients.result(alone)
+    rows2, units2 = usage(two, {r.get("pid"): f"pod-{i}" for i, r in enumerate(rp)})
+    rows1, _ = usage(one, {ra1.get("pid"): "pod-alone"})
     client_pids = {r.get("pid") for r in rp}
-    listed = {p.pid: p.used_memory_mib for p in procs}
-    check.record("usage.mps_per_client", None,
-                 f"NVML processes {listed}; SM utilisation by pid {util}; MPS-aware query {mps_procs}; clients "
-                 f"{sorted(p for p in client_pids if p)} (host pids may differ from pid namespace pids)",
-                 processes=listed, utilization=util, mps=mps_procs, clients=rp)  # fmt: skip
-    check.record(
-        "usage.server_only_figure",
-        None if not util else not (set(util) & client_pids),
-        "NVML reports SM utilisation for the MPS server's pid only (the agent must not read 0 for clients)",
-    )
+    server_only = bool(two.sm_percent) and not (set(two.sm_percent) & client_pids)
+    honest = all(r.sm_percent is None for r in rows2) and any(r.sm_percent for r in rows1)
+    check.record("usage.server_only_figure", server_only if two.sm_percent else None,
+                 f"two MPS clients {sorted(p for p in client_pids if p)}: NVML processes "
+                 f"{ {p.pid: p.used_memory_mib for p in two.processes} }, SM by pid {dict(two.sm_percent)}, "
+                 f"MPS-aware list {sorted(two.mps_clients or [])}", two=rp)  # fmt: skip
+    check.record("usage.agent_per_pod", honest,
+                 f"the agent's per-pod figures: two clients {[(r.pod_uid, r.memory_mib, r.sm_percent) for r in rows2]} "
+                 f"(unit {[(u.sm_percent, u.client_pods) for u in units2]}); one client "
+                 f"{[(r.pod_uid, r.memory_mib, r.sm_percent) for r in rows1]} — never a false 0",
+                 alone=ra1)  # fmt: skip
 
     # 6. Audit: a client that bypassed MPS ---------------------------------------------------------------------------
-    bypass = clients.start("alloc", {"gib": [1], "hold_s": 4}, None)
-    inside = clients.start("alloc", {"gib": [1], "hold_s": 4}, pipe, **env)
-    time.sleep(3.0)
-    plain = {p.pid for p in backend.processes(gpu)}
-    mps_now = mps_clients(backend, gpu)
+    bypass = clients.start("alloc", {"gib": [1], "hold_s": 5}, None)
+    inside = clients.start("alloc", {"gib": [1], "hold_s": 5}, pipe, **env)
+    time.sleep(4.0)
+    reading = read_gpu(backend, dev)
     rb_, ri_ = clients.result(bypass), clients.result(inside)
-    bypass_seen = rb_.get("pid") in plain and rb_.get("pid") not in set(mps_now)
-    check.record("audit.bypass_visible", bypass_seen,
-                 f"client without a pipe directory (pid {rb_.get('pid')}) is in NVML's process list {sorted(plain)} but "
-                 f"not in the MPS-aware list {mps_now}; the MPS client (pid {ri_.get('pid')}) is",
-                 bypass=rb_, inside=ri_)  # fmt: skip
+    pods = {"pod-bypass": rb_.get("pid"), "pod-inside": ri_.get("pid")}
+    found = audit_of(reading, pods, unit, dev.index)
+    kinds = {(f.kind.value, f.pod) for f in found}
+    check.record("audit.mps_bypass",
+                 ("mps-bypass", "pod-bypass") in kinds and not any(pod == "pod-inside" for _, pod in kinds),
+                 f"a client without its pipe directory (pid {rb_.get('pid')}) and one through MPS (pid "
+                 f"{ri_.get('pid')}), both holding an MPS share: findings {sorted(kinds)}",
+                 findings=[f.message for f in found], bypass=rb_, inside=ri_)  # fmt: skip
 
     # 7. Faults under MPS --------------------------------------------------------------------------------------------
     start_at = time.time() + 5
     neighbour = clients.start("rate", {"seconds": 5.0, "start_at": start_at}, pipe, **env)
     faulty = clients.start("fault", {"after_s": 7.0}, pipe, **env)
     rn, rf = clients.result(neighbour), clients.result(faulty)
+    lines = fault_lines(spec.log_dir)
+    xids = backend.xid_events()
+    check.record("fault.told", bool(lines or xids) if rn.get("died") else None,
+                 f"the agent's fault signals: {len(lines)} MPS log line(s) matched "
+                 f"{[ln.text[:80] for ln in lines[:3]]}, Xid events {[(x.gpu_index, x.xid) for x in xids]}")  # fmt: skip
     check.record("fault.mps_neighbour", None,
                  f"faulting client: {rf.get('fault') or rf.get('error')}; its MPS neighbour: "
                  f"{'died: ' + rn['died'] if rn.get('died') else 'ran on'}",
@@ -370,16 +385,36 @@ async def run_checks(out: Path, gpu: int) -> int:
     return finish(check, started)
 
 
-def mps_clients(backend: Any, gpu: int) -> list[int]:
-    """Pids NVML lists as MPS clients (nvmlDeviceGetMPSComputeRunningProcesses), where the backend has the query."""
-    for name in ("mps_processes", "mps_client_processes"):
-        fn = getattr(backend, name, None)
-        if fn is not None:
-            return sorted(p.pid for p in fn(gpu))
-    import pynvml
+def pod_info(name: str) -> Any:
+    from sharegpu.node.kube import PodInfo
 
-    h = pynvml.nvmlDeviceGetHandleByIndex(gpu)
-    return sorted(p.pid for p in pynvml.nvmlDeviceGetMPSComputeRunningProcesses(h))
+    return PodInfo("gpu-check", name, name, "gpu-node", "Running")
+
+
+def usage(reading: Any, pod_of_pid: dict[Any, str]) -> Any:
+    """The agent's per-pod usage figures for ``reading``, the test clients standing in for pods."""
+    from sharegpu.node.audit import attribute, pod_usage
+
+    procs = attribute(reading, pod_of_pid.get, lambda pid: process_name(pid))
+    return pod_usage(procs, reading.sm_percent, {n: pod_info(n) for n in pod_of_pid.values()})
+
+
+def audit_of(reading: Any, pods: dict[str, Any], unit: str, gpu: int) -> Any:
+    """The agent's audit of ``reading``, each test client a pod holding a 4 GiB MPS share of the GPU."""
+    from sharegpu.model.assignment import Mechanism
+    from sharegpu.node.audit import UnitShare, attribute, audit
+
+    of_pid = {pid: name for name, pid in pods.items()}
+    procs = attribute(reading, of_pid.get, lambda pid: process_name(pid))
+    shares = {name: (UnitShare(unit, gpu, Mechanism.MPS, 4096, f"GPU {gpu}"),) for name in pods}
+    return audit(procs, {n: pod_info(n) for n in pods}, shares, {gpu: reading.mps_clients is not None})
+
+
+def process_name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def vars_of(d: Any) -> dict[str, Any]:

@@ -311,7 +311,9 @@ def pod_obj(
         "spec": {
             "restartPolicy": "Never",
             "nodeSelector": {"kubernetes.io/hostname": node},
-            "hostIPC": mps,  # MPS clients share the daemon's IPC namespace, as the docs say
+            # No hostIPC: an MPS client reaches its daemon through the pipe directory (measured on an H200). One user
+            # for all: an MPS unit serves one Unix user, and a pod that declares none gets a unit of its own.
+            "securityContext": {"runAsUser": 0},
             "terminationGracePeriodSeconds": 0,
             "containers": [
                 {

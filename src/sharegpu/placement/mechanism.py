@@ -135,11 +135,22 @@ def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | N
 
 
 def _mig_inner(req: GpuRequest) -> Mechanism:
-    # Hardware isolation wants an instance of its own; memory isolation may share one through MPS, on one GPU only (a
-    # process is the client of one MPS daemon, and each instance has its own).
-    if req.isolation is Isolation.MEMORY and req.gpu_count == 1:
+    # Hardware isolation wants an instance of its own; memory isolation (or MPS asked by name) may share one through
+    # MPS, on one GPU only (a process is the client of one MPS daemon, and each instance has its own).
+    if (req.isolation is Isolation.MEMORY or req.sharing is Sharing.MPS) and req.gpu_count == 1:
         return Mechanism.MPS
     return Mechanism.EXCLUSIVE
+
+
+def mps_into_mig(req: GpuRequest, model: GpuModel) -> bool:
+    """Whether an MPS share of ``req`` may go into a MIG instance of a GPU an administrator keeps in MIG mode: such a
+    GPU takes only MIG shares, and an MPS share inside an instance is one (docs/placement.md)."""
+    return (
+        model.mig_capable
+        and route_for(req, model) == Route.SHARE
+        and share_modes(req, model) == (GpuMode.MPS,)
+        and _mig_inner(req) is Mechanism.MPS
+    )
 
 
 def _mig_compute(req: GpuRequest, model: GpuModel, profile: MigProfile) -> int:
@@ -177,6 +188,7 @@ class UsablePlan:
     mig_models: tuple[int, ...]  # model ids reached through MIG (checked per model: placements differ)
     least_compute: int  # a lower bound of the free compute a GPU needs to host a share, on any model
     mps_user: int  # the MPS unit key a share may join (ledger.mps_join_key)
+    mps_into_mig: tuple[int, ...]  # model ids whose MIG-pinned GPUs take the share inside an instance (mps_into_mig)
 
     @classmethod
     def of(cls, ledger: Ledger, req: GpuRequest) -> UsablePlan:
@@ -186,6 +198,7 @@ class UsablePlan:
         mode_ok = np.zeros((k, len(GpuMode)), dtype=bool)
         mps_limit = np.zeros(k, dtype=bool)
         mig: list[int] = []
+        into_mig: list[int] = []
         if req.gpu_count > 0:
             for mid, model in enumerate(ledger.models):
                 r = route_for(req, model)
@@ -197,12 +210,26 @@ class UsablePlan:
                     for m in modes:
                         mode_ok[mid, m] = True
                     mps_limit[mid] = GpuMode.MPS in modes
+                    if mps_into_mig(req, model):
+                        into_mig.append(mid)
                 elif r == Route.MIG:
                     mig.append(mid)
         # A whole GPU is free only when all its compute is; a MIG GPU's free compute says little (0: no bound).
         needs = [FULL_MILLI if r == _WHOLE else int(c) for r, c in zip(route[:-1], compute[:-1], strict=True) if r]
         least = 0 if mig else min(needs, default=FULL_MILLI + 1)
-        return cls(route, compute, mode_ok, mps_limit, req.memory_mib or 0, tuple(mig), least, mps_join_key(req.user))
+        if into_mig and ledger.any_mig_pinned:
+            least = 0  # a MIG GPU's free compute says little
+        return cls(
+            route,
+            compute,
+            mode_ok,
+            mps_limit,
+            req.memory_mib or 0,
+            tuple(mig),
+            least,
+            mps_join_key(req.user),
+            tuple(into_mig),
+        )
 
     def usable(self, ledger: Ledger, req: GpuRequest, nodes: npt.NDArray[np.int64]) -> BoolMatrix:
         """(len(nodes) × GPU slots): the GPUs of ``nodes`` that can host one share of ``req`` now."""
@@ -236,6 +263,11 @@ class UsablePlan:
                     # GPU for it would take that GPU from whole and MPS shares, which the pinned one never serves.
                     mig_ok[rows] = pinned[rows]
                 usable |= mig_ok
+        if ledger.any_mig_pinned:
+            for m in self.mps_into_mig:
+                pinned = base & (mid == m) & ledger.mig_pinned[nodes]
+                if pinned.any():
+                    usable |= _mig_usable(ledger, req, ledger.models[m], pinned, nodes)
         return usable
 
 
@@ -277,6 +309,8 @@ def make_share(ledger: Ledger, n: int, g: int, req: GpuRequest) -> GpuShare:
     uuid = ledger.nodes[n].gpus[g].uuid
     route = route_for(req, model)
     mode = GpuMode(int(ledger.mode[n, g]))
+    if route == Route.SHARE and ledger.mig_pinned[n, g] and mps_into_mig(req, model):
+        route = Route.MIG
     if route == Route.WHOLE:
         return GpuShare(g, uuid, Mechanism.EXCLUSIVE, FULL_MILLI, model.memory_mib)
     if route == Route.SHARE:
