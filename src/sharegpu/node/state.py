@@ -76,7 +76,12 @@ class AgentState:
 
     def forget_pods(self, uids: set[str]) -> set[str]:
         """Drop what is recorded of these pods (the caller made sure that they are gone); returns the names of their
-        CDI specs, which the caller removes."""
+        CDI specs that no other pod's record names, which the caller removes.
+
+        A spec's name depends only on the device IDs the kubelet picked (Allocate names it before the pod is known),
+        so a live pod that got a finished pod's device IDs has the same spec name: removing it would take the live
+        pod's spec away.
+        """
         gone = self.known_pods() & uids
         specs: set[str] = set()
         if gone:
@@ -85,7 +90,7 @@ class AgentState:
                 self.device_share.pop(uid, None)
                 specs |= self.cdi_specs.pop(uid, set())
             self.save()
-        return specs
+        return specs - self.all_cdi_specs()
 
     def save(self) -> None:
         if self.path is None:
