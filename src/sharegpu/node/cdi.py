@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sharegpu.model.contract import CDI_KIND
+from sharegpu.node.durable import write_atomic
 from sharegpu.node.errors import NodeError
 
 CDI_VERSION = "0.6.0"
@@ -136,10 +137,7 @@ class CdiWriter:
             ],
         }
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(spec, indent=2))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(spec, indent=2))
         except OSError as e:
             raise CdiError(f"cannot write the CDI spec {path}: {e.strerror or e}; check --cdi-dir") from None
         return path

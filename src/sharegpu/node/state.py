@@ -9,12 +9,14 @@ one that another running container holds); the containers granted, and the CDI s
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
+from sharegpu.node.durable import RecordError, load_record, save_record
 from sharegpu.node.errors import NodeError
+
+KIND = "sharegpu-agent-state"
+VERSION = 1  # 0: the unversioned file written before records (same fields)
 
 
 class StateError(NodeError):
@@ -103,16 +105,13 @@ class AgentState:
             "cdiSpecs": {uid: sorted(names) for uid, names in self.cdi_specs.items()},
         }
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-            tmp.write_text(json.dumps(data, sort_keys=True))
-            os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half of one
+            save_record(self.path, KIND, VERSION, data)
         except OSError as e:
             raise StateError(f"cannot write the agent state {self.path}: {e.strerror or e}") from None
 
     def _load(self, path: Path) -> None:
         try:
-            data: Any = json.loads(path.read_text())
+            data: Any = load_record(path, KIND, VERSION, {0: dict}, _unversioned)
             self.managed_mig = {str(u) for u in data.get("managedMig", [])}
             self.mig_mode_set = {str(u) for u in data.get("migModeSet", [])}
             self.allocations = {
@@ -124,8 +123,14 @@ class AgentState:
                 for uid, ties in data.get("deviceShares", {}).items()
             }
             self.cdi_specs = {str(uid): {str(n) for n in names} for uid, names in data.get("cdiSpecs", {}).items()}
-        except (OSError, ValueError, TypeError, AttributeError) as e:
+        except (RecordError, ValueError, TypeError, AttributeError) as e:
             raise StateError(
                 f"the agent state {path} is unreadable ({e}); move it away to start afresh "
                 "(MIG instances sharegpu made will then be kept as if static)"
             ) from None
+
+
+def _unversioned(raw: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+    """The state file as written before it was a record: the fields alone."""
+    known = {"managedMig", "migModeSet", "allocations", "deviceShares", "cdiSpecs"}
+    return (0, raw) if raw.keys() <= known else None

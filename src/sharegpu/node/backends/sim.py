@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -53,6 +52,7 @@ from sharegpu.node.backends.base import (
     XidEvent,
 )
 from sharegpu.node.backends.sim_config import SimConfig, SimConfigError
+from sharegpu.node.durable import write_atomic
 
 log = logging.getLogger(__name__)
 _UUID_NAMESPACE = uuid.UUID("6b1f0c52-6a53-4c0e-9a55-3c1b8c0de001")
@@ -395,10 +395,7 @@ class SimBackend:
                 for g in self._gpus
             ],
         }
-        tmp = self._state_file.with_suffix(self._state_file.suffix + ".tmp")
-        self._state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self._state_file)  # atomic: a crash leaves the old state or the new one, never half
+        write_atomic(self._state_file, json.dumps(state))
 
     def _load_state(self, path: Path) -> None:
         try:

@@ -8,8 +8,6 @@ derived from this file, so a restart keeps them and an Unprepare releases exactl
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,9 +15,11 @@ from typing import Any
 from sharegpu.model.assignment import Mechanism
 from sharegpu.node.dra.claims import ClaimPlan, DevicePlan
 from sharegpu.node.dra.config import TimeSlice
+from sharegpu.node.durable import RecordError, load_record, save_record
 from sharegpu.node.errors import NodeError
 
-VERSION = 1
+KIND = "sharegpu-dra-checkpoint"
+VERSION = 2  # 1: a plain JSON file {"version": 1, "claims"} before records, claims without their pods' user
 
 
 class CheckpointError(NodeError):
@@ -50,7 +50,6 @@ class Checkpoint:
 
     def _save(self) -> None:
         data = {
-            "version": VERSION,
             "claims": {
                 uid: {
                     "namespace": p.namespace,
@@ -63,18 +62,13 @@ class Checkpoint:
             },
         }
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-            tmp.write_text(json.dumps(data, sort_keys=True))
-            os.replace(tmp, self.path)  # a crash leaves the old file or the new one
+            save_record(self.path, KIND, VERSION, data)
         except OSError as e:
             raise CheckpointError(f"cannot write the DRA checkpoint {self.path}: {e.strerror or e}") from None
 
     def _load(self) -> None:
         try:
-            data: Any = json.loads(self.path.read_text())
-            if data.get("version") != VERSION:
-                raise ValueError(f"version {data.get('version')!r}, expected {VERSION}")
+            data: Any = load_record(self.path, KIND, VERSION, {1: dict}, _version_1)
             for uid, c in data["claims"].items():
                 devices = tuple(
                     DevicePlan(
@@ -87,8 +81,15 @@ class Checkpoint:
                     raise ValueError(f"claim {uid}: user {user!r} is not a UID")
                 self.claims[uid] = ClaimPlan(uid, c["namespace"], c["name"], devices, user)
                 self.units[uid] = tuple(str(u) for u in c["units"])
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        except (RecordError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise CheckpointError(
                 f"the DRA checkpoint {self.path} is unreadable ({e}); prepared claims cannot be recovered from it. "
                 "Drain the node's DRA pods, then move the file away"
             ) from None
+
+
+def _version_1(raw: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+    """The checkpoint as written before it was a record: ``{"version": 1, "claims": …}``."""
+    if raw.get("version") == 1 and isinstance(raw.get("claims"), dict):
+        return 1, {"claims": raw["claims"]}
+    return None
