@@ -208,7 +208,8 @@ async def run_checks(out: Path, gpu: int) -> int:
     from sharegpu.model.inventory import GpuDevice, NodeSpec
     from sharegpu.model.request import GpuRequest, Isolation
     from sharegpu.node.audit import read_gpu
-    from sharegpu.node.backends.nvml import NvmlBackend, PynvmlApi
+    from sharegpu.node.backends.nvml import NvmlBackend
+    from sharegpu.node.backends.nvml_api import PynvmlApi
     from sharegpu.node.mps import MpsLimits, MpsManager, NvidiaMpsDaemon
     from sharegpu.node.mps_faults import fault_lines
     from sharegpu.placement.fragmentation import Workload

@@ -20,7 +20,8 @@ from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.audit import FindingKind, GpuReading, Role, attribute, audit, pod_usage, read_gpu, unit_shares
 from sharegpu.node.backends.base import MPS_SERVER_NAME, XidEvent
-from sharegpu.node.backends.nvml import XID_CRITICAL_ERROR, NvmlBackend, NvmlCallError, NvmlEvent, NvmlProcess
+from sharegpu.node.backends.nvml import NvmlBackend
+from sharegpu.node.backends.nvml_api import XID_CRITICAL_ERROR, NvmlCallError, NvmlEvent, NvmlProcess
 from sharegpu.node.backends.sim import MPS_SERVER_MEMORY_MIB, SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
 from sharegpu.node.enforcement import FAULT_MESSAGE, FAULT_REASON, EnforcementWatch

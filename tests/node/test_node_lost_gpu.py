@@ -14,7 +14,8 @@ from sharegpu.model.assignment import Mechanism
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.allocation import AllocationError
 from sharegpu.node.backends.base import BackendError
-from sharegpu.node.backends.nvml import NvmlBackend, NvmlCallError
+from sharegpu.node.backends.nvml import NvmlBackend
+from sharegpu.node.backends.nvml_api import NvmlCallError
 from sharegpu.node.kube import NodeInfo
 from sharegpu.node.mps import SimMpsDaemon
 

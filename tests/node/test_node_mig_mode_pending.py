@@ -14,7 +14,8 @@ from test_node_nvml_backend import FakeGpu, FakeNvml
 from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.node.allocation import AllocationError, Allocator
 from sharegpu.node.backends.base import InstanceInUse, MigModeInUse, MigModePending, ResetRequired
-from sharegpu.node.backends.nvml import NvmlBackend, NvmlCallError
+from sharegpu.node.backends.nvml import NvmlBackend
+from sharegpu.node.backends.nvml_api import NvmlCallError
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
 from sharegpu.node.cdi import CdiWriter

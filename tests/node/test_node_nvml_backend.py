@@ -16,16 +16,8 @@ from sharegpu.node.backends.base import (
     MigNotEnabled,
     MigUnsupported,
 )
-from sharegpu.node.backends.nvml import (
-    GiInfo,
-    GiProfile,
-    NvmlBackend,
-    NvmlCallError,
-    NvmlEvent,
-    NvmlProcess,
-    pod_uid_from_cgroup,
-    resolve_model,
-)
+from sharegpu.node.backends.nvml import NvmlBackend, pod_uid_from_cgroup, resolve_model
+from sharegpu.node.backends.nvml_api import GiInfo, GiProfile, NvmlCallError, NvmlEvent, NvmlProcess
 
 GIB = 1024**3
 # NVML's H100 profile table: (profile constant → id, slices, MB, placements); id 7 is 1g.10gb+me.

@@ -30,7 +30,7 @@ int nvmlDeviceCreateGpuInstanceWithPlacement(void *dev, unsigned pid, const plac
 DRIVER = r"""
 import ctypes, sys
 import pynvml
-from sharegpu.node.backends.nvml import PynvmlApi
+from sharegpu.node.backends.nvml_api import PynvmlApi
 lib = ctypes.CDLL(sys.argv[1])
 pynvml.nvmlLib = lib
 pynvml._nvmlGetFunctionPointer_cache.clear()
@@ -99,7 +99,7 @@ int nvmlDeviceGetMPSComputeRunningProcesses_v3(void *dev, unsigned *count, proc_
 EVENTS_DRIVER = r"""
 import ctypes, json, sys
 import pynvml
-from sharegpu.node.backends.nvml import XID_CRITICAL_ERROR, PynvmlApi
+from sharegpu.node.backends.nvml_api import XID_CRITICAL_ERROR, PynvmlApi
 lib = ctypes.CDLL(sys.argv[1])
 pynvml.nvmlLib = lib
 pynvml._nvmlGetFunctionPointer_cache.clear()

@@ -158,7 +158,8 @@ def make_backend(node_name: str, backend_kind: BackendKind, sim_config: Path | N
     else:
         if sim_config is not None:
             raise AgentSetupError("--sim-config is only for --backend sim")
-        from sharegpu.node.backends.nvml import NvmlBackend, PynvmlApi
+        from sharegpu.node.backends.nvml import NvmlBackend
+        from sharegpu.node.backends.nvml_api import PynvmlApi
 
         backend = NvmlBackend(PynvmlApi())
         daemon = NvidiaMpsDaemon(os.environ.get("SHAREGPU_MPS_CONTROL", MPS_CONTROL))
