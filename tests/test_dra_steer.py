@@ -13,8 +13,8 @@ from sharegpu.placement.dra_steer import FirstFitSharegpuScore, first_fit_gpu
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import CycleState, Decision, Scheduler
 from sharegpu.placement.mechanism import make_share
+from sharegpu.placement.plugins.refined import RefinedFgdScore
 from sharegpu.placement.policies import PolicyContext, make_policy
-from sharegpu.placement.scorers import RefinedFgdScore
 
 WORKLOAD = Workload.from_requests(
     [GpuRequest(f"s{i}", 1, compute_milli=250, cpu_milli=2000) for i in range(6)]

@@ -15,11 +15,12 @@ from sharegpu.model.assignment import Assignment
 from sharegpu.model.catalog import GIB
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.fragmentation import TaskShape, Workload, fgd_score, model_pressure
+from sharegpu.placement.fragmentation import FragmentationModel, TaskShape, Workload, fgd_score, model_pressure
 from sharegpu.placement.framework import CycleState, Decision, Scheduler
 from sharegpu.placement.mechanism import make_share
+from sharegpu.placement.plugins.fgd import FgdScore
+from sharegpu.placement.plugins.refined import RefinedFgdScore
 from sharegpu.placement.policies import PolicyContext, make_policy
-from sharegpu.placement.scorers import FgdScore, FragmentationModel, RefinedFgdScore
 
 
 def node(name: str, model: str, gpus: int, cpu: int, mem: int = 256 * GIB) -> NodeSpec:

@@ -31,11 +31,10 @@ from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.errors import KubeError
 from sharegpu.ledger import GpuMode, Ledger
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
-from sharegpu.placement.fragmentation import Workload, fragmentation_of
+from sharegpu.placement.fragmentation import FragmentationModel, Workload, fragmentation_of
 from sharegpu.placement.framework import Scheduler
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.reasons import ReasonKind, fmt_mib
-from sharegpu.placement.scorers import FragmentationModel
 
 log = logging.getLogger(__name__)
 

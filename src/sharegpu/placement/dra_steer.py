@@ -20,7 +20,7 @@ from sharegpu.ledger import Ledger
 from sharegpu.placement.dra_allocator import FirstFitGpus
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import CycleState, IntArray, Policy
-from sharegpu.placement.scorers import RefinedFgdScore
+from sharegpu.placement.plugins.refined import RefinedFgdScore
 
 
 def first_fit_gpu(usable: np.ndarray) -> IntArray:

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from sharegpu.model.request import GpuRequest
+from sharegpu.model.request import FULL_MILLI, GpuRequest
 
-if TYPE_CHECKING:  # types only: scorers builds on this module
+if TYPE_CHECKING:  # types only: the ledger is read, never imported at run time here
     from sharegpu.ledger import Ledger
-    from sharegpu.placement.scorers import FragmentationModel
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -251,3 +250,94 @@ def fragmentation_of(model: FragmentationModel) -> Callable[[Ledger], float]:
         return float(model.before(ledger, np.arange(len(ledger.nodes), dtype=np.int64)).sum())
 
     return measure
+
+
+def free_milli(ledger: Ledger, nodes: IntArray) -> IntArray:
+    """(K,G) free milli of each GPU, 0 where absent or unhealthy."""
+    out: IntArray = np.where(ledger.healthy[nodes], ledger.free_milli[nodes], 0)
+    return out
+
+
+def is_sharing(req: GpuRequest) -> bool:
+    return req.gpu_count == 1 and req.milli < FULL_MILLI
+
+
+# ----- FGD ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class FragmentationModel:
+    """Everything FGD needs beyond the ledger: the workload distribution and node → shape access.
+
+    Compared and hashed by identity, so that it can key a scheduler's per-node memo.
+    """
+
+    workload: Workload
+    # (models + 1) × shapes access tables per list of model names, the last row (node without GPUs) all False:
+    # a memo, since every score asks for it.
+    _tables: dict[tuple[str, ...], npt.NDArray[np.bool_]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def access(self, ledger: Ledger, nodes: IntArray) -> npt.NDArray[np.bool_]:
+        names = tuple(ledger.model_names)
+        table = self._tables.get(names)
+        if table is None:
+            table = np.zeros((len(names) + 1, len(self.workload.shapes)), dtype=bool)
+            table[: len(names)] = self.workload.access(ledger.model_names)
+            self._tables[names] = table
+        out: npt.NDArray[np.bool_] = table[ledger.node_model_id[nodes]]  # id -1 reads the last row
+        return out
+
+    def stranded(self, gpu_free: FloatArray | IntArray, cpu_free: FloatArray | IntArray) -> FloatArray:
+        """Free GPU milli beyond what the free CPU can feed at the workload's CPU per GPU."""
+        ratio = self.workload.cpu_per_gpu_milli
+        if ratio <= 0:
+            return np.zeros(np.shape(gpu_free), dtype=np.float64)
+        out: FloatArray = np.maximum(0.0, gpu_free - np.maximum(cpu_free, 0) / ratio)
+        return out
+
+    def before(self, ledger: Ledger, nodes: IntArray) -> FloatArray:
+        return node_fragmentation(
+            free_milli(ledger, nodes), ledger.cpu_free[nodes], self.access(ledger, nodes), self.workload
+        )
+
+    def per_gpu_after(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:
+        """(K,G) fragmentation after a one-GPU share lands on each GPU."""
+        return share_fragmentation(
+            free_milli(ledger, nodes),
+            ledger.cpu_free[nodes],
+            self.access(ledger, nodes),
+            self.workload,
+            req.milli,
+            shape_cpu(req),
+        )
+
+    def share_delta(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:
+        """(K,G) growth of each node's fragmentation if a one-GPU share lands on each of its GPUs.
+
+        Before and after are computed over the same nodes in one call, never taken from values computed over
+        another set of nodes: BLAS rounds a row's weighted sum differently depending on the batch it sits in, so
+        mixing batches would move FGD's integer scores and ties (a CPU-only pod's growth on a node whose CPU is
+        not short would no longer be exactly 0).
+        """
+        return self.per_gpu_after(ledger, req, nodes) - self.before(ledger, nodes)[:, None]
+
+    def whole_after(self, ledger: Ledger, req: GpuRequest, nodes: IntArray) -> FloatArray:
+        """Fragmentation after a CPU-only or whole-GPU request takes the tightest GPUs that fit."""
+        free = self.after_whole(free_milli(ledger, nodes), req)
+        cpu = ledger.cpu_free[nodes] - shape_cpu(req)
+        return node_fragmentation(free, cpu, self.access(ledger, nodes), self.workload)
+
+    @staticmethod
+    def after_whole(free: IntArray, req: GpuRequest) -> IntArray:
+        """(K,G) free milli once a CPU-only or whole-GPU request has taken the tightest GPUs that fit."""
+        free = free.copy()
+        if req.gpu_count and req.milli == FULL_MILLI:
+            # Only idle GPUs fit a whole-GPU share, and all look alike: the tightest are the first by index.
+            idle = free == FULL_MILLI
+            free[idle & (np.cumsum(idle, axis=1) <= req.gpu_count)] = 0
+        elif req.gpu_count:
+            for i in range(len(free)):
+                order = np.argsort(free[i], kind="stable")
+                taken = [g for g in order if free[i, g] >= req.milli][: req.gpu_count]
+                free[i, taken] -= req.milli
+        return free

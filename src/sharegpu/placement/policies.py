@@ -7,22 +7,19 @@ from dataclasses import dataclass
 
 from sharegpu.placement.dra_allocator import dra_default_policy
 from sharegpu.placement.dra_steer import dra_steered_policy
-from sharegpu.placement.fragmentation import Workload
+from sharegpu.placement.fragmentation import FragmentationModel, Workload
 from sharegpu.placement.framework import Policy
-from sharegpu.placement.scorers import (
+from sharegpu.placement.plugins.baseline import (
     BestFitGpus,
     BestFitScore,
     DotProductScore,
-    FgdGpus,
-    FgdScore,
-    FragmentationModel,
     GpuClusteringScore,
     GpuPackingScore,
     RandomGpus,
     RandomScore,
-    RefinedFgdGpus,
-    RefinedFgdScore,
 )
+from sharegpu.placement.plugins.fgd import FgdGpus, FgdScore
+from sharegpu.placement.plugins.refined import RefinedFgdGpus, RefinedFgdScore
 
 
 class UnknownPolicy(ValueError):

@@ -42,7 +42,7 @@ from scipy.optimize import linprog
 
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import FULL_MILLI, GpuRequest
-from sharegpu.placement.scorers import is_sharing
+from sharegpu.placement.fragmentation import is_sharing
 from sharegpu.sim.bound import BoundError, node_types, shapes
 
 FloatArray = npt.NDArray[np.float64]

@@ -17,10 +17,9 @@ import numpy.typing as npt
 from sharegpu.ledger import Ledger
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.fragmentation import Workload, fragmentation_of
+from sharegpu.placement.fragmentation import FragmentationModel, Workload, fragmentation_of
 from sharegpu.placement.framework import Scheduler, Unschedulable
 from sharegpu.placement.policies import PolicyContext, make_policy
-from sharegpu.placement.scorers import FragmentationModel
 from sharegpu.sim.engine import RunResult, run_arrivals, summary_reason
 from sharegpu.sim.openb import TraceTask
 from sharegpu.sim.protocol import fgd_arrivals, with_users
