@@ -47,6 +47,8 @@ class GpuModel:
     aliases: tuple[str, ...] = ()
     mps_capable: bool = True  # Volta and later: MPS with per-client memory and SM limits
     generic: bool = False  # an opaque/unknown name: capacity unknown, treat as one schedulable unit
+    architecture: str = "unknown"  # NVIDIA's name for the generation, as DRA attributes publish it
+    compute_capability: str = "0.0.0"  # CUDA compute capability as a semantic version
 
     @property
     def mig_capable(self) -> bool:
@@ -119,20 +121,97 @@ def _builtin_models() -> tuple[GpuModel, ...]:
         )
     )
     return (
-        GpuModel("A100-40GB", 40 * GIB, 108, a100_40, 8, 7, 14, ("A100-SXM4-40GB", "A100-PCIE-40GB")),
-        GpuModel("A100-80GB", 80 * GIB, 108, a100_80, 8, 7, 14, ("A100-SXM4-80GB", "A100-PCIE-80GB")),
-        GpuModel("H100-80GB", 80 * GIB, 132, _hopper(a100_80), 8, 7, 16, ("H100-SXM5-80GB", "H100-80GB-HBM3", "H100")),
-        GpuModel("H200-141GB", 141 * GIB, 132, _hopper(h200), 8, 7, 16, ("H200", "H200-SXM-141GB")),
-        GpuModel("A30-24GB", 24 * GIB, 56, _mig_a30(), 4, 4, 14, ("A30",)),
-        GpuModel("T4", 16 * GIB, 40, aliases=("Tesla-T4",)),
-        GpuModel("V100-16GB", 16 * GIB, 80, aliases=("V100M16", "V100-SXM2-16GB")),
-        GpuModel("V100-32GB", 32 * GIB, 80, aliases=("V100M32", "V100-SXM2-32GB")),
-        GpuModel("A10", 24 * GIB, 72, aliases=("A10-24GB",)),
-        GpuModel("L4", 24 * GIB, 58, aliases=("L4-24GB",)),
-        GpuModel("L40S", 48 * GIB, 142, aliases=("L40S-48GB",)),
-        GpuModel("RTX-4090", 24 * GIB, 128, aliases=("RTX4090", "GeForce-RTX-4090")),
+        GpuModel(
+            "A100-40GB",
+            40 * GIB,
+            108,
+            a100_40,
+            8,
+            7,
+            14,
+            ("A100-SXM4-40GB", "A100-PCIE-40GB"),
+            architecture="Ampere",
+            compute_capability="8.0.0",
+        ),
+        GpuModel(
+            "A100-80GB",
+            80 * GIB,
+            108,
+            a100_80,
+            8,
+            7,
+            14,
+            ("A100-SXM4-80GB", "A100-PCIE-80GB"),
+            architecture="Ampere",
+            compute_capability="8.0.0",
+        ),
+        GpuModel(
+            "H100-80GB",
+            80 * GIB,
+            132,
+            _hopper(a100_80),
+            8,
+            7,
+            16,
+            ("H100-SXM5-80GB", "H100-80GB-HBM3", "H100"),
+            architecture="Hopper",
+            compute_capability="9.0.0",
+        ),
+        GpuModel(
+            "H200-141GB",
+            141 * GIB,
+            132,
+            _hopper(h200),
+            8,
+            7,
+            16,
+            ("H200", "H200-SXM-141GB"),
+            architecture="Hopper",
+            compute_capability="9.0.0",
+        ),
+        GpuModel(
+            "A30-24GB", 24 * GIB, 56, _mig_a30(), 4, 4, 14, ("A30",), architecture="Ampere", compute_capability="8.0.0"
+        ),
+        GpuModel("T4", 16 * GIB, 40, aliases=("Tesla-T4",), architecture="Turing", compute_capability="7.5.0"),
+        GpuModel(
+            "V100-16GB",
+            16 * GIB,
+            80,
+            aliases=("V100M16", "V100-SXM2-16GB"),
+            architecture="Volta",
+            compute_capability="7.0.0",
+        ),
+        GpuModel(
+            "V100-32GB",
+            32 * GIB,
+            80,
+            aliases=("V100M32", "V100-SXM2-32GB"),
+            architecture="Volta",
+            compute_capability="7.0.0",
+        ),
+        GpuModel("A10", 24 * GIB, 72, aliases=("A10-24GB",), architecture="Ampere", compute_capability="8.6.0"),
+        GpuModel("L4", 24 * GIB, 58, aliases=("L4-24GB",), architecture="Ada Lovelace", compute_capability="8.9.0"),
+        GpuModel(
+            "L40S", 48 * GIB, 142, aliases=("L40S-48GB",), architecture="Ada Lovelace", compute_capability="8.9.0"
+        ),
+        GpuModel(
+            "RTX-4090",
+            24 * GIB,
+            128,
+            aliases=("RTX4090", "GeForce-RTX-4090"),
+            architecture="Ada Lovelace",
+            compute_capability="8.9.0",
+        ),
         # Pascal's MPS has no per-client memory limit and 16 clients: sharegpu time-slices it instead.
-        GpuModel("P100", 16 * GIB, 56, aliases=("P100-16GB", "Tesla-P100"), mps_capable=False),
+        GpuModel(
+            "P100",
+            16 * GIB,
+            56,
+            aliases=("P100-16GB", "Tesla-P100"),
+            mps_capable=False,
+            architecture="Pascal",
+            compute_capability="6.0.0",
+        ),
     )
 
 

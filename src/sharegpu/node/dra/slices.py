@@ -27,22 +27,6 @@ RESOURCE_API = "resource.k8s.io/v1"
 COMPUTE_FULL = 100  # compute capacity is percent of the GPU
 MEMORY_STEP_MIB = 1  # MPS limits memory in MiB
 COMPUTE_SLICES = "compute-slices"
-# What the catalog does not hold, for the attributes that device selectors use: (architecture, compute capability).
-_ARCH: Mapping[str, tuple[str, str]] = {
-    "A100-40GB": ("Ampere", "8.0.0"),
-    "A100-80GB": ("Ampere", "8.0.0"),
-    "A30-24GB": ("Ampere", "8.0.0"),
-    "A10": ("Ampere", "8.6.0"),
-    "H100-80GB": ("Hopper", "9.0.0"),
-    "H200-141GB": ("Hopper", "9.0.0"),
-    "L4": ("Ada Lovelace", "8.9.0"),
-    "L40S": ("Ada Lovelace", "8.9.0"),
-    "RTX-4090": ("Ada Lovelace", "8.9.0"),
-    "T4": ("Turing", "7.5.0"),
-    "V100-16GB": ("Volta", "7.0.0"),
-    "V100-32GB": ("Volta", "7.0.0"),
-    "P100": ("Pascal", "6.0.0"),
-}
 
 
 def memory_counter(slot: int) -> str:
@@ -87,7 +71,7 @@ def node_devices(
 
 
 def _attrs(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
-    arch, cc = _ARCH.get(model.name, ("unknown", "0.0.0"))
+    arch, cc = model.architecture, model.compute_capability
     return {
         "type": {"string": "gpu"},
         "index": {"int": d.index},
