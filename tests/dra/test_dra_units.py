@@ -18,13 +18,14 @@ from typer.testing import CliRunner
 from sharegpu.cli import app
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
+from sharegpu.model.request import Isolation
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup
 from sharegpu.node.cdi import CdiWriter
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
 from sharegpu.node.dra.claims import ClaimError, plan_claim
-from sharegpu.node.dra.config import ConfigError, Isolation, Sharing, configs_for_request, parse_config
+from sharegpu.node.dra.config import ConfigError, Sharing, configs_for_request, parse_config
 from sharegpu.node.dra.driver import ClaimRef, DraDriver, SimTimeSlicer
 from sharegpu.node.dra.plugin import DraPluginServer, SocketPaths
 from sharegpu.node.dra.slices import build_slices, node_devices
@@ -202,6 +203,15 @@ def test_claims_that_cannot_be_prepared(
 ) -> None:
     with pytest.raises(ClaimError, match=message):
         plan_claim(c, uid, "n1", gpus)
+
+
+def test_fault_isolation_is_time_slicing_and_never_mps() -> None:
+    fault = [cfg("FromClaim", isolation="fault")]
+    plan = plan_claim(claim(consumed={"memory": "8Gi", "compute": "50"}, config=fault), "u1", "n1", (A100,)).devices[0]
+    assert plan.mechanism is Mechanism.TIME_SLICING
+    with pytest.raises(ClaimError, match="isolation: fault cannot be met by MPS"):
+        both = [cfg("FromClaim", isolation="fault", sharing="MPS")]
+        plan_claim(claim(consumed={"memory": "8Gi", "compute": "50"}, config=both), "u1", "n1", (A100,))
 
 
 def test_a_foreign_claim_has_no_device_of_ours() -> None:

@@ -16,8 +16,9 @@ from sharegpu.kube.quantity import MIB, parse_quantity
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import DRIVER
+from sharegpu.model.request import Isolation
 from sharegpu.node.backends.base import DeviceInfo
-from sharegpu.node.dra.config import ConfigError, EffectiveConfig, Isolation, Sharing, TimeSlice, configs_for_request
+from sharegpu.node.dra.config import ConfigError, EffectiveConfig, Sharing, TimeSlice, configs_for_request
 from sharegpu.node.dra.slices import COMPUTE_FULL, PublishedDevice, node_devices
 from sharegpu.node.errors import NodeError
 
@@ -171,6 +172,13 @@ def _plan_device(
         )
     if memory >= pub.memory_mib and compute >= COMPUTE_FULL:
         return whole
+    if config.isolation is Isolation.FAULT:
+        if config.sharing is Sharing.MPS:
+            raise ClaimError(
+                f"{where}: isolation: fault cannot be met by MPS (a fault in one MPS client ends every client of its "
+                "server); use sharing: TimeSlicing, or leave sharing out"
+            )
+        return replace(whole, mechanism=Mechanism.TIME_SLICING, compute_percent=compute, memory_mib=memory)
     if config.sharing is Sharing.TIME_SLICING:
         if config.isolation is Isolation.MEMORY:
             raise ClaimError(

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sharegpu.model.contract import DRA_CONFIG_API_VERSION, DRA_CONFIG_KIND, DRIVER
+from sharegpu.model.request import Isolation  # the one vocabulary of isolation levels
 from sharegpu.node.errors import NodeError
 
 
@@ -38,12 +39,6 @@ class TimeSlice(StrEnum):
     @property
     def level(self) -> int:
         return list(TimeSlice).index(self)
-
-
-class Isolation(StrEnum):
-    NONE = "none"
-    MEMORY = "memory"
-    HARDWARE = "hardware"
 
 
 class GpuConfig(BaseModel):
