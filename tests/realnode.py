@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 LOCK = Path("/tmp/sharegpu-real-node.lock")
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -128,6 +128,25 @@ class RealNode:
         if check and out.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {out.stderr}")
         return out.stdout
+
+
+# Words that every "the rig is not there" skip reason holds (the modules' skipif markers, the real_node fixture).
+RIG_MISSING_MARKS = ("SHAREGPU_TEST_KUBECONFIG", "no real node:", "no API server")
+
+
+def rig_expected() -> bool:
+    """True where the rig and its real node must be there: CI (env ``CI``), or a rig named by SHAREGPU_TEST_K8S_REAL
+    (what ``.ci/run`` sets once it has started them)."""
+    return bool(os.environ.get("CI") or os.environ.get("SHAREGPU_TEST_K8S_REAL"))
+
+
+def rig_unavailable(reason: str) -> NoReturn:
+    """Skip with ``reason`` on a developer's machine; fail where the rig must be there (:func:`rig_expected`)."""
+    import pytest
+
+    if rig_expected():
+        pytest.fail(f"the rig should be there (CI or SHAREGPU_TEST_K8S_REAL is set) but is not: {reason}")
+    pytest.skip(reason)
 
 
 def _kubelet_alive(k8s_real: Path) -> bool:
