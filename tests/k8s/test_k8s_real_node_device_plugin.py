@@ -326,8 +326,7 @@ def rejected_by_the_kubelet_before_registration(p: dict[str, Any]) -> bool:
 GPU = "sharegpu.io/gpu"
 # A bound on how long a restarted kubelet waits for the agent's devices (kubelet.sock made → device list pushed). The
 # agent looks every 0.1 s; measured on the rig's 2 shared cores: see docs/node-agent.md "Restarts". 5 s leaves room
-# for a loaded CI machine, and still fails an agent that only noticed the new kubelet at its old 1 s poll plus a 5 s
-# registration held on the dead socket.
+# for a loaded CI machine (the old 1 s poll with a registration held up to 5 s on the dead socket could take 6 s).
 REREGISTRATION_BOUND_S = 5.0
 ONE_SECOND = datetime.timedelta(seconds=1)
 
