@@ -11,6 +11,7 @@ Pods print what they were given (``env``) and the test reads it back with the AP
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import json
 import os
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 LOCK = Path("/tmp/sharegpu-real-node.lock")
 DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
@@ -72,7 +73,7 @@ class RealNode:
             )
         return out.stdout
 
-    def restart_kubelet(self, attempts: int = 3) -> None:
+    def restart_kubelet(self, attempts: int = 3) -> int:
         """``kubelet-node.sh restart-kubelet``, again (up to ``attempts`` runs) when the rig's script fails.
 
         The script stops the kubelet, then starts it through steps that can fail on a loaded machine although nothing
@@ -80,19 +81,43 @@ class RealNode:
         registry.k8s.io/pause:3.10.2 failed", seen in CI-like runs), and its ``/readyz`` and Ready checks read the API
         server, which answers slowly or not ready while a burst of pods starts (a CI run failed inside this call with
         no other trace). Every run restarts the kubelet again, which is still what the callers ask for: a kubelet that
-        restarted. What each failed run printed is kept for the report when none succeeds.
+        restarted. What each failed run printed is kept for the report when none succeeds. Returns how many runs it
+        took (each one restarted the kubelet).
         """
         failures: list[str] = []
         for attempt in range(attempts):
             try:
                 self.script("restart-kubelet")
-                return
+                return attempt + 1
             except (AssertionError, subprocess.TimeoutExpired) as e:
                 failures.append(f"run {attempt + 1}: {e}")
                 print(f"kubelet-node.sh restart-kubelet, run {attempt + 1} of {attempts}, failed: {e}", flush=True)
                 if attempt + 1 < attempts:
                     time.sleep(2.0)
         raise AssertionError("\n".join(failures))
+
+    def plugin_registration(self, resource: str, timeout: float = 60) -> tuple[float, datetime.datetime]:
+        """How long the running kubelet waited for ``resource``'s device plugin, and when (UTC) it stopped waiting:
+        from starting its registration server (``kubelet.sock``) to the plugin's device list reaching its device
+        manager, after which it admits pods asking for the resource. Read from its log (the rig's script starts each
+        kubelet with a fresh ``kubelet.log``; klog writes the machine's time, UTC on the rig's machines)."""
+
+        def at(line: str) -> datetime.datetime:
+            # klog's header: I1126 10:15:49.493080 (month, day, time of day; no year)
+            stamp = " ".join(line.split()[:2])[1:]
+            year = datetime.datetime.now(datetime.UTC).year
+            return datetime.datetime.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S.%f").replace(tzinfo=datetime.UTC)
+
+        def lines() -> tuple[str, str] | None:
+            text = self.kubelet_log.read_text(errors="replace").splitlines()
+            started = next((ln for ln in text if '"Starting device plugin registration server"' in ln), None)
+            pushed = next(
+                (ln for ln in text if '"State pushed for device plugin"' in ln and f'resource="{resource}"' in ln), None
+            )
+            return (started, pushed) if started and pushed else None
+
+        started, pushed = wait_until(lines, f"the kubelet's log to show {resource} registered", timeout)
+        return (at(pushed) - at(started)).total_seconds(), at(pushed)
 
     def allocatable(self, resource: str) -> int:
         """How many devices of ``resource`` the kubelet would hand out now (pod-resources ``GetAllocatableResources``:
@@ -128,6 +153,25 @@ class RealNode:
         if check and out.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {out.stderr}")
         return out.stdout
+
+
+# Words that every "the rig is not there" skip reason holds (the modules' skipif markers, the real_node fixture).
+RIG_MISSING_MARKS = ("SHAREGPU_TEST_KUBECONFIG", "no real node:", "no API server")
+
+
+def rig_expected() -> bool:
+    """True where the rig and its real node must be there: CI (env ``CI``), or a rig named by SHAREGPU_TEST_K8S_REAL
+    (what ``.ci/run`` sets once it has started them)."""
+    return bool(os.environ.get("CI") or os.environ.get("SHAREGPU_TEST_K8S_REAL"))
+
+
+def rig_unavailable(reason: str) -> NoReturn:
+    """Skip with ``reason`` on a developer's machine; fail where the rig must be there (:func:`rig_expected`)."""
+    import pytest
+
+    if rig_expected():
+        pytest.fail(f"the rig should be there (CI or SHAREGPU_TEST_K8S_REAL is set) but is not: {reason}")
+    pytest.skip(reason)
 
 
 def _kubelet_alive(k8s_real: Path) -> bool:

@@ -95,6 +95,24 @@ class Rig:
             }
         )
 
+    async def unschedulable(self, name: str, why: str = "cannot allocate all claims") -> str:
+        """Wait until the kube-scheduler has tried pod ``name`` and found no device for its claim (its PodScheduled
+        condition: False, Unschedulable, with ``why`` in the message, as the DRA plugin says it); the message."""
+        from lightkube.resources.core_v1 import Pod
+
+        found: list[str] = []
+
+        async def judged() -> bool:
+            pod = (await self.c.get(Pod, name, namespace=self.ns)).to_dict()
+            for cond in pod.get("status", {}).get("conditions") or []:
+                if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+                    found[:] = [str(cond.get("message", ""))]
+                    return why in found[0]
+            return False
+
+        await until(judged, f"the kube-scheduler to find no room for {name}'s claim ({why})")
+        return found[0]
+
     async def allocated(self, name: str) -> bool:
         return bool((await self.claim(name)).get("status", {}).get("allocation"))
 
@@ -313,7 +331,7 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
         "selectors": [{"cel": {"expression": f'device.attributes["gpu.sharegpu.io"].profile == {profile}'}}],
     }
     await rig.make_claim_and_pod("mig-a", mig_request)
-    await asyncio.sleep(3)
+    await rig.unschedulable("mig-a")
     assert not await rig.allocated("mig-a")
 
     # A restarted driver (a new process on the same state) answers from its checkpoint and then unprepares.
@@ -359,7 +377,8 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
     await rig.make_claim_and_pod(
         "late-share", {"deviceClassName": SHARED_CLASS, "capacity": {"requests": {"memory": "1Gi", "compute": "1"}}}
     )
-    await asyncio.sleep(3)
+    await rig.unschedulable("mig-c")
+    await rig.unschedulable("late-share")
     assert not await rig.allocated("mig-c") and not await rig.allocated("late-share")
 
     async with grpc.aio.insecure_channel(f"unix://{restarted.server.paths.service}") as ch:
@@ -417,7 +436,7 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
             "timeSliceInterval": "Short",
         },
     )
-    await asyncio.sleep(3)
+    await rig.unschedulable("notebook")
     assert not await rig.allocated("notebook")  # the dedicated claim holds the whole GPU
     dedicated = await rig.claim("dedicated")
     async with grpc.aio.insecure_channel(f"unix://{restarted.server.paths.service}") as ch:

@@ -456,9 +456,11 @@ class Rig:
         scheduler_name: str = SCHEDULER_NAME,
         values: dict[str, Any] | None = None,
         config_obj: dict[str, Any] | None = None,
+        verbosity: int = 2,
     ) -> Proc:
         """A second kube-scheduler (the rig's own keeps serving default-scheduler pods) running the chart's profile
-        (or ``config_obj``, a KubeSchedulerConfiguration of the test's own)."""
+        (or ``config_obj``, a KubeSchedulerConfiguration of the test's own); ``verbosity``: its klog ``--v`` (6 logs
+        what its DRA claim tracker counts)."""
         config = self.work / "scheduler-config.yaml"
         config.write_text(yaml.safe_dump(config_obj or self.scheduler_config(extender_url, scheduler_name, values)))
         port = free_port()
@@ -470,7 +472,7 @@ class Rig:
             f"--authorization-kubeconfig={sk}",
             "--bind-address=127.0.0.1",
             f"--secure-port={port}",
-            "--v=2",
+            f"--v={verbosity}",
         ]
         gates = self.k8s_real / "feature-gates.txt"
         if gates.exists() and gates.read_text().strip():

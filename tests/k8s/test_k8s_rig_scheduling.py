@@ -6,7 +6,6 @@ Skipped unless SHAREGPU_TEST_KUBECONFIG names the rig's kubeconfig (.ci/run star
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -173,10 +172,21 @@ def test_the_webhook_admits_and_refuses_through_a_real_admission_review(rig: Rig
         rig.client.create(res.from_dict(doc))
         made.append((res, doc["metadata"]["name"]))
     try:
-        time.sleep(2.0)  # the API server's webhook configuration informer
 
-        def create(obj: dict[str, Any]) -> dict[str, Any]:
-            return dict(rig.client.create(Pod.from_dict(obj), namespace=ns).to_dict())
+        def create(obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+            return dict(rig.client.create(Pod.from_dict(obj), namespace=ns, dry_run=dry_run).to_dict())
+
+        def both_configurations_in_force() -> bool:
+            # The API server loads webhook configurations through an informer: a dry run (the chart's webhooks have
+            # no side effects) shows when the mutating one rewrites a pod and the validating one refuses one.
+            mutated = create(rig_pod("probe", memory="10Gi", compute=30, scheduler_name=None), dry_run=True)
+            try:
+                create(rig_pod("probe-bad", memory="10Gi", compute=150), dry_run=True)
+            except ApiError as e:
+                return mutated["spec"]["schedulerName"] == "sharegpu-scheduler" and "denied the request" in str(e)
+            return False
+
+        wait_for(both_configurations_in_force, "the API server to call both webhooks", 30)
 
         share = rig_pod("share", memory="10Gi", compute=30, scheduler_name=None)
         created = create(share)

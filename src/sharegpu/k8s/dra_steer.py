@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from sharegpu.k8s.dra_view import _mib, _num
-from sharegpu.k8s.pod_request import _cpu_and_memory
+from sharegpu.k8s.pod_request import cpu_and_memory
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.informer import Informer, Source, Timing, of_json
 from sharegpu.kube.schema import Pod
@@ -419,7 +419,7 @@ class DraState:
                 if c is None:
                     raise NotSteered(f"claim {ns}/{name} not seen yet")
                 claims.append(c)
-            cpu, mem = _cpu_and_memory(pod)
+            cpu, mem = cpu_and_memory(pod)
             req = claim_request(pod.key, claims, cpu, mem)
         except NotSteered as e:
             return Steer(candidates, str(e))
@@ -471,7 +471,7 @@ def _parse_use(claim: Mapping[str, Any], catalog: Catalog = DEFAULT_CATALOG) -> 
 
 def _pod_cpu_memory(p: Mapping[str, Any]) -> tuple[int, int]:
     try:
-        return _cpu_and_memory(Pod.model_validate(p))
+        return cpu_and_memory(Pod.model_validate(p))
     except (InvalidRequest, ValueError):
         return 0, 0
 

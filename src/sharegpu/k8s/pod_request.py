@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from sharegpu.kube.quantity import MIB, parse_quantity
 from sharegpu.kube.schema import Container, Pod
@@ -32,6 +33,7 @@ __all__ = [
     "InvalidPodRequest",
     "asks_for_sharegpu",
     "containers_missing_gpu_count",
+    "cpu_and_memory",
     "gpu_user",
     "pod_request",
 ]
@@ -130,20 +132,39 @@ def _demands(pod: Pod, amount: Callable[[Container], int]) -> list[ContainerDema
     ]
 
 
-def _cpu_and_memory(pod: Pod) -> tuple[int, int]:
-    """The pod's effective CPU (milli) and memory (MiB) requests, as the kube-scheduler counts them (native sidecars
-    beside the app containers, each init container beside the sidecars started before it)."""
+def _cpu_memory_of(res: Mapping[str, str | int | float], where: str) -> tuple[int | None, int | None]:
+    """CPU (milli) and memory (MiB) of a resource list, rounded up (None: not named)."""
+    cpu = mem = None
+    if "cpu" in res:
+        cpu = max(math.ceil(_quantity(str(res["cpu"]), f"{where}cpu") * 1000), 0)
+    if "memory" in res:
+        mem = max(math.ceil(_quantity(str(res["memory"]), f"{where}memory") / MIB), 0)
+    return cpu, mem
+
+
+def _pod_field(pod: Pod, name: str) -> Mapping[str, Any]:
+    value = (pod.spec.model_extra or {}).get(name)
+    return value if isinstance(value, Mapping) else {}
+
+
+def cpu_and_memory(pod: Pod) -> tuple[int, int]:
+    """The pod's CPU (milli) and memory (MiB) requests as the kube-scheduler counts them (:func:`pod_demand`):
+    its containers' peak (native sidecars beside the app containers, each init container beside the sidecars started
+    before it), or its pod-level ``spec.resources`` request where it sets one, plus its ``spec.overhead``."""
 
     def one(c: Container) -> tuple[int, int]:
-        res = {**c.resources.limits, **c.resources.requests}  # requests default to limits
-        cpu = mem = 0
-        if "cpu" in res:
-            cpu = math.ceil(_quantity(str(res["cpu"]), f"container {c.name!r}: cpu") * 1000)
-        if "memory" in res:
-            mem = math.ceil(_quantity(str(res["memory"]), f"container {c.name!r}: memory") / MIB)
-        return max(cpu, 0), max(mem, 0)
+        cpu, mem = _cpu_memory_of({**c.resources.limits, **c.resources.requests}, f"container {c.name!r}: ")
+        return cpu or 0, mem or 0  # requests default to limits
 
-    return pod_demand(_demands(pod, lambda c: one(c)[0])), pod_demand(_demands(pod, lambda c: one(c)[1]))
+    pod_res = _pod_field(pod, "resources")
+    level_cpu, level_mem = _cpu_memory_of(
+        {**(pod_res.get("limits") or {}), **(pod_res.get("requests") or {})}, "spec.resources: "
+    )
+    over_cpu, over_mem = _cpu_memory_of(_pod_field(pod, "overhead"), "spec.overhead: ")
+    return (
+        pod_demand(_demands(pod, lambda c: one(c)[0]), over_cpu or 0, level_cpu),
+        pod_demand(_demands(pod, lambda c: one(c)[1]), over_mem or 0, level_mem),
+    )
 
 
 def _effective_gpus(pod: Pod) -> int:
@@ -224,7 +245,7 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
     memory, compute = next(iter(shapes)) if shapes else (None, None)
     ann: Mapping[str, str] = pod.metadata.annotations
     models = _models(ann[MODEL_ANNOTATION], catalog) if MODEL_ANNOTATION in ann else frozenset()
-    cpu, host_mem = _cpu_and_memory(pod)
+    cpu, host_mem = cpu_and_memory(pod)
     mig = ann.get(MIG_PROFILE_ANNOTATION)
     return GpuRequest(
         name=pod.key,

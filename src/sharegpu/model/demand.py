@@ -9,8 +9,11 @@ of the pod's life, beside the later init containers and beside the app container
 - once the app containers run: every sidecar plus every app container;
 
 and its demand is the largest of these (k8s.io/component-helpers ``resource.PodRequests``; the kubelet's device
-manager reuses devices the same way, so a pod holds exactly this many device IDs). Every place that turns a pod's
-containers into one number (the webhook, the extender, the cluster view, the node agent) asks :func:`pod_demand`.
+manager reuses devices the same way, so a pod holds exactly this many device IDs). Two pod-level fields change the
+number the kube-scheduler counts, in this order: a pod-level request (``spec.resources.requests``, PodLevelResources,
+on by default since 1.34; CPU and memory only) replaces the containers' peak for that resource, and the pod's
+``spec.overhead`` (set from its RuntimeClass) is added on top. Every place that turns a pod's containers into one
+number (the webhook, the extender, the cluster view, the DRA steerer, the node agent) asks :func:`pod_demand`.
 """
 
 from __future__ import annotations
@@ -33,8 +36,18 @@ class ContainerDemand:
             raise ValueError(f"container {self.name!r}: only an init container can be a sidecar")
 
 
-def pod_demand(containers: Iterable[ContainerDemand]) -> int:
-    """The pod's peak demand (see the module's docstring); containers in spec order, init containers first."""
+def pod_demand(containers: Iterable[ContainerDemand], overhead: int = 0, pod_level: int | None = None) -> int:
+    """The pod's demand as the kube-scheduler counts it (see the module's docstring); containers in spec order, init
+    containers first. ``pod_level``: the pod's own request for the resource (None: it sets none), which replaces the
+    containers' peak; ``overhead``: its ``spec.overhead`` for the resource, added on top of either."""
+    if overhead < 0 or (pod_level is not None and pod_level < 0):
+        raise ValueError(f"overhead {overhead} and pod-level request {pod_level} must not be negative")
+    if pod_level is not None:
+        return pod_level + overhead
+    return _containers_peak(containers) + overhead
+
+
+def _containers_peak(containers: Iterable[ContainerDemand]) -> int:
     app = 0
     sidecars = 0  # sidecars started so far
     init_peak = 0
