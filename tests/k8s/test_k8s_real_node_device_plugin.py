@@ -41,6 +41,9 @@ def pod(name: str, node: str, *, containers: list[dict[str, Any]], annotations: 
         init: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     spec: dict[str, Any] = {
         "schedulerName": "sharegpu-scheduler",
+        # One Unix user for the burst's pods: an MPS unit serves one user, and a pod that declares none gets a unit
+        # of its own (test_k8s_real_node_mps_users.py mixes users).
+        "securityContext": {"runAsUser": 0},
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": 0,
         "nodeSelector": {"kubernetes.io/hostname": node},

@@ -24,9 +24,12 @@ BASELINE = {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kube
 
 
 def mps_pod(name: str, node: str, uid: int | None, memory: str, compute: int) -> dict[str, Any]:
-    p = pod(name, node, containers=[busybox("app", PRINT, limits(1, memory, compute))],
+    # The pods stay up: the rule is about pods that run at once (a finished pod's unit is free for anyone).
+    p = pod(name, node, containers=[busybox("app", f"{PRINT}; sleep 3600", limits(1, memory, compute))],
             annotations={"sharegpu.io/isolation": "memory", "sharegpu.io/gpu-model": "H100-80GB"})  # fmt: skip
-    if uid is not None:
+    if uid is None:
+        p["spec"].pop("securityContext", None)  # as the image says: the API shows no user
+    else:
         p["spec"]["securityContext"] = {"runAsUser": uid}
     return p
 
@@ -54,7 +57,9 @@ def test_mps_pods_run_under_pod_security_baseline_and_each_unit_serves_one_user(
 
     def done() -> list[dict[str, Any]] | None:
         now = rig.pods(ns)
-        return now if len(now) == len(pods) and all(p["status"].get("phase") == "Succeeded" for p in now) else None
+        if len(now) != len(pods) or any(p["status"].get("phase") != "Running" for p in now):
+            return None
+        return now if all("SHAREGPU_DONE" in logs_of(rig, ns, p)["app"] for p in now) else None
 
     try:
         settled = wait_until(done, "the MPS pods of two users to run", 180, every=0.5)
@@ -78,7 +83,7 @@ def test_mps_pods_run_under_pod_security_baseline_and_each_unit_serves_one_user(
         assert env.get("CUDA_MPS_PIPE_DIRECTORY"), (name, env)  # reached its daemon through the mounted pipe directory
     assert verdict.wrong == [], verdict.wrong
     assert verdict.containers == len(pods)
-    # No unit serves two users, and the pod whose user is undeclared is alone on its unit.
+    # All five run at once: no unit serves two users, and the pod whose user is undeclared is alone on its unit.
     by_user = {uid: {unit_of[n] for n in names} for uid, names in (("1000", ("u1000-a", "u1000-b")),
                                                                     ("0", ("root-a", "root-b")))}  # fmt: skip
     assert not by_user["1000"] & by_user["0"], unit_of
