@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sharegpu.strategybench.results import STRATEGIES, Measurement, aggregate
 from sharegpu.strategybench.workloads import KINDS, WorkloadParams
@@ -25,7 +26,7 @@ DEFAULT_MPS_ROOT = Path("/tmp/sharegpu-bench-mps")  # apart from the node agent'
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(code)
 
 
@@ -219,16 +220,20 @@ def run_bench(
     u = p.unit
     console.print(f"[bold]sharegpu bench[/] on {u.name} ({u.uuid}, {u.memory_mib} MiB) · backend {backend.name}")
     for n in p.notes:
-        console.print(n)
+        console.print(n, markup=False)
     for s in skipped:
-        console.print(f"skipped {s.strategy} ×{s.clients}: {s.why}")
+        console.print(f"skipped {s.strategy} ×{s.clients}: {s.why}", markup=False)
     busy = [pr.pid for pr in backend.gpu.processes(u.gpu_index)] if backend.name != "fake" else []
     if busy:
-        console.print(f"[yellow]warning:[/] processes {busy} use GPU {u.gpu_index}: they disturb the figures")
+        console.print(
+            f"[yellow]warning:[/] processes {escape(str(busy))} use GPU {u.gpu_index}: they disturb the figures"
+        )
     if not groups:
         raise BenchError("nothing to run: every strategy asked for was skipped (see above)")
     params = WorkloadParams(seconds=seconds, rate=rate, hold_s=min(seconds / 2, 1.0))
-    orch = Orchestrator(backend, mps_root, params, kinds, repeat, lambda m: console.print(m), batch_seconds)
+    orch = Orchestrator(
+        backend, mps_root, params, kinds, repeat, lambda m: console.print(m, markup=False), batch_seconds
+    )
     measurements: list[Measurement] = []
     with terminate_as_interrupt():
         try:
@@ -237,7 +242,7 @@ def run_bench(
                 for m in orch.run_group(g):
                     measurements.append(m)
                     if m.errors:
-                        console.print(f"[red]{g.strategy} ×{g.clients} {m.kind}: {m.errors[0]}[/]")
+                        console.print(f"[red]{g.strategy} ×{g.clients} {m.kind}: {escape(m.errors[0])}[/]")
                 console.print(f"{g.strategy} ×{g.clients}: {time.time() - tg:.1f} s")
         finally:
             orch.close()

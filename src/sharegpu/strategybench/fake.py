@@ -2,8 +2,8 @@
 
 The model (documented so that tests can predict it): alone, a light request takes ``LIGHT_MS``, a heavy iteration
 ``HEAVY_MS`` and a batch matmul ``BATCH_MS``. With ``peers`` clients on the unit, a client's compute runs ``peers``
-times slower under MPS and ``peers × (1 + overhead)`` times slower under time-slicing (the context switches), and
-no faster than its thread percentage allows; a light request waits ``overhead`` longer under time-slicing. GPU busy
+times slower under MPS and ``peers × (1 + overhead)`` times slower under time-slicing (the context switches), ``1 + LIMITS_OVERHEAD`` more with a
+thread limit, and no faster than that limit allows; a light request waits ``overhead`` longer under time-slicing. GPU busy
 time is the kernel time under MPS and the whole time slice under time-slicing. Memory: a client with an MPS memory
 limit gets its limit; without one the first client takes three quarters of the unit and the others share the rest.
 The client learns its strategy from the environment exactly as CUDA does (``CUDA_MPS_PIPE_DIRECTORY``: MPS, which
@@ -22,6 +22,7 @@ from sharegpu.node.mps import SimMpsDaemon
 from sharegpu.strategybench.workloads import WorkloadParams
 
 LIGHT_MS, HEAVY_MS, BATCH_MS = 1.5, 2.0, 0.2
+LIMITS_OVERHEAD = 0.05  # MPS with a thread limit: this much slower than without (as the H200 measured)
 LIGHT_KERNEL_SHARE = 0.05  # of a light request's time, the part the GPU is busy
 MEMORY_ENV = "SHAREGPU_BENCH_FAKE_MEMORY_MIB"  # the fake unit's memory, set by the orchestrator
 OVERHEAD_ENV = "SHAREGPU_BENCH_FAKE_TS_OVERHEAD"
@@ -48,6 +49,9 @@ class FakeDevice:
 
     def _slowdown(self) -> float:
         share = 1.0 if self.peers == 1 else self.peers * (1.0 if self.mps else 1.0 + self.overhead)
+        if self.threads < 100:
+            # held to its thread share, a client cannot use the SMs a neighbour leaves idle between kernels
+            share *= 1.0 + LIMITS_OVERHEAD
         return max(share, 100.0 / self.threads)
 
     def _compute(self, alone_ms: float) -> None:

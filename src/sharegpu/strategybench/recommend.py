@@ -146,19 +146,24 @@ def _light(n: int, cands: list[Row], alone: Row | None) -> Recommendation:
 
     held.sort(key=busy)
     best = held[0]
-    p99 = best.metrics["p99_ms"].value
-    reason = f"p99 {p99:.2f} ms ({ref_txt})"
+    reason = f"p99 {best.metrics['p99_ms'].value:.2f} ms ({ref_txt})"
     bb = _v(best, "busy_pct")
-    worst = max(held, key=busy)
-    wb = _v(worst, "busy_pct")
-    if bb is None or wb is None or worst is best:
+    # Compared with time-slicing where it was measured (whether its latency held or not), else the busiest other.
+    others = [r for r in have if r is not best]
+    ts = next((r for r in others if r.strategy == "time-slicing"), None)
+    other = ts or (max(others, key=busy) if others else None)
+    ob = _v(other, "busy_pct") if other else None
+    if other is None or bb is None or ob is None:
         return Recommendation("light", n, best.strategy, None, None, False, reason)
-    saved = 100.0 * (1.0 - bb.value / wb.value) if wb.value > 0 else 0.0
-    reason += f"; GPU busy {bb.value:.0f} % vs {wb.value:.0f} % under {STRATEGY_TITLES[worst.strategy]}"
-    noise = bb.overlaps(wb)
+    saved = 100.0 * (1.0 - bb.value / ob.value) if ob.value > 0 else 0.0
+    reason += (
+        f"; GPU busy {bb.value:.0f} % vs {ob.value:.0f} % under {STRATEGY_TITLES[other.strategy]} "
+        f"(p99 {other.metrics['p99_ms'].value:.2f} ms)"
+    )
+    noise = bb.overlaps(ob)
     if noise:
         reason += " — within the spread of the repetitions"
-    return Recommendation("light", n, best.strategy, round(saved, 1), worst.strategy, noise, reason)
+    return Recommendation("light", n, best.strategy, round(saved, 1), other.strategy, noise, reason)
 
 
 def _memory(n: int, cands: list[Row], unit_memory_mib: int) -> Recommendation:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sharegpu.strategybench.recommend import Recommendation
@@ -53,7 +54,7 @@ def table(rows: Sequence[Row], title: str) -> Table:
         for r in kind_rows:
             if r.errors and not r.metrics:
                 err = r.errors[0]
-                t.add_row(kind, STRATEGY_TITLES[r.strategy], str(r.clients), f"[red]failed: {err[:90]}[/]")
+                t.add_row(kind, STRATEGY_TITLES[r.strategy], str(r.clients), f"[red]failed: {escape(err[:90])}[/]")
                 continue
             tp = r.get("throughput")
             t.add_row(
@@ -78,10 +79,10 @@ def print_report(
 ) -> None:
     console.print(table(rows, title))
     for n in notes:
-        console.print(n)
+        console.print(n, markup=False)
     console.print("[bold]recommendation[/] (measured here):")
     for r in recs:
-        console.print(f"  {r.line()}")
+        console.print(f"  {r.line()}", markup=False)
 
 
 def to_json(
