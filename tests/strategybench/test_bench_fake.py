@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from proc_helpers import MAIN
+from proc_helpers import MAIN, free_port, kubeconfig
 from sharegpu.cli import app
+from sharegpu.k8s.bench_note import BENCH_ANNOTATION, parse_note
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
 from sharegpu.strategybench.runner import BenchError, plan
@@ -138,3 +139,73 @@ def test_bad_input_exits_2_with_what_to_do(args: list[str], words: str, tmp_path
     r = CliRunner().invoke(app, ["bench", "--backend", "fake", "--out", str(tmp_path), *args], env={"NODE_NAME": ""})
     assert r.exit_code == 2, r.output
     assert words in " ".join(r.output.split())
+
+
+class _ApiServer:
+    """An API server that takes one thing: a merge patch of a Node (what --publish sends)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.patches: list[tuple[str, str, dict[str, object]]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PATCH(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.patches.append((self.path, self.headers.get("Content-Type", ""), body))
+                name = self.path.split("?")[0].rsplit("/", 1)[-1]
+                out = json.dumps({"kind": "Node", "apiVersion": "v1", "metadata": {"name": name}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_publish_annotates_the_node_with_what_status_reads(tmp_path: Path) -> None:
+    api = _ApiServer()
+    try:
+        cfg = kubeconfig(tmp_path / "kubeconfig", api.url)
+        r = _bench(
+            tmp_path,
+            "--clients",
+            "1,2",
+            "--workloads",
+            "batch",
+            "--strategies",
+            "dedicated,time-slicing,mps",
+            "--fake-ts-overhead",
+            "0.3",
+            "--publish",
+            "--node",
+            "gpu-7",
+            "--kubeconfig",
+            str(cfg),
+        )
+    finally:
+        api.httpd.shutdown()
+    assert r.returncode == 0, r.stdout + r.stderr
+    ((path, ctype, body),) = api.patches
+    assert path.split("?")[0] == "/api/v1/nodes/gpu-7" and ctype == "application/merge-patch+json"
+    note = parse_note(body["metadata"]["annotations"][BENCH_ANNOTATION])  # type: ignore[index]
+    assert note.unit.startswith("GPU-") and note.gpu == "Simulated H100-80GB"
+    (pick,) = note.picks
+    assert (pick.kind, pick.clients, pick.strategy, pick.versus) == ("batch", 2, "mps", "time-slicing")
+    assert f"published on node gpu-7 ({BENCH_ANNOTATION}): batch×2: mps +" in r.stdout
+
+
+def test_publish_to_an_unreachable_api_server_says_so_and_exits_2(tmp_path: Path) -> None:
+    cfg = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{free_port()}")
+    r = _bench(tmp_path, "--clients", "1", "--workloads", "batch", "--publish", "--node", "n", "--kubeconfig", str(cfg))
+    assert r.returncode == 2
+    assert "cannot publish the result on node n" in " ".join(r.stderr.split())
+    assert (tmp_path / "out" / "bench.json").is_file()  # the measurement is kept

@@ -95,8 +95,8 @@ def bench(
     """Compare dedicated, time-slicing, MPS (without and with limits) and MIG on this node's GPU for light
     inference, heavy compute, parallel batch jobs and a memory-hungry job; recommend one per workload.
 
-    Needs the GPU to itself (other work disturbs the figures), CuPy (pip install 'sharegpu[bench]') and, for MPS,
-    root and nvidia-cuda-mps-control on PATH. Never changes a GPU's MIG mode. See docs/bench.md.
+    Needs the GPU to itself (other work disturbs the figures), CuPy (pip install 'sharegpu\\[bench]') and, for
+    MPS, root and nvidia-cuda-mps-control on PATH. Never changes a GPU's MIG mode. See docs/bench.md.
     """
     from sharegpu.strategybench.runner import BenchError
 

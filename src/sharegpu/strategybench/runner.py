@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from sharegpu.model.contract import MPS_ENV_PREFIX
-from sharegpu.node.backends.base import BackendError, GpuBackend
+from sharegpu.node.backends.base import GpuBackend
 from sharegpu.node.mps import MpsDaemon, MpsError, MpsLimits, MpsManager, mps_client_env
 from sharegpu.strategybench.results import Measurement
 from sharegpu.strategybench.workloads import KINDS, WorkloadParams
@@ -91,8 +91,8 @@ class NvmlBusySampler:
         while not self._stop.wait(self._period):
             try:
                 self._samples.append(self._gpu.utilization(self._index).gpu_percent)
-            except BackendError:
-                self._failed = True  # MIG mode: NVML has no utilisation for the GPU or its instances
+            except Exception:  # MIG mode: NVML has no utilisation for the GPU or its instances (NotSupported)
+                self._failed = True
                 return
 
     def stop(self, results: Sequence[dict[str, Any]], window_s: float) -> float | None:
