@@ -84,7 +84,8 @@ def run(dev: Device, kind: str, params: WorkloadParams, start_at: float) -> dict
     late = max(0.0, time.time() - start_at)
     wait_until(start_at)
     dev.busy_s()  # reset the fake's account: only the window counts
-    out: dict[str, Any] = {"kind": kind, "late_s": round(late, 3)}
+    # late_s: how long after the common start this client began (its warm-up overran, or it was not scheduled)
+    out: dict[str, Any] = {"kind": kind, "start_at": start_at, "late_s": round(late, 3)}
     if kind == "light":
         out |= _light(dev, params)
     elif kind == "heavy":
