@@ -10,6 +10,7 @@ from sharegpu.k8s.cli import scheduler_extender, status, webhook
 from sharegpu.kube.kubeconfig import quiet_http_logging
 from sharegpu.node.cli import dra_driver, node_agent
 from sharegpu.sim.cli import sim, trace_app
+from sharegpu.strategybench.cli import bench
 
 app = typer.Typer(
     help="sharegpu: GPU sharing for Kubernetes — ask for memory, compute and isolation; sharegpu picks "
@@ -43,6 +44,7 @@ app.command("dra-driver")(dra_driver)
 app.command("scheduler-extender")(scheduler_extender)
 app.command("webhook")(webhook)
 app.command("status")(status)
+app.command("bench")(bench)
 
 
 def main() -> None:

@@ -365,3 +365,34 @@ def test_the_charts_certificates_make_a_working_mutual_tls_pair(
             if not get(with_cert=False):
                 raise ConnectionError("closed without an answer")
         assert proc.stop() == 0
+
+
+def test_the_bench_job_is_off_by_default_and_runs_sharegpu_bench_on_the_named_node(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    assert not by_kind(default_docs, "Job")
+    docs = render({"bench": {"enabled": True, "nodeName": "gpu-7", "quick": True, "clients": "1,2"}})
+    for version in KUBE_VERSIONS:
+        for d in docs:
+            kubernetes_validate.validate(d, version, strict=True)
+    job = by_kind(docs, "Job")["sg-bench"]["spec"]
+    pod = job["template"]["spec"]
+    assert job["backoffLimit"] == 0 and pod["restartPolicy"] == "Never" and pod["nodeName"] == "gpu-7"
+    c = pod["containers"][0]
+    assert c["command"] == ["sharegpu", "bench"]
+    assert c["args"] == ["--gpu=0", "--out=/tmp/sharegpu-bench", "--quick", "--clients=1,2", "--publish",
+                         "--node=$(NODE_NAME)"]  # fmt: skip
+    assert c["securityContext"]["runAsUser"] == 0  # the MPS control daemon
+    # --publish may patch that one Node and nothing else
+    assert by_kind(docs, "ClusterRole")["sg-bench"]["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "resourceNames": ["gpu-7"], "verbs": ["get", "patch"]}
+    ]
+    private = render({"bench": {"enabled": True, "nodeName": "gpu-7", "publish": False}})
+    pod = by_kind(private, "Job")["sg-bench"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "--publish" not in pod["containers"][0]["args"]
+    assert "sg-bench" not in by_kind(private, "ClusterRole")
+
+
+def test_the_bench_job_needs_its_node() -> None:
+    with pytest.raises(Exception, match=r"bench.nodeName: name the GPU node to benchmark"):
+        render({"bench": {"enabled": True}})

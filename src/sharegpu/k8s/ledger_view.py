@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sharegpu.k8s.assume import AssumeCache, Assumed, Outcome, Phase
+from sharegpu.k8s.bench_note import BENCH_ANNOTATION
 from sharegpu.k8s.dra_view import is_dra_node
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.kube.api import DELETED
@@ -85,6 +86,7 @@ class LedgerView:
         # name the cluster lacks, a DRA node and a node without the agent, and each asks the user something else.
         self._node_names: set[str] = set()
         self._dra_nodes: set[str] = set()
+        self._bench_notes: dict[str, str] = {}  # node → its strategy-bench annotation (sharegpu.k8s.bench_note)
         self._pods: dict[str, Pod] = {}
         self._requests: dict[str, GpuRequest] = {}
         self._pod_problems: dict[str, str] = {}
@@ -145,6 +147,10 @@ class LedgerView:
     def node_spec(self, name: str) -> NodeSpec | None:
         return self._specs.get(name)
 
+    def bench_note(self, name: str) -> str | None:
+        """The node's ``sharegpu bench --publish`` annotation, as written (``sharegpu status`` shows it)."""
+        return self._bench_notes.get(name)
+
     def node_problem(self, name: str) -> str:
         """Why node ``name`` is not in the ledger."""
         if name in self._node_problems:
@@ -204,6 +210,7 @@ class LedgerView:
         self._node_problems.clear()
         self._node_names.clear()
         self._dra_nodes.clear()
+        self._bench_notes.clear()
         self._pods.clear()
         self._requests.clear()
         self._pod_problems.clear()
@@ -262,6 +269,7 @@ class LedgerView:
             self._node_problems.pop(name, None)
             self._node_names.discard(name)
             self._dra_nodes.discard(name)
+            self._bench_notes.pop(name, None)
         else:
             self._ingest_node(node)
         if (self._specs.get(name), self._node_problems.get(name)) != before:
@@ -296,6 +304,11 @@ class LedgerView:
         self._node_problems.pop(name, None)
         self._node_names.add(name)
         self._dra_nodes.discard(name)
+        note = node.metadata.annotations.get(BENCH_ANNOTATION)
+        if note is None:
+            self._bench_notes.pop(name, None)
+        else:
+            self._bench_notes[name] = note
         if is_dra_node(node.metadata.labels):
             self._dra_nodes.add(name)
             return  # its GPUs are handed out through DRA only (see sharegpu.k8s.dra_view): never counted here

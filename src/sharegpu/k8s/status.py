@@ -25,6 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from sharegpu.k8s.bench_note import InvalidBenchNote, parse_note
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.api import ClusterApi
@@ -204,7 +205,7 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
                     "pods": users.get((n, g.index), []),
                 }
             )
-        nodes.append({"name": spec.name, "gpus": gpus})
+        nodes.append({"name": spec.name, "gpus": gpus, "bench": bench_of(view.bench_note(spec.name))})
     pending = pending_pods(view)
     dra = dra_nodes or []
     dra_gpus = [g for n in dra for g in n["gpus"]]
@@ -222,6 +223,25 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
         "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.dra_view.dra_status
         "problems": [{"kind": p.kind, "name": p.name, "reason": p.reason} for p in view.problems],
     }
+
+
+def bench_of(text: str | None) -> dict[str, Any] | None:
+    """A node's ``sharegpu bench --publish`` result as the report carries it: its picks in words (``text``), the
+    GPU and when it was measured — or ``error`` where the annotation cannot be read."""
+    if text is None:
+        return None
+    try:
+        note = parse_note(text)
+    except InvalidBenchNote as e:
+        return {"error": str(e)}
+    return {"text": note.text(), "gpu": note.gpu, "unit": note.unit, "measuredAt": note.measured_at}
+
+
+def bench_words(bench: dict[str, Any]) -> str:
+    """``bench (NVIDIA H200, 2026-11-26): batch×4: mps +9 %; …``: the line under a node's table."""
+    if "error" in bench:
+        return f"bench: {bench['error']}"
+    return f"bench ({bench['gpu']}, {bench['measuredAt'][:10]}): {bench['text']}"
 
 
 def summary_line(report: dict[str, Any]) -> str:
@@ -319,6 +339,8 @@ def status_renderable(report: dict[str, Any], width: int | None = None) -> Rende
             for g in node["gpus"]
         ]
         parts.append(_gpu_table(f"node {node['name']}", "used / total", "pods", rows, width))
+        if node.get("bench"):
+            parts.append(Text(bench_words(node["bench"])))  # a line of its own: it would widen the table
     parts.extend(dra_node_tables(report.get("dra_nodes") or [], width))
     if report["pending"]:
         table = Table(title="pending", title_justify="left", expand=False, box=box.SIMPLE_HEAD, pad_edge=False)

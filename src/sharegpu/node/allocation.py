@@ -31,9 +31,6 @@ from sharegpu.model.contract import (
     ASSIGNMENT_ANNOTATION,
     GPU_RESOURCE,
     MECHANISM_ENV,
-    MPS_MEMORY_LIMIT_ENV,
-    MPS_PIPE_DIRECTORY_ENV,
-    MPS_THREAD_PERCENTAGE_ENV,
     NVIDIA_VISIBLE_DEVICES_ENV,
     SHARES_ENV,
 )
@@ -43,7 +40,7 @@ from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, allocati
 from sharegpu.node.errors import NodeError
 from sharegpu.node.kube import KubeApi, PodInfo
 from sharegpu.node.mig import MigError, MigInvalid, MigManager, MigNeed
-from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
+from sharegpu.node.mps import MpsError, MpsLimits, MpsManager, mps_client_env
 from sharegpu.node.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -328,11 +325,7 @@ class Allocator:
             except MpsError as e:
                 raise AllocationError(f"pod {pod.key}: {e}") from None
             mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
-            envs[MPS_PIPE_DIRECTORY_ENV] = MPS_PIPE_IN_CONTAINER
-            # Rounded down: a client may use less than promised, never more.
-            envs[MPS_THREAD_PERCENTAGE_ENV] = str(max(1, s.compute_milli // 10))
-            if s.memory_mib > 0:
-                envs[MPS_MEMORY_LIMIT_ENV] = f"0={s.memory_mib}M"
+            envs |= mps_client_env(MPS_PIPE_IN_CONTAINER, s.compute_milli, s.memory_mib)
         return ContainerGrant(
             pod.key, pod.uid, container, tuple(units), envs, tuple(mounts), tuple(dict.fromkeys(nodes)), cdi_name
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from sharegpu.model.contract import MPS_MEMORY_LIMIT_ENV, MPS_PIPE_DIRECTORY_ENV, MPS_THREAD_PERCENTAGE_ENV
 from sharegpu.node.errors import NodeError
 
 if TYPE_CHECKING:
@@ -68,6 +69,17 @@ class MpsLimits:
             else max(self.pinned_mem_mib, other.pinned_mem_mib)
         )
         return MpsLimits(max(self.thread_percentage, other.thread_percentage), mem)
+
+
+def mps_client_env(pipe_dir: str, compute_milli: int, memory_mib: int) -> dict[str, str]:
+    """The MPS settings a client of a share of ``compute_milli`` and ``memory_mib`` (0: no memory limit) runs with:
+    its daemon's pipe and its own limits, which can only lower what the daemon enforces (Allocate and
+    ``sharegpu bench`` give a client exactly this)."""
+    # Rounded down, as in MpsLimits.of_share: a client may use less than promised, never more.
+    env = {MPS_PIPE_DIRECTORY_ENV: pipe_dir, MPS_THREAD_PERCENTAGE_ENV: str(max(1, compute_milli // 10))}
+    if memory_mib > 0:
+        env[MPS_MEMORY_LIMIT_ENV] = f"0={memory_mib}M"  # device 0: the client sees only its unit
+    return env
 
 
 class MpsDaemon(Protocol):
