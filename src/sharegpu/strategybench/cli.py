@@ -162,7 +162,8 @@ def _backend(name: str, ts_overhead: float, sim_config: Path | None) -> BenchBac
     if importlib.util.find_spec("cupy") is None:
         raise BenchError(cupy_missing_message(_cuda_major()))
     from sharegpu.node.backends.base import BackendError
-    from sharegpu.node.backends.nvml import NvmlBackend, PynvmlApi
+    from sharegpu.node.backends.nvml import NvmlBackend
+    from sharegpu.node.backends.nvml_api import PynvmlApi
     from sharegpu.node.mps import NvidiaMpsDaemon
 
     try:
