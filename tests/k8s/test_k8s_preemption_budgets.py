@@ -5,9 +5,13 @@ would refuse its second eviction after the first was made for nothing)."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
+import pytest
 from k8s_helpers import pod_obj
 from test_k8s_consolidation import ON, events, share
-from test_k8s_preemption import Harness, run
+from test_k8s_preemption import HIGH, Harness, run
 
 from sharegpu.k8s.consolidation import PlanOutcome
 from sharegpu.k8s.preemption import Outcome, budget_violations, spend_budgets
@@ -137,3 +141,26 @@ def test_consolidation_moves_no_more_pods_under_a_budget_than_it_allows() -> Non
         assert h.metric("sharegpu_consolidation_plans_total", outcome=PlanOutcome.BLOCKED.value) == 0
 
     run(body, consolidation=ON)
+
+
+def test_no_preemption_is_said_once_per_pod_at_info_and_repeated_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 28 item 9: a round every 2 s said "no preemption for X … fits on no node" at INFO each time."""
+
+    async def body(h: Harness) -> None:
+        h.ctrl.config = replace(h.ctrl.config, backoff_s=0.0)
+        await h.nodes("n1")
+        await h.placed("peer", "n1", priority=HIGH)  # nobody of lower priority to evict
+        first = await h.waiting("first")
+        with caplog.at_level(logging.DEBUG, logger="sharegpu.k8s.preemption"):
+            for _ in range(3):
+                await h.ctrl.round()
+            second = await h.waiting("second")
+            for _ in range(2):
+                await h.ctrl.round()
+        said = [(r.levelno, r.getMessage().split(":")[0]) for r in caplog.records if "no preemption" in r.getMessage()]
+        assert said.count((logging.INFO, f"no preemption for {first}")) == 1
+        assert said.count((logging.DEBUG, f"no preemption for {first}")) == 4
+        assert said.count((logging.INFO, f"no preemption for {second}")) == 1
+        assert said.count((logging.DEBUG, f"no preemption for {second}")) == 1
+
+    run(body)

@@ -172,7 +172,7 @@ class Consolidator:
                 else PlanOutcome.NO_PLAN
             )
             self.metrics.count(outcome)
-            log.info("no consolidation for %s: %s", key, e)
+            log.log(ctrl.said.level(key, f"consolidation: {type(e).__name__}"), "no consolidation for %s: %s", key, e)
             return str(e), ()
         if plan.node_index not in ctrl.nodes_of(pod):
             # The planner does not know the kube-scheduler's own filters (affinity, taints, CPU): never move pods

@@ -263,6 +263,27 @@ def _importance(pod: Pod) -> tuple[int, float, str]:
     return (-pod_priority(pod), float("inf") if t is None else t, pod.key)
 
 
+class SaidOnce:
+    """What was last said about each pod: a round every 2 s would repeat the same "no preemption" line for every
+    pending pod. :meth:`level` is INFO the first time a pod gets a reason (or when its reason changes), DEBUG after."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}
+
+    def level(self, pod: str, reason: str) -> int:
+        if self._last.get(pod) == reason:
+            return logging.DEBUG
+        self._last[pod] = reason
+        return logging.INFO
+
+    def forget(self, pod: str) -> None:
+        self._last.pop(pod, None)
+
+    def keep_only(self, alive: Callable[[str], bool]) -> None:
+        for pod in [p for p in self._last if not alive(p)]:
+            del self._last[pod]
+
+
 @dataclass(frozen=True)
 class Evicted:
     """What :meth:`PreemptionController.evict` did: ``done`` evicted; ``failure`` says why it stopped (None: all
@@ -320,6 +341,8 @@ class PreemptionController:
         # What to try for a pod that preemption cannot help (no lower-priority victims anywhere): consolidation
         # (sharegpu.k8s.consolidation) when it is on. It answers as _preempt does: ("", moved) or (why not, ()).
         self.no_room: Callable[[Pod, Sequence[DisruptionBudget]], Awaitable[tuple[str, tuple[str, ...]]]] | None = None
+        # Why a pod got no preemption (or consolidation), said at INFO once per pod and reason, DEBUG when repeated.
+        self.said = SaidOnce()
 
     # ----- the view's hook ----------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -516,6 +539,7 @@ class PreemptionController:
         out: list[Pod] = []
         for gone in [k for k in self._passed if view.pod(k) is None]:
             del self._passed[gone]
+        self.said.keep_only(lambda k: view.pod(k) is not None)
         sched = view.scheduler()
         for p in pending_pods(view):
             if p.reason not in (GPU_ROOM, "fits") or p.pod in self._reservations or self._backoff.get(p.pod, 0.0) > now:
@@ -619,7 +643,8 @@ class PreemptionController:
         except PreemptionError as e:
             self.metrics.count(Outcome.NO_ROOM)
             self.back_off(key)
-            log.info("no preemption for %s: %s", key, e)
+            # The reason's kind, not its text: the text counts the cluster's pods, which change all the time.
+            log.log(self.said.level(key, f"preemption: {type(e).__name__}"), "no preemption for %s: %s", key, e)
             if self.no_room is not None:
                 return await self.no_room(pod, budgets)
             return str(e), ()
