@@ -15,7 +15,8 @@ extender, on its ledger, every ``interval_s`` while its replica is the leader:
    start times, PodDisruptionBudgets, whose ``disruptionsAllowed`` is counted down across the victims of one node as
    the kube-scheduler does, so that a node whose victims break no budget is preferred);
 3. evict the victims through the Eviction API (a plan whose victims would break a budget is not started; a budget
-   that refuses anyway, 429, ends the plan: recorded, retried after a back-off), set the preemptor's ``status.nominatedNodeName``, write Events and count metrics;
+   that refuses anyway, 429, ends the plan: recorded, retried after a back-off), set the preemptor's
+   ``status.nominatedNodeName``, write Events and count metrics;
 4. reserve: while the victims terminate they keep their share in the ledger (a terminating pod holds its
    assignment until it is deleted or finishes), so nothing else can be placed there; the moment the last one is
    gone (:meth:`PreemptionController.settle`, called by the view on every pod change, before any later filter can

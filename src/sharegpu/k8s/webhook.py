@@ -125,8 +125,8 @@ def _env_offenders(pod: Pod, only: Sequence[Container] | None = None) -> list[st
         for e in c.env:  # a value or a valueFrom: refused by name either way
             if e.name in FORBIDDEN_ENV or e.name.startswith(FORBIDDEN_ENV_PREFIX):
                 found.append(
-                    f"container {echo(c.name)} sets {e.name}: remove it — sharegpu sets the visible devices and the MPS "
-                    "limits from the pod's assignment, and a pod may not set them itself"
+                    f"container {echo(c.name)} sets {e.name}: remove it — sharegpu sets the visible devices and the "
+                    "MPS limits from the pod's assignment, and a pod may not set them itself"
                 )
         if (c.model_extra or {}).get("envFrom"):
             # The webhook cannot see what a ConfigMap or Secret holds (now or after an edit), so none is allowed.
@@ -187,15 +187,15 @@ def admit_pod(
     if pod.spec.scheduler_name not in ("", KUBE_DEFAULT_SCHEDULER, cfg.scheduler_name):
         return Verdict(
             False,
-            f"spec.schedulerName is {_plain(pod.spec.scheduler_name)}: pods that ask for {GPU_RESOURCE} resources are placed "
-            f"by the {cfg.scheduler_name} scheduler (no other scheduler can bind them); remove spec.schedulerName "
-            f"or set it to {cfg.scheduler_name}",
+            f"spec.schedulerName is {_plain(pod.spec.scheduler_name)}: pods that ask for {GPU_RESOURCE} resources "
+            f"are placed by the {cfg.scheduler_name} scheduler (no other scheduler can bind them); remove "
+            f"spec.schedulerName or set it to {cfg.scheduler_name}",
         )
     if pod.spec.node_name:
         return Verdict(
             False,
-            f"remove spec.nodeName ({_plain(pod.spec.node_name)}): pods that ask for {GPU_RESOURCE} resources are placed by "
-            f"the {cfg.scheduler_name} scheduler",
+            f"remove spec.nodeName ({_plain(pod.spec.node_name)}): pods that ask for {GPU_RESOURCE} resources are "
+            f"placed by the {cfg.scheduler_name} scheduler",
         )
     ops: list[dict[str, Any]] = []
     if mutate:
@@ -214,7 +214,7 @@ def admit_pod(
         if not mutate:
             return Verdict(
                 False,
-                f"set spec.schedulerName to {cfg.scheduler_name} (it is {_plain(pod.spec.scheduler_name) if pod.spec.scheduler_name else 'unset'}): "
+                f"set spec.schedulerName to {cfg.scheduler_name} (it is {_plain(pod.spec.scheduler_name) or 'unset'}): "
                 f"pods that ask for {GPU_RESOURCE} resources are placed by the sharegpu scheduler",
             )
         op = "replace" if "schedulerName" in (raw.get("spec") or {}) else "add"
@@ -292,7 +292,8 @@ def _annotation_problems(annotations: dict[str, str], system_ok: bool = False) -
             close = difflib.get_close_matches(key, [*POD_ANNOTATIONS, *RESOURCES], n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}? " if close else ""
             out.append(
-                f"unknown annotation {_plain(key)}: {hint}the annotations a pod may set are {', '.join(POD_ANNOTATIONS)}"
+                f"unknown annotation {_plain(key)}: {hint}the annotations a pod may set are "
+                f"{', '.join(POD_ANNOTATIONS)}"
             )
     return out
 
@@ -384,9 +385,9 @@ def _nvidia_offenders(pod: Pod) -> list[str]:
         )
         if names:
             found.append(
-                f"container {echo(c.name)} asks for {', '.join(_plain(n) for n in names)} in a pod that asks for {GPU_RESOURCE}: sharegpu "
-                f"nodes offer their GPUs as {GPU_RESOURCE} only, so no node could host the pod; ask for "
-                f"{GPU_RESOURCE} alone (with {MEMORY_RESOURCE} or {COMPUTE_RESOURCE} for a share)"
+                f"container {echo(c.name)} asks for {', '.join(_plain(n) for n in names)} in a pod that asks for "
+                f"{GPU_RESOURCE}: sharegpu nodes offer their GPUs as {GPU_RESOURCE} only, so no node could host the "
+                f"pod; ask for {GPU_RESOURCE} alone (with {MEMORY_RESOURCE} or {COMPUTE_RESOURCE} for a share)"
             )
     return found
 
