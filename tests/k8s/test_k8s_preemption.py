@@ -241,9 +241,15 @@ def test_a_budget_that_refuses_the_eviction_ends_the_plan() -> None:
         await h.nodes("n1")
         low = await h.placed("low", "n1", labels={"app": "db"})
         h.api.pdbs["default/db"] = DisruptionBudget("default", "db", (("app", "db"),), (), 0)
+        listed = DisruptionBudget("default", "db", (("app", "db"),), (), 1)
+
+        async def budgets() -> list[DisruptionBudget]:  # listed before its last disruption was used up elsewhere
+            return [listed]
+
+        h.api.list_disruption_budgets = budgets  # type: ignore[method-assign]
         high = await h.waiting("high")
         report = await h.ctrl.round()
-        assert high in report.refused and "PodDisruptionBudget" in report.refused[high]
+        assert high in report.refused and "refused by its PodDisruptionBudget" in report.refused[high]
         assert h.api.evictions == [] and not h.terminating(low)
         assert h.nominated(high) == "" and h.ctrl.reservations() == {}
         await h.ctrl.flush_events()

@@ -22,10 +22,11 @@ from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.view import NOT_SYNCED, ClusterView
 from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.errors import Conflict, KubeError, NotFound, Unavailable
+from sharegpu.kube.names import InvalidName, check_name
 from sharegpu.kube.schema import ExtenderBindingArgs, ExtenderBindingResult, Pod
 from sharegpu.ledger import LedgerError
 from sharegpu.model.assignment import Assignment
-from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, FENCE_ANNOTATION
+from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, DEFAULT_SCHEDULER_NAME, FENCE_ANNOTATION, GPU_RESOURCE
 from sharegpu.model.request import InvalidRequest
 from sharegpu.placement.framework import Decision
 
@@ -77,6 +78,13 @@ class Binder:
         return best
 
     async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
+        try:
+            # The names go into API paths (and the node into the Binding): checked before anything else is done.
+            check_name("namespace", args.PodNamespace)
+            check_name("pod", args.PodName)
+            check_name("node", args.Node)
+        except InvalidName as e:
+            return ExtenderBindingResult(Error=f"cannot bind: {e}")
         key = f"{args.PodNamespace}/{args.PodName}"
         if self.api is None:
             return ExtenderBindingResult(Error="this extender has no API server connection to bind with")
@@ -111,10 +119,12 @@ class Binder:
             req = pod_request(pod, self.view.catalog)
         except InvalidRequest as e:
             return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
-        if req is None:
+        if req is None or not req.wants_gpu:
+            # sharegpu.io/gpu: 0 names a resource but asks for nothing: bound, it would carry an assignment of no GPU.
+            what = "no sharegpu.io resource" if req is None else f"{GPU_RESOURCE}: 0 (no GPU)"
             return ExtenderBindingResult(
-                Error=f"cannot bind {key}: it asks for no sharegpu.io resource; the sharegpu extender binds only pods "
-                "that do"
+                Error=f"cannot bind {key}: it asks for {what}; the sharegpu extender binds only pods that ask for at "
+                f"least one GPU (ask for {GPU_RESOURCE}: 1 or more, or drop the sharegpu.io resources)"
             )
         # From here to reserve() nothing awaits: the decision and the reservation see one ledger state.
         held = self.view.held(key)

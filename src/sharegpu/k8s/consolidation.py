@@ -27,7 +27,7 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter
 
-from sharegpu.k8s.preemption import PreemptionController, budget_protects, pod_priority
+from sharegpu.k8s.preemption import PreemptionController, budget_protects, budget_violations, pod_priority
 from sharegpu.kube.api import DisruptionBudget, PodEvent
 from sharegpu.kube.schema import Pod
 from sharegpu.model.contract import MOVABLE_ANNOTATION
@@ -37,6 +37,7 @@ from sharegpu.placement.consolidation import AlreadyFits, ConsolidationError, No
 log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # the rate limit's window: moves per minute
+BUDGET_REPLANS = 2  # plans made again without the pods whose moves their PodDisruptionBudgets would refuse
 
 
 class PlanOutcome(StrEnum):
@@ -143,14 +144,25 @@ class Consolidator:
         future = ctrl.future_ledger()
         movable = self.movable(pod, budgets, list(future.assignments))
         try:
-            plan = plan_consolidation(
-                future,
-                req,
-                view.scheduler().policy,
-                movable,
-                max_moves=min(left, self.config.max_moves),
-                max_targets=self.config.max_targets,
-            )
+            for _ in range(BUDGET_REPLANS + 1):
+                plan = plan_consolidation(
+                    future,
+                    req,
+                    view.scheduler().policy,
+                    movable,
+                    max_moves=min(left, self.config.max_moves),
+                    max_targets=self.config.max_targets,
+                )
+                # Each budget allows so many disruptions in all: two moved pods under a budget that allows one would
+                # get a 429 for the second (counted down in the plan's order). Plan again without those.
+                over = budget_violations(budgets, [p for m in plan.moves if (p := view.pod(m.pod)) is not None])
+                if not over:
+                    break
+                movable = {k: r for k, r in movable.items() if k not in over}
+            else:
+                raise ConsolidationError(
+                    f"every plan for {key} moves more pods than their PodDisruptionBudgets allow now"
+                )
         except ConsolidationError as e:
             outcome = (
                 PlanOutcome.NOT_FRAGMENTED
@@ -160,7 +172,7 @@ class Consolidator:
                 else PlanOutcome.NO_PLAN
             )
             self.metrics.count(outcome)
-            log.info("no consolidation for %s: %s", key, e)
+            log.log(ctrl.said.level(key, f"consolidation: {type(e).__name__}"), "no consolidation for %s: %s", key, e)
             return str(e), ()
         if plan.node_index not in ctrl.nodes_of(pod):
             # The planner does not know the kube-scheduler's own filters (affinity, taints, CPU): never move pods

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from sharegpu.kube.echo import ECHO_CHARS, echo
 from sharegpu.kube.quantity import MIB, parse_quantity
 from sharegpu.kube.schema import Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
@@ -67,19 +68,35 @@ def resource_text(c: Container, name: str) -> str | None:
 def _quantity(text: str, what: str) -> Decimal:
     value = parse_quantity(text)
     if value is None:
-        raise InvalidPodRequest(f"{what} {text!r} is not a Kubernetes quantity (e.g. 2, 500m, 10Gi)")
+        raise InvalidPodRequest(_not_a_quantity(text, what))
     return value
 
 
+def _not_a_quantity(text: str, what: str) -> str:
+    """Why ``text`` cannot be read as a quantity, with what to write instead."""
+    try:
+        number: Decimal | None = Decimal(text.strip())
+    except (InvalidOperation, ValueError):
+        number = None
+    if number is not None and not number.is_finite():
+        why = "is not a number"
+    elif number is not None:
+        # Kubernetes holds quantities up to about 9.2e18 (an int64), and no GPU comes near that.
+        why = "is far beyond any GPU"
+    else:
+        why = "is not a Kubernetes quantity"
+    return f"{what} {echo(text)} {why}; write a quantity such as 1 (GPUs), 30 (percent of a GPU) or 10Gi (memory)"
+
+
 def _container_ask(c: Container) -> _ContainerAsk:
-    where = f"container {c.name!r}: " if c.name else ""
+    where = f"container {echo(c.name)}: " if c.name else ""
     gpus = memory = compute = None
     if (text := resource_text(c, GPU_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{GPU_RESOURCE}")
         if q != q.to_integral_value():
-            raise InvalidPodRequest(f"{where}{GPU_RESOURCE} {text!r} must be a whole number of GPUs, e.g. 1")
+            raise InvalidPodRequest(f"{where}{GPU_RESOURCE} {echo(text)} must be a whole number of GPUs, e.g. 1")
         if q < 0:
-            raise InvalidPodRequest(f"{where}{GPU_RESOURCE} {text!r} is negative; ask for a number of GPUs, e.g. 1")
+            raise InvalidPodRequest(f"{where}{GPU_RESOURCE} {echo(text)} is negative; ask for a number of GPUs, e.g. 1")
         gpus = int(q)
     if (text := resource_text(c, MEMORY_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{MEMORY_RESOURCE}")
@@ -90,7 +107,7 @@ def _container_ask(c: Container) -> _ContainerAsk:
         q = _quantity(text, f"{where}{COMPUTE_RESOURCE}")
         if q != q.to_integral_value():
             raise InvalidPodRequest(
-                f"{where}{COMPUTE_RESOURCE} {text!r} must be a whole percent of one GPU from 1 to 100, e.g. 30"
+                f"{where}{COMPUTE_RESOURCE} {echo(text)} must be a whole percent of one GPU from 1 to 100, e.g. 30"
             )
         compute = int(q) * PERCENT_MILLI
     return _ContainerAsk(c.name, gpus, memory, compute)
@@ -153,7 +170,7 @@ def cpu_and_memory(pod: Pod) -> tuple[int, int]:
     before it), or its pod-level ``spec.resources`` request where it sets one, plus its ``spec.overhead``."""
 
     def one(c: Container) -> tuple[int, int]:
-        cpu, mem = _cpu_memory_of({**c.resources.limits, **c.resources.requests}, f"container {c.name!r}: ")
+        cpu, mem = _cpu_memory_of({**c.resources.limits, **c.resources.requests}, f"container {echo(c.name)}: ")
         return cpu or 0, mem or 0  # requests default to limits
 
     pod_res = _pod_field(pod, "resources")
@@ -176,6 +193,11 @@ def _models(text: str, catalog: Catalog) -> frozenset[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise InvalidPodRequest(f"{MODEL_ANNOTATION} is empty; list allowed models, e.g. H100-80GB,A100-80GB")
+    if long := [n for n in names if len(n) > ECHO_CHARS]:
+        raise InvalidPodRequest(
+            f"{MODEL_ANNOTATION}: {echo(long[0])} is no GPU model (names are short, e.g. H100-80GB); list allowed "
+            "models, e.g. H100-80GB,A100-80GB"
+        )
     try:
         # A model a user names must exist: a typo would otherwise leave the pod pending for ever.
         return frozenset(catalog.strict(n).name for n in names)
@@ -222,14 +244,14 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
     for a in asks:
         if a.gpus is None:
             raise InvalidPodRequest(
-                f"container {a.name!r} asks for GPU memory or compute but not for {GPU_RESOURCE}; "
+                f"container {echo(a.name)} asks for GPU memory or compute but not for {GPU_RESOURCE}; "
                 f"add {GPU_RESOURCE}: 1 to its limits"
             )
     sharing = [a for a in asks if a.gpus]
     shapes = {(a.memory_mib, a.compute_milli) for a in sharing}
     if len(shapes) > 1:
         listed = ", ".join(
-            f"{a.name}: {a.memory_mib if a.memory_mib is not None else '-'}Mi/"
+            f"{echo(a.name)}: {a.memory_mib if a.memory_mib is not None else '-'}Mi/"
             f"{a.compute_milli // PERCENT_MILLI if a.compute_milli is not None else '-'}%"
             for a in sharing
         )
@@ -240,10 +262,14 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
     for a in asks:
         if a.gpus == 0 and (a.memory_mib is not None or a.compute_milli is not None):
             raise InvalidPodRequest(
-                f"container {a.name!r} asks for GPU memory or compute with {GPU_RESOURCE}: 0; ask for ≥ 1 GPU"
+                f"container {echo(a.name)} asks for GPU memory or compute with {GPU_RESOURCE}: 0; ask for ≥ 1 GPU"
             )
     memory, compute = next(iter(shapes)) if shapes else (None, None)
     ann: Mapping[str, str] = pod.metadata.annotations
+    for key in (ISOLATION_ANNOTATION, SHARING_ANNOTATION, MIG_PROFILE_ANNOTATION):
+        # Their values are short words: a long one is refused here, quoted in part, before a message quotes it whole.
+        if len(ann.get(key, "")) > ECHO_CHARS:
+            raise InvalidPodRequest(f"{key} {echo(ann[key])} is not a value it takes; see docs/kubernetes.md")
     models = _models(ann[MODEL_ANNOTATION], catalog) if MODEL_ANNOTATION in ann else frozenset()
     cpu, host_mem = cpu_and_memory(pod)
     mig = ann.get(MIG_PROFILE_ANNOTATION)

@@ -12,9 +12,11 @@ extender, on its ledger, every ``interval_s`` while its replica is the leader:
 2. plan with :func:`sharegpu.placement.preemption.plan_preemption` on the ledger as it will be once what is already
    leaving has left (terminating pods gone, earlier reservations placed), so that two preemptors never count on the
    same freed room and a pod already terminating is never chosen again; facts from the API objects (priorities,
-   start times, PodDisruptionBudgets whose ``disruptionsAllowed`` is 0);
-3. evict the victims through the Eviction API (a budget that refuses, 429, ends the plan: recorded, retried after a
-   back-off), set the preemptor's ``status.nominatedNodeName``, write Events and count metrics;
+   start times, PodDisruptionBudgets, whose ``disruptionsAllowed`` is counted down across the victims of one node as
+   the kube-scheduler does, so that a node whose victims break no budget is preferred);
+3. evict the victims through the Eviction API (a plan whose victims would break a budget is not started; a budget
+   that refuses anyway, 429, ends the plan: recorded, retried after a back-off), set the preemptor's
+   ``status.nominatedNodeName``, write Events and count metrics;
 4. reserve: while the victims terminate they keep their share in the ledger (a terminating pod holds its
    assignment until it is deleted or finishes), so nothing else can be placed there; the moment the last one is
    gone (:meth:`PreemptionController.settle`, called by the view on every pod change, before any later filter can
@@ -228,6 +230,61 @@ def budget_protects(budgets: Sequence[DisruptionBudget], pod: Pod) -> bool:
     return any(b.disruptions_allowed <= 0 and b.covers(ns, labels) for b in budgets)
 
 
+def budget_violations(budgets: Sequence[DisruptionBudget], pods: Iterable[Pod]) -> set[str]:
+    """The keys of ``pods`` whose eviction would break a PodDisruptionBudget if all of ``pods`` were evicted in this
+    order: each budget's ``disruptionsAllowed`` is counted down pod by pod (as the kube-scheduler's
+    filterPodsWithPDBViolation does over one node's victims), and a pod that takes a budget below zero violates it.
+    Two pods under a budget that allows one disruption: the first may go, the second would get a 429."""
+    left = [b.disruptions_allowed for b in budgets]
+    out: set[str] = set()
+    for pod in pods:
+        ns, labels = pod.metadata.namespace, pod.metadata.labels
+        for i, b in enumerate(budgets):
+            if b.covers(ns, labels):
+                left[i] -= 1
+                if left[i] < 0:
+                    out.add(pod.key)
+    return out
+
+
+def spend_budgets(budgets: Sequence[DisruptionBudget], pods: Iterable[Pod]) -> list[DisruptionBudget]:
+    """``budgets`` once ``pods`` are evicted: each covering budget allows one disruption fewer (the API server's own
+    count, which the kube-controller-manager publishes only later)."""
+    out = list(budgets)
+    for pod in pods:
+        ns, labels = pod.metadata.namespace, pod.metadata.labels
+        out = [replace(b, disruptions_allowed=b.disruptions_allowed - 1) if b.covers(ns, labels) else b for b in out]
+    return out
+
+
+def _importance(pod: Pod) -> tuple[int, float, str]:
+    # The kube-scheduler's MoreImportantPod (as sharegpu.placement.preemption orders victims): higher priority first,
+    # then the pod that started earlier (unknown: now, the latest).
+    t = start_time(pod)
+    return (-pod_priority(pod), float("inf") if t is None else t, pod.key)
+
+
+class SaidOnce:
+    """What was last said about each pod: a round every 2 s would repeat the same "no preemption" line for every
+    pending pod. :meth:`level` is INFO the first time a pod gets a reason (or when its reason changes), DEBUG after."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}
+
+    def level(self, pod: str, reason: str) -> int:
+        if self._last.get(pod) == reason:
+            return logging.DEBUG
+        self._last[pod] = reason
+        return logging.INFO
+
+    def forget(self, pod: str) -> None:
+        self._last.pop(pod, None)
+
+    def keep_only(self, alive: Callable[[str], bool]) -> None:
+        for pod in [p for p in self._last if not alive(p)]:
+            del self._last[pod]
+
+
 @dataclass(frozen=True)
 class Evicted:
     """What :meth:`PreemptionController.evict` did: ``done`` evicted; ``failure`` says why it stopped (None: all
@@ -285,6 +342,8 @@ class PreemptionController:
         # What to try for a pod that preemption cannot help (no lower-priority victims anywhere): consolidation
         # (sharegpu.k8s.consolidation) when it is on. It answers as _preempt does: ("", moved) or (why not, ()).
         self.no_room: Callable[[Pod, Sequence[DisruptionBudget]], Awaitable[tuple[str, tuple[str, ...]]]] | None = None
+        # Why a pod got no preemption (or consolidation), said at INFO once per pod and reason, DEBUG when repeated.
+        self.said = SaidOnce()
 
     # ----- the view's hook ----------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -470,6 +529,9 @@ class PreemptionController:
             else:
                 preempted.append(pod.key)
                 evicted.extend(victims)
+                # The budgets were listed once for the round: the evictions just made count against them for the
+                # preemptors after this one.
+                budgets = spend_budgets(budgets, [p for v in victims if (p := self.view.pod(v)) is not None])
         return RoundReport(len(candidates), tuple(preempted), tuple(evicted), refused)
 
     def _candidates(self) -> list[Pod]:
@@ -478,6 +540,7 @@ class PreemptionController:
         out: list[Pod] = []
         for gone in [k for k in self._passed if view.pod(k) is None]:
             del self._passed[gone]
+        self.said.keep_only(lambda k: view.pod(k) is not None)
         sched = view.scheduler()
         for p in pending_pods(view):
             if p.reason not in (GPU_ROOM, "fits") or p.pod in self._reservations or self._backoff.get(p.pod, 0.0) > now:
@@ -509,13 +572,18 @@ class PreemptionController:
         index = self.view.ledger.index
         return sorted({index[n] for n in seen[1] if n in index})
 
-    def _facts(self, led: Ledger, budgets: Sequence[DisruptionBudget]) -> PodFacts:
+    def _facts(self, led: Ledger, budgets: Sequence[DisruptionBudget], below: int) -> PodFacts:
         """Facts about the pods placed on ``led``; a pod that is not a bound, running pod of the view (a hold, a
-        reservation, one leaving) is never a victim (``EXEMPT``, also the default)."""
+        reservation, one leaving) is never a victim (``EXEMPT``, also the default).
+
+        A pod violates its budget when evicting it beside the other possible victims of its node (the pods of
+        priority ``below`` the preemptor's), the more important first, would take a budget below zero: the
+        budgets are counted down across one node's victims, as the kube-scheduler's dry run does, so that two
+        victims under a budget that allows one disruption are not both taken for free."""
         view = self.view
         priority: dict[str, int] = {}
         start: dict[str, float] = {}
-        protected: set[str] = set()
+        victims: dict[str, list[Pod]] = {}  # node → its possible victims
         for key in led.assignments:
             pod = view.pod(key)
             if pod is None or not pod.spec.node_name or pod.metadata.deletion_timestamp or view.in_flight(key):
@@ -525,8 +593,11 @@ class PreemptionController:
             priority[key] = pod_priority(pod)
             if (t := start_time(pod)) is not None:
                 start[key] = t
-            if budget_protects(budgets, pod):
-                protected.add(key)
+            if priority[key] < below:
+                victims.setdefault(led.assignments[key].node, []).append(pod)
+        protected: set[str] = set()
+        for pods in victims.values():
+            protected |= budget_violations(budgets, sorted(pods, key=_importance))
         return PodFacts(priority, start, protected.__contains__, default_priority=EXEMPT)
 
     def future_ledger(self) -> Ledger:
@@ -566,14 +637,15 @@ class PreemptionController:
                 future,
                 Preemptor(req, prio, preemption_policy(pod)),
                 view.scheduler().policy,
-                self._facts(future, budgets),
+                self._facts(future, budgets, prio),
                 nodes=self.nodes_of(pod),
                 max_candidates=kube_candidate_limit(len(future.nodes)),
             )
         except PreemptionError as e:
             self.metrics.count(Outcome.NO_ROOM)
             self.back_off(key)
-            log.info("no preemption for %s: %s", key, e)
+            # The reason's kind, not its text: the text counts the cluster's pods, which change all the time.
+            log.log(self.said.level(key, f"preemption: {type(e).__name__}"), "no preemption for %s: %s", key, e)
             if self.no_room is not None:
                 return await self.no_room(pod, budgets)
             return str(e), ()
@@ -581,13 +653,24 @@ class PreemptionController:
         assert all(v.priority < prio for v in plan.victims), plan
         if not plan.victims:
             return await self._adopt(pod, prio, plan)
+        if plan.pdb_violations:
+            # The best node still needs evictions that the budgets refuse now (the planner preferred nodes that need
+            # fewer): the Eviction API would answer 429 to one of them after the others were evicted for nothing.
+            broken = ", ".join(v.pod for v in plan.victims if v.violates_pdb)
+            return self._gave_up(
+                pod,
+                Outcome.BLOCKED,
+                f"every node where evictions make room needs more evictions than the PodDisruptionBudgets allow now "
+                f"(on {plan.node}: {broken} too), so none was evicted",
+                (),
+            )
         # Reserve before evicting: the evictions are awaited, and a filter that ran meanwhile could take the part of
         # the room that is free already.
         self.reserve(pod, prio, plan.node, plan.assignment, plan.victim_pods)
         self.settle()
-        # Those a budget protects first: a refusal then ends the plan before the others are evicted for nothing.
-        order = [v.pod for v in sorted(plan.victims, key=lambda v: not v.violates_pdb)]
-        evicted = await self.evict(order)
+        # No victim breaks a budget as they were listed; a budget that changed since still answers 429, which ends
+        # the plan (the pods after it are left alone).
+        evicted = await self.evict([v.pod for v in plan.victims])
         if evicted.failure is not None:
             self.cancel(key)
             outcome = Outcome.BLOCKED if evicted.blocked else Outcome.FAILED

@@ -5,8 +5,12 @@ pod after every mutating webhook) apply the same rules; only ``/mutate`` changes
 
 - a request that can never be valid is rejected with the core's own message (:class:`GpuRequest` validation), and so
   is GPU memory below :data:`MIN_GPU_MEMORY_MIB` (a forgotten unit: ``"10"`` is 10 bytes);
-- an unknown ``sharegpu.io/`` annotation (a typo would silently leave the default in force) is refused with the
-  closest known one, and so is a pod that asks for ``nvidia.com/`` GPUs besides sharegpu's;
+- an unknown ``sharegpu.io/`` annotation (a typo would silently leave the default in force) or container resource (no
+  node offers it: the pod would stay Pending for ever) is refused with the closest known one, and so is a pod that
+  asks for ``nvidia.com/`` GPUs besides sharegpu's, ``sharegpu.io/gpu: 0`` (a pod that asks for no GPU), and a
+  ``sharegpu.io/movable`` other than ``"true"`` or ``"false"``;
+- a pod whose fields do not have the Pod API's shapes (``containers`` as an object, an annotation that is not a
+  string) is refused with the field named; every value a message quotes is cut to its first 80 characters;
 - ``schedulerName`` is set to the sharegpu scheduler (mutate) or must be it (validate). Only ``default-scheduler``
   is replaced: the API server writes it into every pod that sets none before any webhook sees the pod, so it cannot
   be told from an explicit one; any other scheduler's name is refused (a third scheduler would never bind it);
@@ -42,6 +46,8 @@ from starlette.routing import Route
 
 from sharegpu.k8s.body_limit import WEBHOOK_MAX_BODY, BodyLimit
 from sharegpu.k8s.pod_request import asks_for_sharegpu, containers_missing_gpu_count, pod_request, resource_text
+from sharegpu.kube.echo import echo
+from sharegpu.kube.quantity import parse_quantity
 from sharegpu.kube.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
@@ -53,6 +59,7 @@ from sharegpu.model.contract import (
     FENCE_ANNOTATION,
     GPU_RESOURCE,
     MEMORY_RESOURCE,
+    MOVABLE_ANNOTATION,
     MPS_ENV_PREFIX,
     NVIDIA_VISIBLE_DEVICES_ENV,
     POD_ANNOTATIONS,
@@ -75,6 +82,8 @@ MIN_GPU_MEMORY_MIB = 256
 # The NVIDIA device plugin's resources: a pod that asks for them beside sharegpu.io/gpu needs a node that offers
 # both, which a sharegpu node does not (its GPUs are offered as sharegpu.io/gpu), so it would stay Pending for ever.
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
+# A key (annotation or resource name) longer than this is cut in messages too; the API server allows 316 characters.
+ECHO_KEY_CHARS = 80
 # The scheduler name the API server writes into every pod that sets none, before admission: it cannot be told from
 # one a user wrote, so it alone is replaced.
 KUBE_DEFAULT_SCHEDULER = "default-scheduler"
@@ -116,13 +125,13 @@ def _env_offenders(pod: Pod, only: Sequence[Container] | None = None) -> list[st
         for e in c.env:  # a value or a valueFrom: refused by name either way
             if e.name in FORBIDDEN_ENV or e.name.startswith(FORBIDDEN_ENV_PREFIX):
                 found.append(
-                    f"container {c.name!r} sets {e.name}: remove it — sharegpu sets the visible devices and the MPS "
-                    "limits from the pod's assignment, and a pod may not set them itself"
+                    f"container {echo(c.name)} sets {e.name}: remove it — sharegpu sets the visible devices and the "
+                    "MPS limits from the pod's assignment, and a pod may not set them itself"
                 )
         if (c.model_extra or {}).get("envFrom"):
             # The webhook cannot see what a ConfigMap or Secret holds (now or after an edit), so none is allowed.
             found.append(
-                f"container {c.name!r} uses envFrom: set its variables with env instead — a ConfigMap or Secret "
+                f"container {echo(c.name)} uses envFrom: set its variables with env instead — a ConfigMap or Secret "
                 "could set CUDA_MPS_*, CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES, which sharegpu sets from the "
                 "pod's assignment, and the webhook cannot see their contents"
             )
@@ -153,10 +162,16 @@ def admit_pod(
     try:
         pod = Pod.model_validate(raw)
     except ValidationError as e:
-        return Verdict(False, f"sharegpu cannot read this pod: {e.errors()[0]['msg']}")
+        return Verdict(False, _unreadable(e))
+    if problem := _shape_problem(raw):
+        return Verdict(False, problem)
     if operation == "UPDATE":
         return _admit_update(pod, old, username, cfg)
-    if problems := _annotation_problems(pod.metadata.annotations):
+    if problems := [
+        *_annotation_problems(pod.metadata.annotations),
+        *_annotation_value_problems(pod.metadata.annotations),
+        *_resource_problems(pod),
+    ]:
         return Verdict(False, "; ".join(problems))
     if not asks_for_sharegpu(pod):
         stray = sorted(k for k in pod.metadata.annotations if k in REQUEST_ANNOTATIONS)
@@ -172,15 +187,15 @@ def admit_pod(
     if pod.spec.scheduler_name not in ("", KUBE_DEFAULT_SCHEDULER, cfg.scheduler_name):
         return Verdict(
             False,
-            f"spec.schedulerName is {pod.spec.scheduler_name}: pods that ask for {GPU_RESOURCE} resources are placed "
-            f"by the {cfg.scheduler_name} scheduler (no other scheduler can bind them); remove spec.schedulerName "
-            f"or set it to {cfg.scheduler_name}",
+            f"spec.schedulerName is {_plain(pod.spec.scheduler_name)}: pods that ask for {GPU_RESOURCE} resources "
+            f"are placed by the {cfg.scheduler_name} scheduler (no other scheduler can bind them); remove "
+            f"spec.schedulerName or set it to {cfg.scheduler_name}",
         )
     if pod.spec.node_name:
         return Verdict(
             False,
-            f"remove spec.nodeName ({pod.spec.node_name}): pods that ask for {GPU_RESOURCE} resources are placed by "
-            f"the {cfg.scheduler_name} scheduler",
+            f"remove spec.nodeName ({_plain(pod.spec.node_name)}): pods that ask for {GPU_RESOURCE} resources are "
+            f"placed by the {cfg.scheduler_name} scheduler",
         )
     ops: list[dict[str, Any]] = []
     if mutate:
@@ -191,13 +206,15 @@ def admit_pod(
         req = pod_request(pod, cfg.catalog)
     except InvalidRequest as e:
         return Verdict(False, str(e))
+    if req is not None and not req.wants_gpu:
+        return Verdict(False, _NO_GPU)
     if req is not None and (small := _too_little_memory(pod, req)):
         return Verdict(False, small)
     if pod.spec.scheduler_name != cfg.scheduler_name:
         if not mutate:
             return Verdict(
                 False,
-                f"set spec.schedulerName to {cfg.scheduler_name} (it is {pod.spec.scheduler_name or 'unset'}): "
+                f"set spec.schedulerName to {cfg.scheduler_name} (it is {_plain(pod.spec.scheduler_name) or 'unset'}): "
                 f"pods that ask for {GPU_RESOURCE} resources are placed by the sharegpu scheduler",
             )
         op = "replace" if "schedulerName" in (raw.get("spec") or {}) else "add"
@@ -234,7 +251,11 @@ def _admit_update(pod: Pod, old: dict[str, Any] | None, username: str, cfg: Webh
             )
     # Only the keys this UPDATE adds are judged: a pod admitted before this rule must stay editable.
     added = {k: v for k, v in after.items() if k not in before}
-    if problems := _annotation_problems(added, system_ok=True):
+    changed_values = {k: v for k, v in after.items() if before.get(k) != v}
+    if problems := [
+        *_annotation_problems(added, system_ok=True),
+        *_annotation_value_problems(changed_values),
+    ]:
         return Verdict(False, "; ".join(problems))
     old_pod = _pod_or_none(old)
     if old_pod is not None and (asks_for_sharegpu(old_pod) or ASSIGNMENT_ANNOTATION in before):
@@ -251,7 +272,7 @@ def _admit_update(pod: Pod, old: dict[str, Any] | None, username: str, cfg: Webh
 
 
 def _shown(value: Any) -> str:
-    return "unset" if value is None else repr(value)
+    return "unset" if value is None else echo(value)
 
 
 def _pod_or_none(raw: dict[str, Any] | None) -> Pod | None:
@@ -283,9 +304,86 @@ def _annotation_problems(annotations: dict[str, str], system_ok: bool = False) -
             close = difflib.get_close_matches(key, [*POD_ANNOTATIONS, *RESOURCES], n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}? " if close else ""
             out.append(
-                f"unknown annotation {key}: {hint}the annotations a pod may set are {', '.join(POD_ANNOTATIONS)}"
+                f"unknown annotation {_plain(key)}: {hint}the annotations a pod may set are "
+                f"{', '.join(POD_ANNOTATIONS)}"
             )
     return out
+
+
+def _plain(key: str) -> str:
+    """A name (annotation, resource, scheduler, node) a user wrote, as a message shows it: as written, unless long."""
+    return key if len(key) <= ECHO_KEY_CHARS else echo(key)
+
+
+# The values a boolean annotation may have: what the consolidation reads as yes, and its explicit no.
+MOVABLE_VALUES = ("true", "false")
+
+
+def _annotation_value_problems(annotations: dict[str, str]) -> list[str]:
+    """Values of the ``sharegpu.io/`` annotations that no reader understands, beyond those the request parser judges
+    (a value it cannot read refuses the pod there): ``sharegpu.io/movable`` is ``"true"`` or ``"false"``, and anything
+    else would leave the pod unmovable without a word."""
+    value = annotations.get(MOVABLE_ANNOTATION)
+    if value is None or value in MOVABLE_VALUES:
+        return []
+    return [
+        f'{MOVABLE_ANNOTATION} is {echo(value)}: write "true" (consolidation may evict the pod so that its controller '
+        f'recreates it elsewhere) or "false" (the default), quoted in YAML'
+    ]
+
+
+def _resource_problems(pod: Pod) -> list[str]:
+    """Container resources named ``sharegpu.io/…`` that are not sharegpu's: no node offers them, so the pod would be
+    Pending for ever (``sharegpu.io/gpu-mem`` for ``sharegpu.io/gpu-memory``)."""
+    out = []
+    for c in (*pod.spec.init_containers, *pod.spec.containers, *_ephemeral(pod.spec.model_extra)):
+        for kind, names in (("limits", c.resources.limits), ("requests", c.resources.requests)):
+            for name in sorted(names):
+                if not name.startswith(ANNOTATION_PREFIX) or name in RESOURCES:
+                    continue
+                close = difflib.get_close_matches(name, RESOURCES, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}? " if close else ""
+                out.append(
+                    f"container {echo(c.name)} asks for unknown resource {_plain(name)} in its {kind}: {hint}the "
+                    f"sharegpu resources are {', '.join(RESOURCES)} (no node offers any other, so the pod would stay "
+                    "Pending for ever)"
+                )
+    return out
+
+
+_NO_GPU = (
+    f"the pod asks for {GPU_RESOURCE}: 0, that is for no GPU: ask for {GPU_RESOURCE}: 1 or more, or drop the "
+    f"{ANNOTATION_PREFIX} resources from its containers if it needs no GPU"
+)
+
+
+def _unreadable(e: ValidationError) -> str:
+    """Why the pod cannot be read, at the field where it departs from the Pod API (the first such field)."""
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"]) or "the pod"
+    return (
+        f"sharegpu cannot read this pod: {where}: {err['msg']} (it is {echo(err.get('input'))}); write it as the Pod "
+        "API defines it"
+    )
+
+
+def _shape_problem(raw: dict[str, Any]) -> str:
+    """A field the Pod model keeps as it came (``spec.ephemeralContainers``) that does not have the Pod API's shape:
+    a list of containers. Read item by item, an object there would be skipped unchecked."""
+    spec = raw.get("spec")
+    items = spec.get("ephemeralContainers") if isinstance(spec, dict) else None
+    if items is None:
+        return ""
+    if not isinstance(items, list) or not all(isinstance(c, dict) for c in items):
+        return (
+            f"sharegpu cannot read this pod: spec.ephemeralContainers must be a list of containers (it is "
+            f"{echo(items)}); write it as the Pod API defines it"
+        )
+    try:
+        _ephemeral(spec)
+    except ValidationError as e:
+        return _unreadable(e).replace("this pod: ", "this pod: spec.ephemeralContainers.", 1)
+    return ""
 
 
 _EXAMPLES = {GPU_RESOURCE: "1", MEMORY_RESOURCE: "10Gi", COMPUTE_RESOURCE: "30"}
@@ -299,25 +397,34 @@ def _nvidia_offenders(pod: Pod) -> list[str]:
         )
         if names:
             found.append(
-                f"container {c.name!r} asks for {', '.join(names)} in a pod that asks for {GPU_RESOURCE}: sharegpu "
-                f"nodes offer their GPUs as {GPU_RESOURCE} only, so no node could host the pod; ask for "
-                f"{GPU_RESOURCE} alone (with {MEMORY_RESOURCE} or {COMPUTE_RESOURCE} for a share)"
+                f"container {echo(c.name)} asks for {', '.join(_plain(n) for n in names)} in a pod that asks for "
+                f"{GPU_RESOURCE}: sharegpu nodes offer their GPUs as {GPU_RESOURCE} only, so no node could host the "
+                f"pod; ask for {GPU_RESOURCE} alone (with {MEMORY_RESOURCE} or {COMPUTE_RESOURCE} for a share)"
             )
     return found
 
 
 def _too_little_memory(pod: Pod, req: GpuRequest) -> str:
-    """Why the pod's GPU memory is too small to be meant ("" when it is not): a plain number is bytes."""
+    """Why the pod's GPU memory is too small to be meant ("" when it is not): a plain number is bytes, and so is a
+    number with a decimal suffix (``500m`` is milli: half a byte)."""
     if req.memory_mib is None or req.memory_mib >= MIN_GPU_MEMORY_MIB:
         return ""
     texts = [t for c in (*pod.spec.init_containers, *pod.spec.containers) if (t := resource_text(c, MEMORY_RESOURCE))]
-    text = texts[0] if texts else f"{req.memory_mib}Mi"
-    bare = text.strip().isdigit()
-    meant = f"{text.strip()}Gi" if bare else "10Gi"
+    text = (texts[0] if texts else f"{req.memory_mib}Mi").strip()
+    value = parse_quantity(text)
+    number = text.rstrip("kMGTPEm")
+    if text.isdigit():
+        size, note, meant = f"only {text} bytes", "", f"{text}Gi"
+    elif text.endswith("m") and value is not None:
+        size = f"{value.normalize():f} bytes"
+        note = "the suffix m is milli (a thousandth), not mebi: "
+        meant = f"{number}Mi"
+    else:
+        size, note, meant = fmt_mib(req.memory_mib), "", "10Gi"
     return (
-        f"{MEMORY_RESOURCE} {text!r} is {'only ' + text.strip() + ' bytes' if bare else fmt_mib(req.memory_mib)}, "
-        f"less than the {MIN_GPU_MEMORY_MIB}Mi a GPU workload needs at the least (a CUDA context alone takes about "
-        f"300 MiB): a number without a unit is bytes; write the unit, e.g. {MEMORY_RESOURCE}: {meant}"
+        f"{MEMORY_RESOURCE} {echo(text)} is {size}, less than the {MIN_GPU_MEMORY_MIB}Mi a GPU workload needs at the "
+        f"least (a CUDA context alone takes about 300 MiB): {note}a number without a unit is bytes; write the unit, "
+        f"e.g. {MEMORY_RESOURCE}: {meant}"
     )
 
 

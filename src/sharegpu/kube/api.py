@@ -19,6 +19,7 @@ from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import EvictionBlocked, TooManyRequests
 from sharegpu.kube.informer import ADDED, DELETED, MODIFIED
 from sharegpu.kube.lease import LeaseRecord, lease_object, lease_record
+from sharegpu.kube.names import check_name
 from sharegpu.kube.schema import Node, Pod
 
 __all__ = [
@@ -236,6 +237,7 @@ class LightkubeClusterApi:
         from lightkube.models.meta_v1 import ObjectMeta
         from lightkube.resources.core_v1 import Pod as KPod
 
+        check_name("node", node)  # the target goes in the body, not the URL: a Binding to a bad name binds to nowhere
         binding = KPod.Binding(
             metadata=ObjectMeta(
                 name=name,

@@ -5,6 +5,8 @@ Objects come back as plain JSON (``dict``), as the API server wrote them: lightk
 not know. Requests are built by lightkube (URLs, selectors, authentication) and carried by
 :mod:`sharegpu.kube.transport`. Every method takes ``what`` — what the caller was doing, said for a person ("read
 node n1") — and raises :class:`~sharegpu.kube.errors.KubeError` (a subclass that says what to do) on any failure.
+Every name and namespace that goes into a URL is checked first (:func:`sharegpu.kube.names.check_path`): one that
+Kubernetes would not accept raises :class:`~sharegpu.kube.names.InvalidName` before any request is built.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sharegpu.kube.errors import translate
 from sharegpu.kube.kubeconfig import load_credentials
+from sharegpu.kube.names import check_path
 
 if TYPE_CHECKING:
     from lightkube import AsyncClient
@@ -34,6 +37,7 @@ class KubeClient:
         self.lightkube: AsyncClient = creds.client(field_manager)
 
     async def get(self, res: Any, name: str, what: str, namespace: str | None = None) -> JsonObject:
+        check_path(what, name, namespace)
         try:
             return await self._send("get", res, name=name, namespace=namespace)
         except Exception as e:
@@ -43,6 +47,7 @@ class KubeClient:
         self, res: Any, what: str, namespace: str | None = None, fields: Mapping[str, Any] | None = None
     ) -> tuple[list[JsonObject], str]:
         """Every item of a (paginated) list and the list's resourceVersion (to watch from)."""
+        check_path(what, namespace=namespace, any_namespace=True)
         generic = self.lightkube._client
         params: dict[str, Any] = {"limit": LIST_CHUNK, "fieldSelector": _fields(fields)}
         items: list[JsonObject] = []
@@ -73,6 +78,7 @@ class KubeClient:
         """(type, object) of each watch event after ``resource_version``; a watch the server ends by itself is
         resumed from the last version seen (as lightkube's own watch does); an ERROR event (410 Gone: the version is
         too old) raises. ``timeout_s``: the server-side timeout of each watch request (``timeoutSeconds``)."""
+        check_path(what, namespace=namespace, any_namespace=True)
         try:
             async for event in self._watch(res, resource_version, timeout_s, namespace, fields):
                 yield event
@@ -120,6 +126,7 @@ class KubeClient:
         """A JSON merge patch (a None value removes a key); the object as it is after it."""
         from lightkube.types import PatchType
 
+        check_path(what, name, namespace)
         try:
             return await self._send(
                 "patch", res, name=name, namespace=namespace, obj=dict(body), headers_type=PatchType.MERGE
@@ -137,6 +144,8 @@ class KubeClient:
 
     async def replace(self, obj: Any, what: str) -> JsonObject:
         """Replace ``obj`` (a lightkube resource object; its resourceVersion, when set, is the precondition)."""
+        meta = getattr(obj, "metadata", None)
+        check_path(what, getattr(meta, "name", None), getattr(meta, "namespace", None))
         try:
             out: JsonObject = (await self.lightkube.replace(obj)).to_dict()
         except Exception as e:
@@ -152,6 +161,7 @@ class KubeClient:
             raise translate(e, what) from None
 
     async def delete(self, res: Any, name: str, what: str, namespace: str | None = None) -> None:
+        check_path(what, name, namespace)
         try:
             await self.lightkube.delete(res, name, namespace=namespace)
         except Exception as e:
@@ -160,6 +170,7 @@ class KubeClient:
     async def post_undecoded(self, obj: Any, name: str, namespace: str | None, what: str) -> None:
         """Create ``obj`` (a lightkube object) and read nothing of the answer but its status: the API server answers
         some creations (a Binding) with a Status, which lightkube's create() would fail to decode as the object."""
+        check_path(what, name, namespace)
         generic = self.lightkube._client
         try:
             request = generic.prepare_request("post", obj=obj, name=name, namespace=namespace)
