@@ -219,7 +219,7 @@ def gpu_user(pod: Pod) -> int | None:
     }
     known = {u for u in uids.values() if u is not None}
     if len(known) > 1:
-        listed = ", ".join(f"{name}: {uid if uid is not None else 'image user'}" for name, uid in uids.items())
+        listed = ", ".join(f"{echo(name)}: {uid if uid is not None else 'image user'}" for name, uid in uids.items())
         raise InvalidPodRequest(
             f"the containers that use GPUs run as different Unix users ({listed}); an MPS server serves one user at a "
             "time, so they would wait on each other: run them as one user (securityContext.runAsUser), or split them "
