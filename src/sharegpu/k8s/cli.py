@@ -34,8 +34,11 @@ class SetupError(Exception):
 
 def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SetupError(f"{flag} {text!r} must be HOST:PORT, e.g. 0.0.0.0:8888")
+    if not sep or not port.isdigit():
+        raise SetupError(f"{flag} {text!r} must be HOST:PORT, e.g. 127.0.0.1:8888 (0.0.0.0 listens on every address)")
+    if not 0 < int(port) < 65536:
+        # The format is right: only the number is wrong, and the host as given stays.
+        raise SetupError(f"{flag} {text!r}: port {int(port)} is out of range; a TCP port is 1 to 65535")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
