@@ -153,7 +153,7 @@ def _rows(
         raise TraceError(path, 1, f"missing column(s) {missing}")
     if len(set(header)) != len(header):
         raise TraceError(path, 1, "a column is named twice")
-    rows = []
+    rows: list[tuple[int, dict[str, str]]] = []
     line = 1
     try:
         for row in reader:
