@@ -169,16 +169,20 @@ def test_basic_auth_is_sent(tmp_path: Path, server: FakeApiServer, user: str, he
 
 class Proxy:
     """A forward HTTP proxy's first half: it answers the absolute-URL requests a client sends a proxy itself, with
-    the empty lists the fake API server gives, and records the URLs."""
+    the empty lists the fake API server gives, and records the URLs. ``forbid``: paths answered 403."""
 
-    def __init__(self) -> None:
+    def __init__(self, forbid: str = "") -> None:
         self.urls: list[str] = []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 outer.urls.append(self.path)
-                if "/nodes" in self.path or "/pods" in self.path:
+                if forbid and forbid in self.path:
+                    code = 403
+                    body = b'{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"Forbidden",'
+                    body += b'"message":"resourceslices is forbidden","code":403}'
+                elif "/nodes" in self.path or "/pods" in self.path:
                     body, code = EMPTY["NodeList" if "/nodes" in self.path else "PodList"], 200
                 else:
                     body, code = b'{"kind":"Status","apiVersion":"v1","status":"Failure","code":404}', 404
@@ -223,3 +227,17 @@ def test_a_serve_port_out_of_range_is_named_as_such(tmp_path: Path, server: Fake
     assert result.exit_code == 2
     assert "--serve '127.0.0.1:99999': port 99999 is out of range; a TCP port is 1 to 65535" in output
     assert "0.0.0.0" not in output
+
+
+def test_status_without_rights_on_resourceslices_shows_the_rest_and_warns_once(tmp_path: Path) -> None:
+    api = Proxy(forbid="/apis/resource.k8s.io/")
+    try:
+        result = CliRunner().invoke(app, ["status", "--kubeconfig", str(write(tmp_path / "kc", api.url))])
+    finally:
+        api.httpd.shutdown()
+        api.httpd.server_close()
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, output
+    assert "0/0 GPUs in use on 0 node(s)" in output
+    assert output.count("warning: not showing DRA GPUs:") == 1
+    assert "grant list on resourceslices and resourceclaims (resource.k8s.io)" in output

@@ -10,6 +10,7 @@ import re
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
 
 import typer
 import uvloop
@@ -20,8 +21,8 @@ from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.client import KubeClient
-from sharegpu.kube.errors import ConfigError, KubeError
-from sharegpu.kube.kubeconfig import quiet_http_logging
+from sharegpu.kube.errors import ConfigError, Forbidden, KubeError
+from sharegpu.kube.kubeconfig import KUBECONFIG_HELP, quiet_http_logging
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
@@ -82,7 +83,7 @@ def _logging() -> None:
 
 
 def scheduler_extender(
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     listen: str = typer.Option("0.0.0.0:8888", "--listen", help="HOST:PORT to serve the extender on."),
     policy: str = typer.Option("sharegpu", "--policy", help=f"Placement policy: {', '.join(POLICIES)}."),
     seed: int = typer.Option(0, "--seed", help="Seed of the policies that draw random numbers."),
@@ -269,7 +270,7 @@ def webhook(
 
 
 def status(
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     watch: bool = typer.Option(False, "--watch", help="Follow the cluster and redraw every --interval seconds."),
     interval: float = typer.Option(2.0, "--interval", help="Seconds between redraws (--watch) or page refreshes."),
@@ -300,6 +301,25 @@ def status(
         api = LightkubeClusterApi(kubeconfig)
     except ConfigError as e:
         raise _fail(f"cannot load Kubernetes credentials: {e}") from None
+    dra_warned: list[str] = []
+
+    async def dra() -> list[dict[str, Any]]:
+        """The DRA nodes, or none when the credentials may not read ResourceSlices or ResourceClaims: the rest of
+        the report does not need them (said once, on stderr or in the log)."""
+        try:
+            return await load_dra_status(kubeconfig)
+        except Forbidden as e:
+            if not dra_warned:
+                dra_warned.append(str(e))
+                message = (
+                    f"not showing DRA GPUs: {e}; to see them, grant list on resourceslices and resourceclaims "
+                    "(resource.k8s.io) to these credentials"
+                )
+                if serve is not None:  # a server: its log
+                    log.warning("%s", message)
+                else:
+                    typer.echo(f"sharegpu: warning: {message}", err=True)
+            return []
 
     async def load() -> dict[str, object]:
         try:
@@ -309,12 +329,12 @@ def status(
             await api.close()
         view = ClusterView(policy="bestfit")
         view.reset(nodes, pods)
-        return status_report(view, await load_dra_status(kubeconfig))
+        return status_report(view, await dra())
 
     async def follow() -> None:
         from sharegpu.k8s.page import serve_page
 
-        followed = FollowedStatus(dra=lambda: load_dra_status(kubeconfig), dra_every_s=max(interval, 2.0))
+        followed = FollowedStatus(dra=dra, dra_every_s=max(interval, 2.0))
 
         try:
             if addr is not None:

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
+# The --kubeconfig help of every command: the order load_credentials follows.
+KUBECONFIG_HELP = (
+    "Kubeconfig file. Default: the in-cluster service account when running in a pod, else the first file of "
+    "$KUBECONFIG, else ~/.kube/config."
+)
 SHAPE = "a kubeconfig is a mapping with clusters, contexts, users and current-context (as kubectl writes it)"
 
 

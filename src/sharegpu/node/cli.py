@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from sharegpu.kube.kubeconfig import KUBECONFIG_HELP
 from sharegpu.node.agent import AgentConfig, NodeAgent
 from sharegpu.node.attribution import DEFAULT_POD_RESOURCES_SOCKET
 from sharegpu.node.backends.base import GpuBackend
@@ -82,7 +83,7 @@ def check_cdi_dir(cdi_dir: Path) -> None:
 
 def node_agent(
     node_name: str = typer.Option(..., "--node-name", help="This node's Kubernetes name (spec.nodeName of its pods)."),
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     backend: BackendKind = typer.Option(..., "--backend", help="nvml on a GPU node, sim for a simulated one."),
     sim_config: Path | None = typer.Option(
         None, "--sim-config", help="YAML of the simulated GPUs (with --backend sim)."
@@ -208,7 +209,7 @@ async def _serve(agent: NodeAgent) -> None:
 
 def dra_driver(
     node_name: str = typer.Option(..., "--node-name", help="This node's Kubernetes name (its pool's name)."),
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     backend: BackendKind = typer.Option(..., "--backend", help="nvml on a GPU node, sim for a simulated one."),
     sim_config: Path | None = typer.Option(
         None, "--sim-config", help="YAML of the simulated GPUs (with --backend sim)."
