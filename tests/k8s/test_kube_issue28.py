@@ -241,3 +241,14 @@ def test_status_without_rights_on_resourceslices_shows_the_rest_and_warns_once(t
     assert "0/0 GPUs in use on 0 node(s)" in output
     assert output.count("warning: not showing DRA GPUs:") == 1
     assert "grant list on resourceslices and resourceclaims (resource.k8s.io)" in output
+
+
+@pytest.mark.parametrize("command", ["status", "scheduler-extender", "node-agent", "dra-driver"])
+def test_kubeconfig_help_says_the_real_order(command: str) -> None:
+    result = CliRunner().invoke(app, [command, "--help"], terminal_width=300)
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "in-cluster config if omitted" not in text
+    assert (
+        "Default: the in-cluster service account when running in a pod, else the first file of $KUBECONFIG, else "
+        "~/.kube/config." in text
+    )
