@@ -252,3 +252,15 @@ def test_kubeconfig_help_says_the_real_order(command: str) -> None:
         "Default: the in-cluster service account when running in a pod, else the first file of $KUBECONFIG, else "
         "~/.kube/config." in text
     )
+
+
+@pytest.mark.parametrize(
+    "command", [["sim"], ["trace", "vary"], ["trace", "describe"], ["status"], ["node-agent"], ["dra-driver"]]
+)
+def test_help_is_never_cut_on_an_80_column_terminal(command: list[str]) -> None:
+    # A path longer than the help column was cut to "…" (/var/lib/kubelet/device-plugin…).
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in result.output, [line for line in lines if "…" in line]

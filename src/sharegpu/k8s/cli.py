@@ -82,6 +82,12 @@ def _logging() -> None:
     quiet_http_logging()  # one line per API request is noise at INFO and costs time on a busy scheduler
 
 
+# The on/off pairs in a panel of their own: their --no-X column beside the longest option names would leave the help
+# text too narrow a column on an 80-column terminal, and the names would be cut.
+SWITCHES = "Switches"
+PACE = "Preemption and consolidation pace"  # the longest option name, on its own: the others keep a wide help column
+
+
 def scheduler_extender(
     kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     listen: str = typer.Option("0.0.0.0:8888", "--listen", help="HOST:PORT to serve the extender on."),
@@ -93,6 +99,7 @@ def scheduler_extender(
     leader_elect: bool = typer.Option(
         False,
         "--leader-elect/--no-leader-elect",
+        rich_help_panel=SWITCHES,
         help="Run as one of several replicas: only the holder of a coordination.k8s.io Lease binds and is ready.",
     ),
     lease_name: str = typer.Option(
@@ -137,26 +144,34 @@ def scheduler_extender(
         "--dra-steering",
         help="Follow ResourceSlices and ResourceClaims and serve /dra/filter, which leaves the kube-scheduler only "
         "the node sharegpu picks for a pod whose GPUs come from sharegpu DRA claims (the chart's "
-        "scheduler.draSteering.enabled).",
+        "draSteering setting of the scheduler).",
     ),
     preemption: bool = typer.Option(
         True,
         "--preemption/--no-preemption",
+        rich_help_panel=SWITCHES,
         help="As the leader, evict lower-priority pods (Eviction API, PodDisruptionBudgets honoured) for a pending pod "
-        "that fits nowhere for GPU room, and hold the freed room for it (docs/multi-tenant.md).",
+        "that fits nowhere for GPU room, and hold the freed room for it (docs: multi-tenant.md).",
     ),
     preemption_interval: float = typer.Option(
-        2.0, "--preemption-interval", help="Seconds between two looks at the pending pods for preemption."
+        2.0,
+        "--preemption-interval",
+        rich_help_panel=PACE,
+        help="Seconds between two looks at the pending pods for preemption.",
     ),
     consolidation: bool = typer.Option(
         False,
         "--consolidation/--no-consolidation",
-        help='As the leader, move pods annotated sharegpu.io/movable="true" (controller-owned, PodDisruptionBudgets '
-        "honoured) so that a pod waiting only for fragmented GPU room fits, when preemption cannot help it; needs "
-        "--preemption (the chart's extender.consolidation.enabled).",
+        rich_help_panel=SWITCHES,
+        help="As the leader, move pods whose sharegpu.io/movable annotation is true (controller-owned, "
+        "PodDisruptionBudgets honoured) so that a pod waiting only for fragmented GPU room fits, when preemption "
+        "cannot help it; needs --preemption (the chart's consolidation setting of the extender).",
     ),
     consolidation_moves_per_minute: int = typer.Option(
-        4, "--consolidation-moves-per-minute", help="Most pods consolidation moves (evicts) in any minute."
+        4,
+        "--consolidation-moves-per-minute",
+        rich_help_panel=PACE,
+        help="Most pods consolidation moves (evicts) in any minute.",
     ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""

@@ -88,8 +88,12 @@ def node_agent(
     sim_config: Path | None = typer.Option(
         None, "--sim-config", help="YAML of the simulated GPUs (with --backend sim)."
     ),
+    # Long paths are said in words in the help: the help column of an 80-column terminal cuts a path longer than it.
     device_plugin_dir: Path = typer.Option(
-        DEFAULT_PLUGIN_DIR, "--device-plugin-dir", help="The kubelet's device plugin directory (holds kubelet.sock)."
+        DEFAULT_PLUGIN_DIR,
+        "--device-plugin-dir",
+        help="The kubelet's device plugin directory (holds kubelet.sock). Default: device-plugins in /var/lib/kubelet.",
+        show_default=False,
     ),
     metrics_listen: str = typer.Option(
         DEFAULT_METRICS, "--metrics-listen", help="HOST:PORT of the Prometheus endpoint."
@@ -97,7 +101,9 @@ def node_agent(
     pod_resources_socket: Path = typer.Option(
         DEFAULT_POD_RESOURCES_SOCKET,
         "--pod-resources-socket",
-        help="The kubelet's pod-resources socket (<kubelet root>/pod-resources/kubelet.sock): whose container starts.",
+        help="The kubelet's pod-resources socket (kubelet.sock in the pod-resources folder of the kubelet's root): whose "
+        "container starts. Default: the one in /var/lib/kubelet.",
+        show_default=False,
     ),
     cdi_dir: Path = typer.Option(
         DEFAULT_CDI_DIR, "--cdi-dir", help="Where the container runtime reads CDI specs (containerd's cdi_spec_dirs)."
@@ -218,10 +224,16 @@ def dra_driver(
         Path("/var/lib/kubelet"), "--kubelet-dir", help="The kubelet's root directory (plugins_registry, plugins)."
     ),
     registration_socket: Path | None = typer.Option(
-        None, "--registration-socket", help="Default: <kubelet-dir>/plugins_registry/gpu.sharegpu.io-reg.sock."
+        None,
+        "--registration-socket",
+        help="The socket the kubelet finds the plugin by. Default: gpu.sharegpu.io-reg.sock in the plugins_registry "
+        "folder of --kubelet-dir.",
     ),
     plugin_socket: Path | None = typer.Option(
-        None, "--plugin-socket", help="Default: <kubelet-dir>/plugins/gpu.sharegpu.io/dra.sock."
+        None,
+        "--plugin-socket",
+        help="The plugin's own socket. Default: dra.sock in the gpu.sharegpu.io folder of the plugins folder of "
+        "--kubelet-dir.",
     ),
     cdi_dir: Path = typer.Option(
         Path("/var/run/cdi"), "--cdi-dir", help="Where the container runtime reads CDI specs."
