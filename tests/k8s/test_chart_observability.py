@@ -117,7 +117,15 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar() -> None:
 def test_status_page_is_read_only_and_unreachable_by_default() -> None:
     docs = render({"statusPage": {"enabled": True}})
     role = by_kind(docs, "ClusterRole")["sg-status-page"]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes", "pods"], "verbs": ["get", "list", "watch"]},
+        # status shows the DRA GPUs too (issue 28: without these it lost them to a 403)
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceslices", "resourceclaims"],
+            "verbs": ["get", "list", "watch"],
+        },
+    ]
     pod = by_kind(docs, "Deployment")["sg-status-page"]["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["command"] == ["sharegpu", "status"] and "--serve=0.0.0.0:8080" in c["args"]

@@ -48,7 +48,14 @@ def test_bad_input_exits_with_a_message_not_a_traceback(
     monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
     files = {"missing": tmp_path / "missing.yaml", "bad": tmp_path / "bad.yaml", "good": tmp_path / "good.yaml"}
     files |= {"garbage": tmp_path / "garbage.bin", "list": tmp_path / "list.yaml"}
-    argv = ["node-agent", "--node-name", "node-a", *(a.format(**files) for a in args)]
+    argv = [
+        "node-agent",
+        "--node-name",
+        "node-a",
+        "--cdi-dir",
+        str(tmp_path / "cdi"),
+        *(a.format(**files) for a in args),
+    ]
     result = CliRunner().invoke(_app(), argv)
     assert result.exit_code == 2, result.output
     assert message in result.output
@@ -66,7 +73,14 @@ def test_build_agent_wires_a_sim_node(tmp_path: Path, monkeypatch: pytest.Monkey
     (tmp_path / "sim.yaml").write_text(SIM_YAML)
     monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
     agent = build_agent(
-        "node-a", None, BackendKind.SIM, tmp_path / "sim.yaml", tmp_path / "dp", "127.0.0.1:0", FakeKube()
+        "node-a",
+        None,
+        BackendKind.SIM,
+        tmp_path / "sim.yaml",
+        tmp_path / "dp",
+        "127.0.0.1:0",
+        FakeKube(),
+        cdi_dir=tmp_path / "cdi",  # the agent checks it can write there: never the host's
     )
     assert isinstance(agent, NodeAgent)
     assert [d.model for d in agent.backend.devices()] == ["H100-80GB", "H100-80GB", "A30-24GB"]

@@ -20,7 +20,7 @@ def test_agent_warns_while_kubelet_sock_is_missing_and_registers_once_it_appears
     env = os.environ | {"SHAREGPU_STATE_DIR": str(tmp_path / "state")}
     api = kubeconfig(tmp_path / "kc", f"https://127.0.0.1:{free_port()}")  # no API server: the plugin runs anyway
     args = ["node-agent", "--node-name", "node-a", "--backend", "sim", "--sim-config", str(tmp_path / "sim.yaml")]
-    args += ["--kubeconfig", str(api), "--device-plugin-dir", str(plugin_dir)]
+    args += ["--kubeconfig", str(api), "--device-plugin-dir", str(plugin_dir), "--cdi-dir", str(tmp_path / "cdi")]
     args += ["--metrics-listen", f"127.0.0.1:{free_port()}"]
 
     async def main() -> None:

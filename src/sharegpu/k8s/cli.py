@@ -10,6 +10,7 @@ import re
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
 
 import typer
 import uvloop
@@ -20,8 +21,8 @@ from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.client import KubeClient
-from sharegpu.kube.errors import ConfigError, KubeError
-from sharegpu.kube.kubeconfig import quiet_http_logging
+from sharegpu.kube.errors import ConfigError, Forbidden, KubeError
+from sharegpu.kube.kubeconfig import KUBECONFIG_HELP, quiet_http_logging
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
@@ -34,8 +35,11 @@ class SetupError(Exception):
 
 def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SetupError(f"{flag} {text!r} must be HOST:PORT, e.g. 0.0.0.0:8888")
+    if not sep or not port.isdigit():
+        raise SetupError(f"{flag} {text!r} must be HOST:PORT, e.g. 127.0.0.1:8888 (0.0.0.0 listens on every address)")
+    if not 0 < int(port) < 65536:
+        # The format is right: only the number is wrong, and the host as given stays.
+        raise SetupError(f"{flag} {text!r}: port {int(port)} is out of range; a TCP port is 1 to 65535")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
@@ -78,8 +82,14 @@ def _logging() -> None:
     quiet_http_logging()  # one line per API request is noise at INFO and costs time on a busy scheduler
 
 
+# The on/off pairs in a panel of their own: their --no-X column beside the longest option names would leave the help
+# text too narrow a column on an 80-column terminal, and the names would be cut.
+SWITCHES = "Switches"
+PACE = "Preemption and consolidation pace"  # the longest option name, on its own: the others keep a wide help column
+
+
 def scheduler_extender(
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     listen: str = typer.Option("0.0.0.0:8888", "--listen", help="HOST:PORT to serve the extender on."),
     policy: str = typer.Option("sharegpu", "--policy", help=f"Placement policy: {', '.join(POLICIES)}."),
     seed: int = typer.Option(0, "--seed", help="Seed of the policies that draw random numbers."),
@@ -89,6 +99,7 @@ def scheduler_extender(
     leader_elect: bool = typer.Option(
         False,
         "--leader-elect/--no-leader-elect",
+        rich_help_panel=SWITCHES,
         help="Run as one of several replicas: only the holder of a coordination.k8s.io Lease binds and is ready.",
     ),
     lease_name: str = typer.Option(
@@ -133,26 +144,34 @@ def scheduler_extender(
         "--dra-steering",
         help="Follow ResourceSlices and ResourceClaims and serve /dra/filter, which leaves the kube-scheduler only "
         "the node sharegpu picks for a pod whose GPUs come from sharegpu DRA claims (the chart's "
-        "scheduler.draSteering.enabled).",
+        "draSteering setting of the scheduler).",
     ),
     preemption: bool = typer.Option(
         True,
         "--preemption/--no-preemption",
+        rich_help_panel=SWITCHES,
         help="As the leader, evict lower-priority pods (Eviction API, PodDisruptionBudgets honoured) for a pending pod "
-        "that fits nowhere for GPU room, and hold the freed room for it (docs/multi-tenant.md).",
+        "that fits nowhere for GPU room, and hold the freed room for it (docs: multi-tenant.md).",
     ),
     preemption_interval: float = typer.Option(
-        2.0, "--preemption-interval", help="Seconds between two looks at the pending pods for preemption."
+        2.0,
+        "--preemption-interval",
+        rich_help_panel=PACE,
+        help="Seconds between two looks at the pending pods for preemption.",
     ),
     consolidation: bool = typer.Option(
         False,
         "--consolidation/--no-consolidation",
-        help='As the leader, move pods annotated sharegpu.io/movable="true" (controller-owned, PodDisruptionBudgets '
-        "honoured) so that a pod waiting only for fragmented GPU room fits, when preemption cannot help it; needs "
-        "--preemption (the chart's extender.consolidation.enabled).",
+        rich_help_panel=SWITCHES,
+        help="As the leader, move pods whose sharegpu.io/movable annotation is true (controller-owned, "
+        "PodDisruptionBudgets honoured) so that a pod waiting only for fragmented GPU room fits, when preemption "
+        "cannot help it; needs --preemption (the chart's consolidation setting of the extender).",
     ),
     consolidation_moves_per_minute: int = typer.Option(
-        4, "--consolidation-moves-per-minute", help="Most pods consolidation moves (evicts) in any minute."
+        4,
+        "--consolidation-moves-per-minute",
+        rich_help_panel=PACE,
+        help="Most pods consolidation moves (evicts) in any minute.",
     ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
@@ -266,7 +285,7 @@ def webhook(
 
 
 def status(
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     watch: bool = typer.Option(False, "--watch", help="Follow the cluster and redraw every --interval seconds."),
     interval: float = typer.Option(2.0, "--interval", help="Seconds between redraws (--watch) or page refreshes."),
@@ -297,6 +316,25 @@ def status(
         api = LightkubeClusterApi(kubeconfig)
     except ConfigError as e:
         raise _fail(f"cannot load Kubernetes credentials: {e}") from None
+    dra_warned: list[str] = []
+
+    async def dra() -> list[dict[str, Any]]:
+        """The DRA nodes, or none when the credentials may not read ResourceSlices or ResourceClaims: the rest of
+        the report does not need them (said once, on stderr or in the log)."""
+        try:
+            return await load_dra_status(kubeconfig)
+        except Forbidden as e:
+            if not dra_warned:
+                dra_warned.append(str(e))
+                message = (
+                    f"not showing DRA GPUs: {e}; to see them, grant list on resourceslices and resourceclaims "
+                    "(resource.k8s.io) to these credentials"
+                )
+                if serve is not None:  # a server: its log
+                    log.warning("%s", message)
+                else:
+                    typer.echo(f"sharegpu: warning: {message}", err=True)
+            return []
 
     async def load() -> dict[str, object]:
         try:
@@ -306,12 +344,12 @@ def status(
             await api.close()
         view = ClusterView(policy="bestfit")
         view.reset(nodes, pods)
-        return status_report(view, await load_dra_status(kubeconfig))
+        return status_report(view, await dra())
 
     async def follow() -> None:
         from sharegpu.k8s.page import serve_page
 
-        followed = FollowedStatus(dra=lambda: load_dra_status(kubeconfig), dra_every_s=max(interval, 2.0))
+        followed = FollowedStatus(dra=dra, dra_every_s=max(interval, 2.0))
 
         try:
             if addr is not None:

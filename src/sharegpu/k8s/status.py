@@ -138,13 +138,16 @@ def fragmentation_milli(ledger: Ledger, workload: Workload | None) -> float | No
 def cluster_summary(view: ClusterView, pending: list[PendingPod]) -> dict[str, Any]:
     led = view.ledger
     total = led.total_gpu_milli
-    in_use = led.present & (led.mode != GpuMode.FREE)
+    # In use: a pod holds some of it. Not the GPU's mode: a GPU kept in MIG mode (static instances, or a layout the
+    # node keeps) with no pod on it is idle, and counting it was the gap issue 28 found.
+    held = {(led.index[a.node], s.gpu_index) for a in led.assignments.values() for s in a.shares}
+    in_use = sum(1 for n, g in held if led.present[n, g])
     frag = fragmentation_milli(led, view.workload())
     reasons = Counter(p.reason for p in pending)
     return {
         "nodes": len(led.nodes),
         "gpus_total": int(led.present.sum()),
-        "gpus_in_use": int(in_use.sum()),
+        "gpus_in_use": in_use,
         "gpus_unhealthy": int((led.present & ~led.healthy).sum()),
         "allocation_pct": round(100 * led.allocated_gpu_milli / total, 2) if total else 0.0,
         "fragmentation_pct": None if frag is None or not total else round(100 * frag / total, 2),

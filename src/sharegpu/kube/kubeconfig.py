@@ -22,13 +22,20 @@ import yaml
 from sharegpu.kube.errors import ConfigError
 
 if TYPE_CHECKING:
+    import httpx2
     from lightkube import AsyncClient
     from lightkube.config.kubeconfig import SingleConfig
 
     from sharegpu.kube.exec_auth import ExecSpec
+    from sharegpu.kube.transport import AiohttpTransport
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
+# The --kubeconfig help of every command: the order load_credentials follows.
+KUBECONFIG_HELP = (
+    "Kubeconfig file. Default: the in-cluster service account when running in a pod, else the first file of "
+    "$KUBECONFIG, else ~/.kube/config."
+)
 SHAPE = "a kubeconfig is a mapping with clusters, contexts, users and current-context (as kubectl writes it)"
 
 
@@ -50,6 +57,7 @@ class Credentials:
     source: str  # where they came from, for messages: "kubeconfig /x", "the in-cluster service account"
     # The user's exec plugin, run by sharegpu.kube.exec_auth (lightkube's own runs neither v1 nor KUBERNETES_EXEC_INFO)
     exec_spec: ExecSpec | None = None
+    proxy: str = ""  # the cluster's proxy-url (lightkube's model has no such field)
 
     @property
     def server(self) -> str:
@@ -75,13 +83,67 @@ class Credentials:
                 if self.server.startswith("https")
                 else None
             )
-            transport = AiohttpTransport(tls, ca=_ca_of(config, self.source))
+            transport = AiohttpTransport(tls, ca=_ca_of(config, self.source), proxy=self.proxy)
             client = AsyncClient(config=config, field_manager=field_manager, transport=transport)
-        except (LkConfigError, OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        except ssl.SSLError as e:
+            raise ConfigError(
+                f"cannot use the credentials of {self.source}: {_client_cert_problem(config, e)}"
+            ) from None
+        except (LkConfigError, OSError, ValueError) as e:
             raise ConfigError(f"cannot use the credentials of {self.source}: {_reason(e)}") from None
         if self.exec_spec is not None:
-            _use_exec(client, self.exec_spec, self.source)
+            _use_exec(client, self.exec_spec, self.source, tls, transport)
+        elif config.user.username is not None and not config.user.password:
+            # client-go sends a username without a password as basic auth with an empty password; lightkube sends
+            # basic auth only when both are set.
+            _set_auth(client, self.source, _basic_auth(config.user.username, ""))
         return client
+
+
+def _basic_auth(username: str, password: str) -> httpx2.Auth:
+    import httpx2
+
+    return httpx2.BasicAuth(username, password)
+
+
+def _client_cert_problem(config: SingleConfig, e: ssl.SSLError) -> str:
+    """What is wrong with the user's client certificate and key, by file or field: ssl says only "[SSL] PEM lib"."""
+    user = config.user
+    assert user is not None
+    pairs = [
+        ("client-certificate", user.client_cert, user.client_cert_data, "CERTIFICATE-----"),
+        ("client-key", user.client_key, user.client_key_data, "PRIVATE KEY-----"),
+    ]
+    texts: dict[str, tuple[str, str]] = {}
+    for key, file, data, _ in pairs:
+        if data:
+            try:
+                texts[key] = (
+                    f"the {key}-data of user {config.context.user!r}",
+                    base64.b64decode(data).decode("ascii", "replace"),
+                )
+            except (binascii.Error, ValueError):
+                texts[key] = (f"the {key}-data of user {config.context.user!r}", "")
+        elif file:
+            name = str(config.abs_file(file))
+            try:
+                texts[key] = (f"the {key} {name}", Path(name).read_text(encoding="ascii", errors="replace"))
+            except OSError:
+                texts[key] = (f"the {key} {name}", "")
+    if len(texts) < 2:
+        return _reason(e)
+    (cert_what, cert_text), (key_what, key_text) = texts["client-certificate"], texts["client-key"]
+    cert_ok, key_ok = "CERTIFICATE-----" in cert_text, "PRIVATE KEY-----" in key_text
+    if not cert_ok and not key_ok and "PRIVATE KEY-----" in cert_text and "CERTIFICATE-----" in key_text:
+        return (
+            f"{cert_what} holds a private key and {key_what} a certificate: the two are swapped; give the "
+            "certificate as client-certificate and its key as client-key"
+        )
+    if not cert_ok:
+        return f"{cert_what} holds no PEM certificate (-----BEGIN CERTIFICATE-----); give the user's client certificate"
+    if not key_ok:
+        return f"{key_what} holds no PEM private key (-----BEGIN ... PRIVATE KEY-----); give the certificate's key"
+    return f"{cert_what} and {key_what} do not belong together ({_reason(e)}); give the private key of that certificate"
 
 
 def _ca_of(config: SingleConfig, source: str) -> str:
@@ -94,18 +156,26 @@ def _ca_of(config: SingleConfig, source: str) -> str:
     return f"this machine's trusted CAs ({source} gives no certificate-authority for cluster {name!r})"
 
 
-def _use_exec(client: AsyncClient, spec: ExecSpec, source: str) -> None:
-    """Authenticate ``client``'s requests with the exec plugin. lightkube offers no way to pass an httpx ``Auth`` of
-    one's own, so it is set on the httpx client lightkube made (checked, so that a lightkube that changed shape fails
-    here, by name, rather than sending requests without credentials)."""
-    import httpx2
-
+def _use_exec(
+    client: AsyncClient, spec: ExecSpec, source: str, tls: ssl.SSLContext | None, transport: AiohttpTransport
+) -> None:
+    """Authenticate ``client``'s requests with the exec plugin (a token; a client certificate goes into ``tls``, and
+    ``transport``'s connections are closed when it changes)."""
     from sharegpu.kube.exec_auth import ExecAuth
+
+    _set_auth(client, source, ExecAuth(spec, source, tls, transport.aclose))
+
+
+def _set_auth(client: AsyncClient, source: str, auth: httpx2.Auth) -> None:
+    """lightkube offers no way to pass an httpx ``Auth`` of one's own, so it is set on the httpx client lightkube made
+    (checked, so that a lightkube that changed shape fails here, by name, rather than sending requests without
+    credentials)."""
+    import httpx2
 
     inner = getattr(getattr(client, "_client", None), "_client", None)
     if not isinstance(inner, httpx2.AsyncClient):
-        raise ConfigError(f"{source}: cannot install its exec plugin on this lightkube's client")
-    inner.auth = ExecAuth(spec, source)
+        raise ConfigError(f"{source}: cannot install its credentials on this lightkube's client")
+    inner.auth = auth
 
 
 def load_credentials(path: Path | None) -> Credentials:
@@ -161,13 +231,33 @@ def _from_file(path: Path, source: str) -> Credentials:
     data = _validated(data, source)
     config = _select(data, path, source)
     spec = _exec_spec(data, config, source)
+    proxy = _proxy_url(data, source)
     if spec is not None:
         import msgspec
 
         assert config.user is not None
         # lightkube would run the plugin itself, and refuse a v1 one: sharegpu.kube.exec_auth runs it instead.
         config = config._replace(user=msgspec.structs.replace(config.user, exec=None))
-    return Credentials(config, source, spec)
+    return Credentials(config, source, spec, proxy)
+
+
+PROXY_SCHEMES = ("http://", "https://")
+
+
+def _proxy_url(data: dict[str, Any], source: str) -> str:
+    """The current context's cluster's ``proxy-url``: requests go through that HTTP(S) proxy (CONNECT for an https
+    server). A SOCKS proxy, which kubectl also takes, is refused by name rather than bypassed."""
+    ctx = next(c["context"] for c in data["contexts"] if c["name"] == data["current-context"])
+    cluster = next(c["cluster"] for c in data["clusters"] if c["name"] == ctx["cluster"])
+    proxy = cluster.get("proxy-url")
+    if proxy is None or proxy == "":
+        return ""
+    if not isinstance(proxy, str) or not proxy.startswith(PROXY_SCHEMES):
+        raise ConfigError(
+            f"{source}: cluster {ctx['cluster']!r} has proxy-url {proxy!r}; sharegpu goes through http:// and https:// "
+            "proxies only (not socks5://): give an HTTP proxy's URL, or reach the API server without one"
+        )
+    return proxy
 
 
 def _exec_spec(data: dict[str, Any], config: SingleConfig, source: str) -> ExecSpec | None:

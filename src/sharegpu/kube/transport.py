@@ -36,9 +36,10 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     """An ``httpx2.AsyncBaseTransport`` over one aiohttp session (created on the first request, in the loop that
     makes it: aiohttp's connections belong to one event loop)."""
 
-    def __init__(self, ssl_context: ssl.SSLContext | None, ca: str = "") -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None, ca: str = "", proxy: str = "") -> None:
         self._ssl = ssl_context
         self._ca = ca  # where the CA that verifies the server comes from, named when it does not verify it
+        self._proxy = proxy or None  # the kubeconfig's proxy-url: an HTTP(S) proxy (CONNECT for https servers)
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
@@ -64,6 +65,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
                 data=body or None,
                 timeout=_timeout(request.extensions.get("timeout")),
                 allow_redirects=False,  # httpx follows (or not) by its own setting
+                proxy=self._proxy,
             )
         except Exception as e:
             raise _as_httpx(e, request, self._ca) from e

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from enum import StrEnum
@@ -19,10 +20,11 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from sharegpu.kube.kubeconfig import KUBECONFIG_HELP
 from sharegpu.node.agent import AgentConfig, NodeAgent
 from sharegpu.node.attribution import DEFAULT_POD_RESOURCES_SOCKET
 from sharegpu.node.backends.base import GpuBackend
-from sharegpu.node.cdi import DEFAULT_CDI_DIR
+from sharegpu.node.cdi import DEFAULT_CDI_DIR, CdiError, CdiWriter
 from sharegpu.node.device_plugin import DEFAULT_PLUGIN_DIR, check_plugin_dir
 from sharegpu.node.enforcement import PodNotifier
 from sharegpu.node.errors import COMMAND_ERRORS, NodeError
@@ -48,15 +50,51 @@ class AgentSetupError(NodeError):
     """A flag or file that stops the agent from starting; the message says which and what to change."""
 
 
+# A Node's name is a DNS-1123 subdomain (the API server refuses any other); the same rule as the control plane's
+# --scheduler-name check in sharegpu.k8s.cli, which this package may not import.
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def check_node_name(name: str) -> str:
+    """``name`` when a Node can have it: with any other the agent would wait forever for a Node that cannot exist."""
+    if not name.strip():
+        raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
+    if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise AgentSetupError(
+            f"--node-name {name!r} cannot be a Kubernetes node's name: it must be a DNS-1123 subdomain (lowercase "
+            "letters, digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters); pass "
+            "the node's name as `kubectl get nodes` shows it, e.g. --node-name $(NODE_NAME) from spec.nodeName"
+        )
+    return name
+
+
+def check_cdi_dir(cdi_dir: Path) -> None:
+    """The CDI directory is (or can be made) a directory this process can write specs in: checked at start, not at
+    the first container that needs a spec."""
+    if cdi_dir.exists() and not cdi_dir.is_dir():
+        raise AgentSetupError(f"--cdi-dir {cdi_dir} exists and is not a directory; give the runtime's CDI directory")
+    try:
+        CdiWriter(cdi_dir).check()
+    except CdiError as e:
+        raise AgentSetupError(
+            f"--cdi-dir {cdi_dir}: {e}; give a writable directory the container runtime reads CDI specs from "
+            f"(containerd's cdi_spec_dirs, e.g. {DEFAULT_CDI_DIR})"
+        ) from None
+
+
 def node_agent(
     node_name: str = typer.Option(..., "--node-name", help="This node's Kubernetes name (spec.nodeName of its pods)."),
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     backend: BackendKind = typer.Option(..., "--backend", help="nvml on a GPU node, sim for a simulated one."),
     sim_config: Path | None = typer.Option(
         None, "--sim-config", help="YAML of the simulated GPUs (with --backend sim)."
     ),
+    # Long paths are said in words in the help: the help column of an 80-column terminal cuts a path longer than it.
     device_plugin_dir: Path = typer.Option(
-        DEFAULT_PLUGIN_DIR, "--device-plugin-dir", help="The kubelet's device plugin directory (holds kubelet.sock)."
+        DEFAULT_PLUGIN_DIR,
+        "--device-plugin-dir",
+        help="The kubelet's device plugin directory (holds kubelet.sock). Default: device-plugins in /var/lib/kubelet.",
+        show_default=False,
     ),
     metrics_listen: str = typer.Option(
         DEFAULT_METRICS, "--metrics-listen", help="HOST:PORT of the Prometheus endpoint."
@@ -64,7 +102,9 @@ def node_agent(
     pod_resources_socket: Path = typer.Option(
         DEFAULT_POD_RESOURCES_SOCKET,
         "--pod-resources-socket",
-        help="The kubelet's pod-resources socket (<kubelet root>/pod-resources/kubelet.sock): whose container starts.",
+        help="The kubelet's pod-resources socket (kubelet.sock in the pod-resources folder of the kubelet's root): whose "
+        "container starts. Default: the one in /var/lib/kubelet.",
+        show_default=False,
     ),
     cdi_dir: Path = typer.Option(
         DEFAULT_CDI_DIR, "--cdi-dir", help="Where the container runtime reads CDI specs (containerd's cdi_spec_dirs)."
@@ -109,8 +149,7 @@ def build_agent(
     evict_on_audit: bool = False,
     notifier: PodNotifier | None = None,
 ) -> NodeAgent:
-    if not node_name.strip():
-        raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
+    check_node_name(node_name)
     listen = parse_listen(metrics_listen) if metrics_listen else None
     check_plugin_dir(device_plugin_dir)
     for flag, path in (("--pod-resources-socket", pod_resources_socket), ("--cdi-dir", cdi_dir)):
@@ -121,8 +160,7 @@ def build_agent(
             f"--pod-resources-socket {pod_resources_socket} is a directory; name the socket inside it, "
             f"e.g. {pod_resources_socket / 'kubelet.sock'}"
         )
-    if cdi_dir.exists() and not cdi_dir.is_dir():
-        raise AgentSetupError(f"--cdi-dir {cdi_dir} exists and is not a directory; give the runtime's CDI directory")
+    check_cdi_dir(cdi_dir)
     backend, daemon = make_backend(node_name, backend_kind, sim_config)
     if kube is None:
         from sharegpu.kube.api import LightkubeClusterApi
@@ -194,7 +232,7 @@ async def _serve(agent: NodeAgent) -> None:
 
 def dra_driver(
     node_name: str = typer.Option(..., "--node-name", help="This node's Kubernetes name (its pool's name)."),
-    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help="Kubeconfig file; in-cluster config if omitted."),
+    kubeconfig: Path | None = typer.Option(None, "--kubeconfig", help=KUBECONFIG_HELP),
     backend: BackendKind = typer.Option(..., "--backend", help="nvml on a GPU node, sim for a simulated one."),
     sim_config: Path | None = typer.Option(
         None, "--sim-config", help="YAML of the simulated GPUs (with --backend sim)."
@@ -203,10 +241,16 @@ def dra_driver(
         Path("/var/lib/kubelet"), "--kubelet-dir", help="The kubelet's root directory (plugins_registry, plugins)."
     ),
     registration_socket: Path | None = typer.Option(
-        None, "--registration-socket", help="Default: <kubelet-dir>/plugins_registry/gpu.sharegpu.io-reg.sock."
+        None,
+        "--registration-socket",
+        help="The socket the kubelet finds the plugin by. Default: gpu.sharegpu.io-reg.sock in the plugins_registry "
+        "folder of --kubelet-dir.",
     ),
     plugin_socket: Path | None = typer.Option(
-        None, "--plugin-socket", help="Default: <kubelet-dir>/plugins/gpu.sharegpu.io/dra.sock."
+        None,
+        "--plugin-socket",
+        help="The plugin's own socket. Default: dra.sock in the gpu.sharegpu.io folder of the plugins folder of "
+        "--kubelet-dir.",
     ),
     cdi_dir: Path = typer.Option(
         Path("/var/run/cdi"), "--cdi-dir", help="Where the container runtime reads CDI specs."
@@ -255,8 +299,7 @@ def build_dra_service(
     from sharegpu.node.dra.service import DraDriverService, ServiceConfig
     from sharegpu.node.mig import MigManager
 
-    if not node_name.strip():
-        raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
+    check_node_name(node_name)
     if not math.isfinite(interval_s) or interval_s <= 0:
         raise AgentSetupError(f"--interval {interval_s} must be a finite number of seconds above 0, e.g. 10")
     # Relative paths are taken from the working directory: the kubelet dials the endpoint that GetInfo names from

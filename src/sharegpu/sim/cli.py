@@ -30,8 +30,8 @@ from sharegpu.sim.openb import (
     unplaceable_models,
 )
 from sharegpu.sim.protocol import MAX_SEEDS, MAX_USERS, parse_seeds
-from sharegpu.sim.replay import PriorityOptions
-from sharegpu.sim.report import print_table, write_json, write_plot
+from sharegpu.sim.replay import PriorityOptions, arrivals_to_load
+from sharegpu.sim.report import fit_tables, print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
 from sharegpu.sim.scenario import DEFAULT_POLICIES, DEFAULT_SEEDS, scenario_nodes, scenario_tasks
 from sharegpu.sim.scenario import DEFAULT_TUNE as SCENARIO_TUNE
@@ -119,14 +119,16 @@ def sim(
     load: float | None = typer.Option(
         None,
         "--load",
-        help=f"Replay only: redraw the trace's pods with their lifetimes, arriving so that the GPU busy on average is "
-        f"this multiple of the cluster's (above 0, at most {MAX_LOAD:g}); the trace as recorded never fills its "
-        "cluster.",
+        help=f"Replay only: redraw the trace's pods with their lifetimes, arriving so that, once the cluster has "
+        f"filled, the GPU busy on average is this multiple of the cluster's (above 0, at most {MAX_LOAD:g}); the "
+        "trace as recorded never fills its cluster.",
     ),
     arrivals: int | None = typer.Option(
         None,
         "--arrivals",
-        help=f"With --load: pods in the redraw, 1 to {MAX_ARRIVALS:,}. Default: {DEFAULT_ARRIVALS:,}.",
+        help=f"With --load: pods in the redraw, 1 to {MAX_ARRIVALS:,}. Default: enough for the cluster to fill and "
+        f"stay at the load (arrivals spanning twice the longest rescaled lifetime; at least {DEFAULT_ARRIVALS:,}; "
+        "about 105,000 on openb at --load 1.5); fewer are warned about.",
     ),
     users: int = typer.Option(
         1,
@@ -144,7 +146,7 @@ def sim(
 ) -> None:
     """Replay a workload through the placement policies and report GPU allocation (FGD paper protocol)."""
     console = _out()
-    warnings: list[TraceWarning] = []
+    warnings: list[TraceWarning | str] = []
     try:
         if jobs < 0:
             raise UsageError(f"--jobs {jobs} must be 0 (one per core) or more")
@@ -153,7 +155,7 @@ def sim(
         inputs = {"--nodes": nodes_path, "--pods": pods_path}
         check_not_inputs(paths, {flag: path for flag, path in inputs.items() if path is not None})
         exp = _experiment(nodes_path, pods_path, policy, seeds, tune, replay, warnings.append)
-        exp = _priority(exp, high_share, preemption, consolidation, max_moves, load, arrivals)
+        exp = _priority(exp, high_share, preemption, consolidation, max_moves, load, arrivals, warnings.append)
         if not 1 <= users <= MAX_USERS:
             raise UsageError(f"--users {users} must be from 1 to {MAX_USERS:,}")
         exp = dataclasses.replace(exp, users=users)
@@ -210,6 +212,7 @@ def _priority(
     max_moves: int | None,
     load: float | None,
     arrivals: int | None,
+    warn: Callable[[str], None] = lambda _: None,
 ) -> Experiment:
     """The replay options of issue 19, checked: each needs --replay, and each its companion."""
     given = [
@@ -250,15 +253,20 @@ def _priority(
         raise UsageError(f"--arrivals {arrivals} is out of range: 1 to {MAX_ARRIVALS:,} pods")
     if load is not None and not any(t.deletion_time is not None for t in exp.tasks):
         raise UsageError("--load redraws pods with their lifetimes, and no pod of the trace has a deletion_time")
+    if load is not None:
+        needed = arrivals_to_load(exp.tasks, exp.capacity_milli, load)
+        if arrivals is None:
+            arrivals = min(max(DEFAULT_ARRIVALS, needed), MAX_ARRIVALS)
+        if arrivals < needed:
+            warn(
+                f"--load {load:g} with {arrivals:,} arrivals: the redraw starts with an empty cluster, which fills over "
+                f"about {needed // 2:,} arrivals (its longest rescaled lifetime), so the cluster is not held at the "
+                f"load and few pods wait; give --arrivals {needed:,} or more (or leave it out)"
+            )
     priority = None
     if high_share is not None or preemption or consolidation:
         priority = PriorityOptions(high_share or 0.0, preemption, consolidation, max_moves or 2)
-    return dataclasses.replace(
-        exp,
-        priority=priority,
-        load=load,
-        arrivals=(arrivals or DEFAULT_ARRIVALS) if load is not None else 0,
-    )
+    return dataclasses.replace(exp, priority=priority, load=load, arrivals=(arrivals or 0) if load is not None else 0)
 
 
 def _path_option(flag: str, text: str | None) -> Path | None:
@@ -468,12 +476,16 @@ trace_app = typer.Typer(
 )
 
 
+# Not a terminal (a pipe, a file): as wide as a table needs, so that no name or number is ever cut to fit.
+PIPE_WIDTH = 1000
+
+
 def _err() -> Console:
     return Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 def _out() -> Console:
-    return Console(width=None if sys.stdout.isatty() else 120)
+    return Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
 
 
 def _error(message: str) -> typer.Exit:
@@ -493,7 +505,7 @@ def _shares_table(title: str, rows: dict[str, Shares]) -> Table:
         caption="CPU-only: % of pods; sharing, multi-GPU: % of GPU demand; gpu_spec: % of GPU pods with a model "
         "constraint",
     )
-    t.add_column("pod list")
+    t.add_column("pod list", overflow="fold")  # a long path folds onto more lines rather than being cut
     columns: tuple[tuple[str, Callable[[Shares], str]], ...] = (
         ("pods", lambda x: f"{x.pods:,}"),
         ("GPU pods", lambda x: f"{x.gpu_pods:,}"),
@@ -562,7 +574,10 @@ def trace_vary(
         raise _error(str(e)) from None
     except OSError as e:
         raise _error(f"cannot write {out}: {e.strerror or e}") from None
-    _out().print(_shares_table(f"wrote {out}", {str(base): measure(table.tasks), str(out): measure(variant.tasks)}))
+    console = _out()
+    shares = {str(base): measure(table.tasks), str(out): measure(variant.tasks)}
+    for part in fit_tables(console, _shares_table(f"wrote {out}", shares)):
+        console.print(part)
 
 
 @trace_app.command("describe")
@@ -574,4 +589,6 @@ def trace_describe(
         columns = {p.stem.removeprefix("openb_pod_list_"): measure(read_pod_table(p, warn=_warn).tasks) for p in pods}
     except TraceError as e:
         raise _error(str(e)) from None
-    _out().print(_shares_table("pod lists", columns))
+    console = _out()
+    for part in fit_tables(console, _shares_table("pod lists", columns)):
+        console.print(part)

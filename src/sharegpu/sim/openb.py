@@ -6,6 +6,7 @@ a traceback. Only the columns of the format are accepted: an unknown column is a
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import re
@@ -24,6 +25,13 @@ POD_REQUIRED = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 MAX_VALUE = 10**12
 MAX_GPUS_PER_NODE = 64
 POD_OPTIONAL = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
+# What a trace file may make the program hold. The openb pod lists have about 8,000 rows in 0.6 MB; these caps are
+# 60 times that and keep a run's memory to about a gigabyte; beyond them a file is a mistake (a device such as
+# /dev/zero, a log, a generated file gone wrong), and reading it whole would only grow memory.
+MAX_FILE_BYTES = 64 * 2**20
+MAX_ROWS = 500_000
+MAX_LINE_BYTES = 64 * 2**10  # an openb row is under 200 bytes
+READ_CHUNK = 2**20
 # The trace's anonymised GPU models: not in the catalog, yet no typo.
 OPAQUE_MODELS = frozenset({"G1", "G2", "G3"})
 
@@ -52,21 +60,77 @@ class TraceTask:
 
 
 def _decode(path: Path) -> str:
-    """The file as text. Decoding it whole (rather than as the CSV reader pulls chunks) lets a bad byte be
-    reported on its own line, not on the line the reader had reached."""
+    """The file as text, read up to ``MAX_FILE_BYTES``. Decoding it whole (rather than as the CSV reader pulls
+    chunks) lets a bad byte be reported on its own line, not on the line the reader had reached; reading it by
+    chunks stops at the first NUL byte (binary data, /dev/zero) or the cap instead of filling memory."""
+    chunks: list[bytes] = []
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    text: list[str] = []
+    size = 0
+    line_start = 0  # file offset of the line being read
+    lines = 1
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            while chunk := f.read(READ_CHUNK):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_FILE_BYTES:
+                    raise TraceError(
+                        path,
+                        None,
+                        f"is larger than {MAX_FILE_BYTES // 2**20} MiB, more than any trace (the openb pod lists are "
+                        f"under 1 MB, at most {MAX_ROWS:,} rows are read); check that it is the trace you meant, or "
+                        "split it",
+                    )
+                text.append(decoder.decode(chunk))  # first: a byte that is not UTF-8 is named as such
+                nul = chunk.find(b"\0")
+                if nul >= 0:
+                    data = b"".join(chunks)
+                    at = size - len(chunk) + nul
+                    raise TraceError(
+                        path,
+                        data.count(b"\n", 0, at) + 1,
+                        "not a CSV text file: it holds a NUL byte (binary data); give a CSV file",
+                    )
+                start = size - len(chunk)
+                for nl in _newlines(chunk):
+                    if start + nl - line_start > MAX_LINE_BYTES:
+                        break
+                    line_start = start + nl + 1
+                    lines += 1
+                if size - line_start > MAX_LINE_BYTES:
+                    raise TraceError(
+                        path,
+                        lines,
+                        f"a line is longer than {MAX_LINE_BYTES // 2**10} KiB (a trace row is under 200 bytes): not a "
+                        "trace's CSV; check the file",
+                    )
+            text.append(decoder.decode(b"", final=True))
+    except UnicodeDecodeError:
+        data = b"".join(chunks)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:  # where in the whole file: the incremental decoder counts per chunk
+            line = data.count(b"\n", 0, e.start) + 1
+            column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+            raise TraceError(
+                path,
+                line,
+                f"not a readable CSV file: byte 0x{data[e.start]:02x} at column {column} is not UTF-8 text",
+            ) from None
+        raise TraceError(path, None, "not a readable CSV file: it ends inside a UTF-8 character") from None
     except OSError as e:
         raise TraceError(path, None, f"cannot open: {e.strerror or e}") from None
-    try:
-        # A byte-order mark (spreadsheet programs write one) is not part of the first column's name.
-        return data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise TraceError(
-            path, line, f"not a readable CSV file: byte 0x{data[e.start]:02x} at column {column} is not UTF-8 text"
-        ) from None
+    # A byte-order mark (spreadsheet programs write one) is not part of the first column's name.
+    return "".join(text).removeprefix("\ufeff")
+
+
+def _newlines(chunk: bytes) -> list[int]:
+    out, at = [], chunk.find(b"\n")
+    while at >= 0:
+        out.append(at)
+        at = chunk.find(b"\n", at + 1)
+    return out
 
 
 def _rows(
@@ -89,7 +153,7 @@ def _rows(
         raise TraceError(path, 1, f"missing column(s) {missing}")
     if len(set(header)) != len(header):
         raise TraceError(path, 1, "a column is named twice")
-    rows = []
+    rows: list[tuple[int, dict[str, str]]] = []
     line = 1
     try:
         for row in reader:
@@ -98,6 +162,13 @@ def _rows(
                 continue
             if len(row) != len(header):
                 raise TraceError(path, line, f"has {len(row)} fields; the header has {len(header)}")
+            if len(rows) == MAX_ROWS:
+                raise TraceError(
+                    path,
+                    line,
+                    f"has more than {MAX_ROWS:,} rows, the most a trace may have (the openb pod lists have about "
+                    "8,000); give a smaller trace, e.g. a sample of its rows",
+                )
             rows.append((line, dict(zip(header, (c.strip() for c in row), strict=True))))
     except csv.Error as e:
         # The reader counts the line it failed on only once it has read it; a row it stopped in is the next one.

@@ -77,28 +77,47 @@ def mark_high(tasks: Sequence[TraceTask], share: float, seed: int) -> frozenset[
     return frozenset(names[i] for i in picks.tolist())
 
 
-def overloaded(
-    tasks: Sequence[TraceTask], capacity_milli: int, pods: int, seed: int, load: float
-) -> tuple[TraceTask, ...]:
-    """``pods`` pods drawn with replacement from ``tasks`` (those with a deletion time), each keeping its shape and
-    lifetime (clipped at the 90th percentile: the trace's tail lives for months and would never settle), arriving as a
-    Poisson process (one per 1,000 s on average) with lifetimes rescaled so that the GPU busy on average (Little's
-    law) is ``load`` × capacity. The openb trace as recorded never fills its cluster (its peak is ~1 % of the GPUs),
-    so waiting, preemption and consolidation can only be measured on a loaded version of it. (The same generator as
-    bench/sim_speed.py's overloaded replay.)"""
-    base = [t for t in tasks if t.deletion_time is not None]
-    if not base:
-        raise ValueError("no pod of the trace has a deletion time: a loaded replay needs pod lifetimes")
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(len(base), size=pods)
+MEAN_GAP_S = 1000.0  # mean time between two arrivals of a loaded redraw
+
+
+def _loaded_lifetimes(base: Sequence[TraceTask], capacity_milli: int, load: float) -> np.ndarray:
+    """Each pod's lifetime in a redraw at ``load``: clipped at the 90th percentile and rescaled (see overloaded)."""
     life = np.array([max(1, (t.deletion_time or 0) - (t.creation_time or 0)) for t in base], dtype=np.float64)
     life = np.minimum(life, np.percentile(life, 90))
     gpus = np.array([t.request.total_milli / 1000 for t in base], dtype=np.float64)
     busy = float((life * gpus).mean())
     if busy <= 0:
         raise ValueError("no pod of the trace with a deletion time asks for a GPU: nothing to load the cluster with")
-    created = np.cumsum(rng.exponential(1000.0, size=pods)).astype(np.int64)
-    life = life * (load * capacity_milli / busy)
+    scaled: np.ndarray = life * (load * capacity_milli / busy)
+    return scaled
+
+
+def arrivals_to_load(tasks: Sequence[TraceTask], capacity_milli: int, load: float) -> int:
+    """How many arrivals a redraw needs for its cluster to reach ``load`` and hold it: it starts empty and fills
+    over its longest lifetime, so the arrivals must span twice that (half ramp, half loaded)."""
+    base = [t for t in tasks if t.deletion_time is not None]
+    if not base:
+        raise ValueError("no pod of the trace has a deletion time: a loaded replay needs pod lifetimes")
+    return int(np.ceil(2 * float(_loaded_lifetimes(base, capacity_milli, load).max()) / MEAN_GAP_S))
+
+
+def overloaded(
+    tasks: Sequence[TraceTask], capacity_milli: int, pods: int, seed: int, load: float
+) -> tuple[TraceTask, ...]:
+    """``pods`` pods drawn with replacement from ``tasks`` (those with a deletion time), each keeping its shape and
+    lifetime (clipped at the 90th percentile: the trace's tail lives for months and would never settle), arriving as a
+    Poisson process (one per 1,000 s on average) with lifetimes rescaled so that the GPU busy on average (Little's
+    law) is ``load`` × capacity once the cluster has filled (after about :func:`arrivals_to_load` / 2 arrivals). The
+    openb trace as recorded never fills its cluster (its peak is ~1 % of the GPUs), so waiting, preemption and
+    consolidation can only be measured on a loaded version of it. (The same generator as bench/sim_speed.py's
+    overloaded replay.)"""
+    base = [t for t in tasks if t.deletion_time is not None]
+    if not base:
+        raise ValueError("no pod of the trace has a deletion time: a loaded replay needs pod lifetimes")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(len(base), size=pods)
+    life = _loaded_lifetimes(base, capacity_milli, load)
+    created = np.cumsum(rng.exponential(MEAN_GAP_S, size=pods)).astype(np.int64)
     width = len(str(pods))
     out = []
     for i, (k, c) in enumerate(zip(picks.tolist(), created.tolist(), strict=True)):

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
+from rich.table import Column, Table
+from rich.text import Text
 
 from sharegpu.sim.engine import RunResult
 
@@ -151,6 +153,44 @@ def _last_level(runs: Sequence[RunResult]) -> int:
     return max((x for r in runs for x, v in enumerate(r.curve) if v is not None), default=0)
 
 
+def _column(t: Table, header: str, summaries: Sequence[PolicySummary]) -> None:
+    # Never wrapped and never cut: a table too wide for the terminal is split by columns (fit_tables).
+    t.add_column(header, justify="left" if header == "policy" else "right", no_wrap=True)
+
+
+def fit_tables(console: Console, t: Table) -> list[RenderableType]:
+    """``t`` as it is when it fits ``console``'s width; otherwise split into tables of fewer columns, each repeating
+    the first (the row's name), so that no name or number is cut to "…" or folded mid-number. The title goes on the
+    first; the caption follows the last at the console's whole width."""
+    if _natural_width(console, t) <= console.width or len(t.columns) < 3:
+        return [t]
+    first, rest = t.columns[0], t.columns[1:]
+    groups: list[list[Column]] = [[]]
+    for column in rest:
+        trial = _part(t, first, [*groups[-1], column], None)
+        if groups[-1] and _natural_width(console, trial) > console.width:
+            groups.append([])
+        groups[-1].append(column)
+    parts: list[RenderableType] = [_part(t, first, g, t.title if i == 0 else None) for i, g in enumerate(groups)]
+    if t.caption:
+        parts.append(Text(str(t.caption), style="table.caption"))
+    return parts
+
+
+def _natural_width(console: Console, t: Table) -> int:
+    """The width ``t`` takes with room to spare (a console's own measure stops at its width)."""
+    return Measurement.get(console, console.options.update_width(100_000), t).maximum
+
+
+def _part(t: Table, first: Column, columns: Sequence[Column], title: Any) -> Table:
+    part = Table(title=title, box=t.box, pad_edge=t.pad_edge)
+    for c in (first, *columns):
+        part.add_column(c.header, justify=c.justify, no_wrap=c.no_wrap, overflow=c.overflow, min_width=c.min_width)
+    for row in zip(*(list(c.cells) for c in (first, *columns)), strict=True):
+        part.add_row(*row)
+    return part
+
+
 def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
     if runs and all(r.replay is not None for r in runs):
         return replay_table(runs, title)
@@ -159,8 +199,9 @@ def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
     notes = [
         "alloc: allocated GPU % of capacity when arrived demand is 100 % / 130 % (mean over seeds)"
         + ("; range: lowest–highest seed at 100 %" if several else "")
-        + "; unalloc: GPUs left idle at 100 %; frag: GPU the typical workload cannot use, at the end; decision "
-        "latency in ms"
+        + "; unalloc: GPUs left idle at 100 %; frag: GPU the typical workload cannot use, at the end; failed: "
+        "pods that found no node with room when they arrived, never retried (mean over seeds); wall s: seconds one run took (mean over "
+        "seeds); p50, p99: decision latency in ms"
     ]
     partial = any(0 < s.seeds_130 < s.seeds or 0 < s.seeds_100 < s.seeds for s in summaries)
     if partial:
@@ -182,7 +223,7 @@ def table(runs: Sequence[RunResult], title: str, total_gpus: int) -> Table:
     t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, caption="; ".join(notes))
     columns = ["policy", "seeds", "alloc@100", *(["range@100"] if several else []), "alloc@130", "unalloc"]
     for col in (*columns, "frag%", "failed", "wall s", "p50", "p99"):
-        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        _column(t, col, summaries)
     for s in summaries:
         unalloc = None if s.unalloc_100 is None else s.unalloc_100 * total_gpus / 100
         spread = [] if not several else ["—" if s.spread_100 is None else "{:.2f}–{:.2f}".format(*s.spread_100)]
@@ -226,16 +267,18 @@ def replay_table(runs: Sequence[RunResult], title: str) -> Table:
         pad_edge=False,
         caption="replay of creation and deletion times, mean over seeds: waited: pods that found no room on arrival "
         "and queued; never placed: still pending at the end or dropped; peak pending: largest queue; mean alloc: "
-        "allocated GPU % of capacity averaged over events; final alloc: at the end; decision latency in ms",
+        "allocated GPU % of capacity averaged over events; final alloc: at the end; wall s: seconds one run took; "
+        "p50, p99: decision latency in ms",
     )
     prio = all("high_pods" in (r.replay or {}) for r in runs)
     if prio:
         t.caption = f"{t.caption}; {PRIORITY_CAPTION}"
+    summaries = summarize(runs)
     for col in ("policy", "seeds", "waited", "never placed", "peak pending", "mean alloc", "final alloc", "wall s"):
-        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        _column(t, col, summaries)
     for col in PRIORITY_COLUMNS if prio else ("p50", "p99"):
-        t.add_column(col, justify="right", no_wrap=True)
-    for s in summarize(runs):
+        _column(t, col, summaries)
+    for s in summaries:
         rs = [r for r in runs if r.policy == s.policy]
         extra = [f"{_replay_mean(rs, k):,.0f}" for k in PRIORITY_FIGURES] if prio else []
         t.add_row(
@@ -389,4 +432,5 @@ def write_replay_plot(path: Path, runs: Sequence[RunResult], title: str) -> None
 
 
 def print_table(console: Console, runs: Sequence[RunResult], title: str, total_gpus: int) -> None:
-    console.print(table(runs, title, total_gpus))
+    for part in fit_tables(console, table(runs, title, total_gpus)):
+        console.print(part)

@@ -46,7 +46,11 @@ from pathlib import Path
 import numpy as np
 
 from sharegpu.model.request import FULL_MILLI, GpuRequest
-from sharegpu.sim.openb import PodTable, TraceTask
+from sharegpu.sim.openb import MAX_ROWS, PodTable, TraceTask
+
+# A variant is read back by the same loader, which reads at most MAX_ROWS rows; a larger one could not be used, and
+# making it would only fill memory (--cpu-only 99.99 asks for 10,000 CPU-only pods per GPU pod).
+MAX_VARIANT_ROWS = MAX_ROWS
 
 
 class VariantError(ValueError):
@@ -170,13 +174,22 @@ def _demand_targets(base: Mapping[PodClass, int], spec: VariantSpec, what: str) 
     return {c: round(total * share[c]) for c in GPU_CLASSES}
 
 
-def _resample(pool: Sequence[int], rng: np.random.Generator, weight: Callable[[int], int], target: int) -> list[int]:
-    """Base rows of one class in passes of seeded permutations, until the sum of ``weight`` is closest to target."""
+class _TooMany(Exception):
+    pass
+
+
+def _resample(
+    pool: Sequence[int], rng: np.random.Generator, weight: Callable[[int], int], target: int, limit: int
+) -> list[int]:
+    """Base rows of one class in passes of seeded permutations, until the sum of ``weight`` is closest to target;
+    :class:`_TooMany` once more than ``limit`` rows would be needed."""
     out: list[int] = []
     total = 0
     if target <= 0 or not pool:
         return out
     while True:
+        if len(out) > limit:
+            raise _TooMany
         for i in rng.permutation(len(pool)):
             w = weight(pool[int(i)])
             if total + w - target >= target - total:  # adding this row would leave it no closer to the target
@@ -201,13 +214,30 @@ def vary(base: PodTable, spec: VariantSpec, spec_source: PodTable | None = None)
     for c, target in _demand_targets(base_demand, spec, what).items():
         if target > 0 and not pools[c]:
             raise VariantError(f"{what} has no {c.value} pods, so it cannot give them a share; choose another base")
-        chosen += _resample(pools[c], rng, lambda i: reqs[i].total_milli, target)
+        try:
+            chosen += _resample(pools[c], rng, lambda i: reqs[i].total_milli, target, MAX_VARIANT_ROWS - len(chosen))
+        except _TooMany:
+            share = {PodClass.SHARING: "--sharing", PodClass.MULTI: "--multi-gpu"}
+            raise VariantError(
+                f"the variant would need more than {MAX_VARIANT_ROWS:,} rows, the most a trace may have: its "
+                f"{c.value} pods, {base_demand[c] / max(len(pools[c]), 1) / 1000:.2f} GPU each on average in the base, "
+                f"must carry {target / 1000:,.0f} GPUs of demand; give a smaller "
+                f"{' or '.join(v for k, v in share.items() if k is c) or 'share of the other classes'}"
+            ) from None
     gpu_pods = len(chosen)
     cpu_pct = _pct(spec.cpu_only) if spec.cpu_only is not None else Fraction(len(pools[PodClass.CPU_ONLY]), len(reqs))
     cpu_target = round(gpu_pods * cpu_pct / (1 - cpu_pct))
+    if gpu_pods + cpu_target > MAX_VARIANT_ROWS:
+        # Checked before drawing: the count is known, and drawing it is what filled memory.
+        most = 100 * (1 - gpu_pods / MAX_VARIANT_ROWS)
+        raise VariantError(
+            f"--cpu-only {float(cpu_pct) * 100:g} would make {cpu_target:,} CPU-only pods beside the variant's "
+            f"{gpu_pods:,} GPU pods, {gpu_pods + cpu_target:,} rows in all, more than the {MAX_VARIANT_ROWS:,} a trace "
+            f"may have; give --cpu-only {most:.2f} or less"
+        )
     if cpu_target and not pools[PodClass.CPU_ONLY]:
         raise VariantError(f"{what} has no CPU-only pods to resample; choose a base that has some")
-    chosen += _resample(pools[PodClass.CPU_ONLY], rng, lambda i: 1, cpu_target)
+    chosen += _resample(pools[PodClass.CPU_ONLY], rng, lambda i: 1, cpu_target, MAX_VARIANT_ROWS)
     chosen.sort()
 
     rows = [dict(base.rows[i]) for i in chosen]

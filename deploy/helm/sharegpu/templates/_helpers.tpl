@@ -74,3 +74,15 @@ clientKey}, each base64 PEM.
 {{- $m := .Values.metrics.serviceMonitor -}}
 {{- if and $m.enabled (or $m.assumeCrds (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")) -}}true{{- end -}}
 {{- end -}}
+
+{{/* The kube-scheduler image's tag: scheduler.image.tag when set, else the cluster's own version (the scheduler must
+match it). A provider's suffix (v1.31.4-eks-1a2b3c, v1.30.2+k3s1) is no tag of registry.k8s.io/kube-scheduler: only
+vMAJOR.MINOR.PATCH is kept. */}}
+{{- define "sharegpu.kubeSchedulerTag" -}}
+{{- $tag := .Values.scheduler.image.tag -}}
+{{- if not $tag -}}
+{{- $tag = regexFind "^v?[0-9]+\\.[0-9]+\\.[0-9]+" .Capabilities.KubeVersion.Version -}}
+{{- if not (hasPrefix "v" $tag) }}{{ $tag = printf "v%s" $tag }}{{ end -}}
+{{- end -}}
+{{- $tag -}}
+{{- end -}}

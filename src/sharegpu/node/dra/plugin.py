@@ -52,11 +52,23 @@ class SocketPaths:
 
     def check(self) -> None:
         for path, flag in ((self.registration, "--registration-socket"), (self.service, "--plugin-socket")):
+            if path.is_dir():
+                # Checked here: found only when the socket is made, it ended the driver in a traceback.
+                raise PluginSocketError(
+                    f"{flag} {path} is a directory; name the socket file inside it, e.g. {path / _default_name(flag)}"
+                )
+            if path.parent.exists() and not path.parent.is_dir():
+                raise PluginSocketError(f"{flag} {path}: {path.parent} is a file, not a directory")
             if len(str(path).encode()) > MAX_SOCKET_PATH:
                 raise PluginSocketError(
                     f"socket path {path} is longer than the {MAX_SOCKET_PATH} bytes a unix socket allows; "
                     f"give a shorter {flag} or --kubelet-dir"
                 )
+
+
+def _default_name(flag: str) -> str:
+    defaults = SocketPaths.under(Path("/"))
+    return (defaults.registration if flag == "--registration-socket" else defaults.service).name
 
 
 class DraPluginServer:
