@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 from enum import StrEnum
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from sharegpu.kube.kubeconfig import KUBECONFIG_HELP
+from sharegpu.kube.names import name_problem
 from sharegpu.node.agent import AgentConfig, NodeAgent
 from sharegpu.node.attribution import DEFAULT_POD_RESOURCES_SOCKET
 from sharegpu.node.backends.base import GpuBackend
@@ -50,20 +50,14 @@ class AgentSetupError(NodeError):
     """A flag or file that stops the agent from starting; the message says which and what to change."""
 
 
-# A Node's name is a DNS-1123 subdomain (the API server refuses any other); the same rule as the control plane's
-# --scheduler-name check in sharegpu.k8s.cli, which this package may not import.
-_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
 def check_node_name(name: str) -> str:
     """``name`` when a Node can have it: with any other the agent would wait forever for a Node that cannot exist."""
     if not name.strip():
         raise AgentSetupError("--node-name is empty; pass the node's name, e.g. --node-name $(NODE_NAME)")
-    if len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
+    if problem := name_problem("node", name):  # the one rule of sharegpu.kube.names: the API server's own
         raise AgentSetupError(
-            f"--node-name {name!r} cannot be a Kubernetes node's name: it must be a DNS-1123 subdomain (lowercase "
-            "letters, digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters); pass "
-            "the node's name as `kubectl get nodes` shows it, e.g. --node-name $(NODE_NAME) from spec.nodeName"
+            f"--node-name: {problem}; pass the node's name as `kubectl get nodes` shows it, e.g. --node-name "
+            "$(NODE_NAME) from spec.nodeName"
         )
     return name
 
