@@ -456,7 +456,8 @@ class PreemptionController:
         if not shares:
             return
         try:
-            self.view.hold(Assignment(key, r.node, tuple(shares)), "", expires)
+            # The preemptor's user goes with the part it holds: an MPS unit serves one user (ledger).
+            self.view.hold(Assignment(key, r.node, tuple(shares), user=r.assignment.user), "", expires)
         except (LedgerError, ValueError) as e:  # taken in the same step: the pod's own hold will say so
             log.info("cannot hold the free part of %s's room on %s: %s", r.pod, r.node, e)
 
