@@ -760,6 +760,7 @@ def mixed_pods(n: int, seed: int = 0) -> list[dict[str, Any]]:
                 "metadata": {"name": f"{kind}-{i:04d}", "annotations": ann},
                 "spec": {
                     "schedulerName": SCHEDULER_NAME,
+                    "securityContext": {"runAsUser": 1000},  # one user's pods: an MPS unit serves one Unix user
                     "restartPolicy": "Never",
                     "containers": [
                         {
