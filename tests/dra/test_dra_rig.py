@@ -89,6 +89,9 @@ class Rig:
                 "metadata": {"name": name, "namespace": self.ns},
                 "spec": {
                     "nodeSelector": {"kubernetes.io/hostname": self.node},
+                    # One user: an MPS unit serves one Unix user, and a claim whose pods declare none gets a unit of
+                    # its own (the driver refuses to prepare it beside another).
+                    "securityContext": {"runAsUser": 0},
                     "containers": [{"name": "main", "image": "cuda", "resources": {"claims": [{"name": "gpu"}]}}],
                     "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
                 },
