@@ -105,8 +105,13 @@ class DriverProcess:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def checkpoint(self) -> dict[str, Any]:
+        """The driver's prepared claims as its checkpoint record holds them (read through the record's own loader,
+        which checks its kind, version and checksum)."""
+        from sharegpu.node.dra.checkpoint import KIND, VERSION
+        from sharegpu.node.durable import load_record
+
         path = self.state_dir / "dra-checkpoint.json"
-        data: dict[str, Any] = json.loads(path.read_text())["claims"] if path.exists() else {}
+        data: dict[str, Any] = load_record(path, KIND, VERSION)["claims"] if path.exists() else {}
         return data
 
     def gpu_uuids(self) -> list[str]:
