@@ -39,6 +39,7 @@ def test_dra_mode_renders_valid_objects_and_the_classes_of_the_code() -> None:
     verbs = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
     assert {
         ("resourceclaims", "get"),
+        ("pods", "get"),  # the claim's reservedFor pods: their Unix user decides which MPS unit may serve it
         ("nodes", "get"),
         ("resourceslices", "create"),
         ("resourceslices", "delete"),
