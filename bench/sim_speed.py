@@ -31,6 +31,7 @@ from io import BytesIO
 from pathlib import Path
 
 from sharegpu.placement.policies import PolicyContext, make_policy
+from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.openb import TraceTask, load_nodes, load_pods
 from sharegpu.sim.replay import overloaded, replay_trace
 from sharegpu.sim.runner import Experiment
@@ -96,7 +97,7 @@ def replay_bench(data: Path, trace: str, policy: str, pods: int, retry_all: bool
     print(
         f"replay {policy} ({how}): {len(tasks):,} pods in {wall:.1f}s wall; placed {res.run.placed:,}, "
         f"waited {res.waited:,}, never placed {res.never_placed:,}, peak pending {res.peak_pending:,}, "
-        f"dropped {res.run.failures.get('pending queue full', 0):,}, mean allocation "
+        f"dropped {res.run.failures.get(ReasonKind.QUEUE_FULL, 0):,}, mean allocation "
         f"{res.run.replay['mean_alloc_pct'] if res.run.replay else 0}%",
         flush=True,
     )

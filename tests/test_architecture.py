@@ -36,3 +36,29 @@ def test_core_imports_only_stdlib_numpy_and_core() -> None:
             elif top not in sys.stdlib_module_names and top not in ALLOWED_THIRD_PARTY:
                 bad.append(f"{f.relative_to(SRC)} imports {name}")
     assert not bad, "the core must stay pure:\n" + "\n".join(bad)
+
+
+REASONS_HOME = SRC / "placement" / "reasons.py"
+
+
+def _literals(path: Path, names: set[str]) -> list[str]:
+    """Where ``path`` writes one of ``names`` as a string literal."""
+    return [
+        f"{path.relative_to(SRC.parents[1])}:{node.lineno}: {node.value!r}"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+
+
+def test_reason_names_are_written_only_in_placement_reasons() -> None:
+    """One vocabulary of why a request is not placed (issue 27): ``sharegpu status``, its metric and the simulator
+    take the names from ``placement.reasons.ReasonKind``; no other module spells one, so none maps names to words.
+    "cpu" is also the Kubernetes resource's name and may appear; a mapping of reasons would hold the others."""
+    from sharegpu.placement.reasons import ReasonKind
+
+    names = {k.value for k in ReasonKind} - {"cpu"}
+    home = {line.rsplit(": ", 1)[1] for line in _literals(REASONS_HOME, names)}
+    assert home == {repr(n) for n in names}  # the scan sees the names where they are defined
+    files = [*SRC.rglob("*.py"), *(SRC.parents[1] / "bench").rglob("*.py")]
+    bad = [hit for f in files if f != REASONS_HOME for hit in _literals(f, names)]
+    assert not bad, "reason names belong in placement/reasons.py (use ReasonKind):\n" + "\n".join(bad)

@@ -14,6 +14,7 @@ from sharegpu.model.request import GpuRequest
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Policy
 from sharegpu.placement.policies import POLICIES, PolicyContext, make_policy
+from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.engine import RunResult, run_arrivals
 from sharegpu.sim.openb import TraceTask
 from sharegpu.sim.replay import replay_trace
@@ -95,11 +96,12 @@ def test_failures_are_recorded_by_reason() -> None:
     assert r.failed == 4
     assert r.placed + r.failed == r.pods
     assert r.failures == {
-        "not enough CPU": 1,
-        "fewer than 4 GPU(s) with room for the share": 1,
-        "no GPU of an allowed model": 1,
-        "not enough host memory": 1,
+        ReasonKind.CPU: 1,
+        ReasonKind.GPU_ROOM: 1,
+        ReasonKind.NO_ALLOWED_MODEL: 1,
+        ReasonKind.HOST_MEMORY: 1,
     }
+    assert r.to_dict()["failures_by_reason"] == {"cpu": 1, "gpu-busy": 1, "no-allowed-model": 1, "host-memory": 1}
     assert set(ledger.assignments) == {"fits-0", "fits-1", "fits-2"}
     assert r.total_gpus == 3
     assert r.final_alloc_pct == pytest.approx(100 * 1500 / 3000)
@@ -110,10 +112,7 @@ def test_a_pod_that_fits_nowhere_is_skipped_for_good_and_later_pods_still_place(
     arrivals = [req("big", 2), req("huge", 3), req("small", 1, 300)]
     r, ledger = run([node("a", 2)], arrivals)
     assert set(ledger.assignments) == {"big"}  # small cannot fit: both GPUs are taken whole
-    assert r.failures == {
-        "fewer than 3 GPU(s) with room for the share": 1,
-        "fewer than 1 GPU(s) with room for the share": 1,
-    }
+    assert r.failures == {ReasonKind.GPU_ROOM: 2}  # one kind, whatever the GPU count asked
     r, ledger = run([node("a", 3)], arrivals)
     assert set(ledger.assignments) == {"big", "small"}  # huge was skipped and never retried
     assert r.failed == 1
@@ -250,7 +249,7 @@ def test_replay_pending_pods_are_placed_when_a_deletion_frees_room() -> None:
     assert res.never_placed == 1
     assert res.peak_pending == 2
     assert res.run.failed == 1
-    assert res.run.failures == {"still pending at the end of the trace": 1}
+    assert res.run.failures == {ReasonKind.STILL_PENDING: 1}
     assert res.run.final_alloc_pct == 100.0  # p3 is still there at the end
     assert res.run.replay is not None
     assert {k: res.run.replay[k] for k in ("waited", "never_placed", "peak_pending")} == {
@@ -306,7 +305,7 @@ def test_replay_pending_queue_is_fifo_but_not_blocked_by_its_head() -> None:
     assert res.waited == 2
     assert res.run.placed == 3  # hold-a, hold-b, then "one" at 10; "two" never fits next to hold-b
     assert res.never_placed == 1
-    assert res.run.failures == {"still pending at the end of the trace": 1}
+    assert res.run.failures == {ReasonKind.STILL_PENDING: 1}
 
 
 def test_replay_full_pending_queue_drops_pods() -> None:
@@ -314,7 +313,7 @@ def test_replay_full_pending_queue_drops_pods() -> None:
     tasks = [whole("p0", 0, None), whole("p1", 1, None), whole("p2", 2, None), whole("p3", 3, None)]
     res = replay_trace(nodes, tasks, replay_policy(tasks), max_pending=1)
     assert res.run.placed == 1
-    assert res.run.failures == {"pending queue full": 2, "still pending at the end of the trace": 1}
+    assert res.run.failures == {ReasonKind.QUEUE_FULL: 2, ReasonKind.STILL_PENDING: 1}
     assert res.run.failed == 3
     assert res.peak_pending == 1
 
@@ -332,7 +331,7 @@ def test_replay_random_trace_accounts_for_every_pod(name: str) -> None:
     assert res.run.pods == 150
     # Every pod is placed once, or is left pending, or was dropped.
     assert res.run.placed + res.run.failed == 150
-    assert res.never_placed == res.run.failures.get("still pending at the end of the trace", 0)
+    assert res.never_placed == res.run.failures.get(ReasonKind.STILL_PENDING, 0)
     assert res.waited >= res.never_placed
     values = [v for v in res.run.curve if v is not None]
     assert values and max(values) <= 100.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.metrics import CURVE_MAX, RunLog, allocation_curve, percentile
 
 # With 100 GPUs (100,000 milli) one percent of capacity is exactly 1000 milli, which keeps the hand arithmetic easy.
@@ -119,13 +120,13 @@ def test_runlog_records_samples_and_failures() -> None:
     assert log.arrived == [0] and log.allocated == [0]  # the curve starts at the origin
     log.record(1000, 1000)
     log.record(2000, 1000)
-    log.fail("not enough CPU")
-    log.fail("not enough CPU")
-    log.fail("no GPUs")
+    log.fail(ReasonKind.CPU)
+    log.fail(ReasonKind.CPU)
+    log.fail(ReasonKind.NO_GPUS)
     assert log.arrived == [0, 1000, 2000]
     assert log.allocated == [0, 1000, 1000]
     assert log.failed == 3
-    assert log.failures == {"not enough CPU": 2, "no GPUs": 1}
+    assert log.failures == {ReasonKind.CPU: 2, ReasonKind.NO_GPUS: 1}
     # Two RunLogs do not share their lists.
     assert RunLog(1).arrived == [0]
 

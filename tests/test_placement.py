@@ -257,6 +257,20 @@ def test_node_reasons_are_typed_and_say_whether_eviction_could_help() -> None:
     assert reason.kind is ReasonKind.GPU_ROOM
 
 
+def test_reason_kinds_have_one_name_and_one_sentence_each() -> None:
+    req = GpuRequest("p", 2)
+    assert len({k.value for k in ReasonKind}) == len({k.sentence for k in ReasonKind}) == len(ReasonKind)
+    assert all(ReasonKind.named(k.value) is k for k in ReasonKind)
+    assert ReasonKind.named("gpu-model") is None  # a name this version does not know (the old one) is no kind
+    # A summary over nodes words a node's kind as the extender's answers always have; a request's outcome that no
+    # node gives has only its sentence.
+    assert [k.summary(req) for k in ReasonKind if k.value in ("no-allowed-model", "gpu-busy", "no-nodes")] == [
+        "no GPU of an allowed model",
+        "fewer than 2 GPU(s) with room for the share",
+        "no nodes",
+    ]
+
+
 # ----- policies -----------------------------------------------------------------------------------------------
 def test_policy_names_are_validated() -> None:
     assert parse_policies("fgd, sharegpu") == ["fgd", "sharegpu"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.engine import RunResult
 from sharegpu.sim.report import print_table, summarize, table, write_json, write_plot
 
@@ -43,7 +44,7 @@ def result(
         failed=failed,
         total_gpus=64,
         curve=curve(a100, a130, stop),
-        failures={"not enough CPU": failed // 2, "fewer than 1 GPU(s) with room for the share": failed - failed // 2},
+        failures={ReasonKind.CPU: failed // 2, ReasonKind.GPU_ROOM: failed - failed // 2},
         latency_p50_ms=p50,
         latency_p99_ms=p99,
         fragmentation_pct=frag,
@@ -138,7 +139,7 @@ def test_to_dict_rounds_and_orders() -> None:
         failed=3,
         total_gpus=8,
         curve=curve(93.456, None, stop=120),
-        failures={"a": 1, "b": 2},
+        failures={ReasonKind.CPU: 1, ReasonKind.GPU_ROOM: 2},
         latency_p50_ms=0.12345,
         latency_p99_ms=1.98765,
         fragmentation_pct=3.14159,
@@ -150,7 +151,7 @@ def test_to_dict_rounds_and_orders() -> None:
     assert d["unallocated_gpu_pct_at_arrived"] == {"100": 6.54, "130": None}
     assert d["final_alloc_pct"] == 87.56
     assert d["fragmentation_pct"] == 3.14
-    assert list(d["failures_by_reason"]) == ["b", "a"]  # most common first
+    assert list(d["failures_by_reason"]) == ["gpu-busy", "cpu"]  # by machine name, most common first
     assert d["decision_latency_ms"] == {"p50": 0.123, "p99": 1.988}
     json.dumps(d)  # serialisable as it is
 

@@ -88,7 +88,7 @@ def test_cluster_gauges_match_the_ledger_and_the_status_report() -> None:
     assert value(data, "sharegpu_cluster_fragmentation_ratio") == pytest.approx(frag / 5000, abs=1e-4)
     assert value(data, "sharegpu_cluster_pods_placed") == 4
     pending = {r: value(data, "sharegpu_cluster_pending_pods", reason=r) for r in REASON_CLASSES}
-    assert pending == {r: 0 for r in REASON_CLASSES} | {"fits": 1, "gpu-model": 1, "gpu-busy": 1}
+    assert pending == {r: 0 for r in REASON_CLASSES} | {"fits": 1, "no-allowed-model": 1, "gpu-busy": 1}
     assert value(data, "sharegpu_cluster_view_synced") == 1
     assert value(data, "sharegpu_cluster_view_problems", kind="pod") == 0
     assert value(data, "sharegpu_extender_leader") == 1
@@ -103,7 +103,7 @@ def test_pending_reasons_name_the_nearest_miss() -> None:
     by_pod = {p["pod"]: p for p in report["pending"]}
     assert set(by_pod) == {"ml/fits", "ml/wants-l4", "ml/too-big"}
     assert by_pod["ml/fits"]["reason"] == "fits"
-    assert by_pod["ml/wants-l4"]["reason"] == "gpu-model"
+    assert by_pod["ml/wants-l4"]["reason"] == "no-allowed-model"
     assert "no GPU of an allowed model" in by_pod["ml/wants-l4"]["detail"]
     assert by_pod["ml/too-big"]["reason"] == "gpu-busy"
 

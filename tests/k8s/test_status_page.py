@@ -108,6 +108,9 @@ def test_page_lists_every_gpu_and_pod_and_is_read_only(page: LoopbackServer) -> 
         "time-slicing",
     ):
         assert text in body, text
+    # Each pending pod's reason by its machine name, with the sentence for people as its tooltip.
+    assert '<td title="no node has a GPU of an allowed model">no-allowed-model</td>' in body
+    assert '<td title="GPUs of an allowed model exist but none has room for the share now">gpu-busy</td>' in body
     assert 'data-refresh="1"' in body and '<script src="page.js">' in body
     status, text = page.get("/fragment")
     assert status == 200 and "ml/infer-llama" in text and "<html" not in text

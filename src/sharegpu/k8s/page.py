@@ -25,9 +25,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sharegpu.k8s.status import REASON_CLASSES, FollowedStatus, StatusSnapshot, summary_line
+from sharegpu.k8s.status import FollowedStatus, StatusSnapshot, summary_line
 from sharegpu.kube.api import ClusterApi
-from sharegpu.placement.reasons import fmt_mib
+from sharegpu.placement.reasons import ReasonKind, fmt_mib
 
 DEFAULT_REFRESH_S = 5.0
 
@@ -45,6 +45,12 @@ SECURITY_HEADERS = {
 
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
+
+
+def _sentence(reason: str) -> str:
+    """A pending pod's reason for people (empty for a name this version does not know)."""
+    kind = ReasonKind.named(reason)
+    return "" if kind is None else kind.sentence
 
 
 def _pct(value: float | None) -> str:
@@ -159,7 +165,7 @@ def render_fragment(state: StatusSnapshot) -> str:
     if report["pending"]:
         rows = "".join(
             f'<tr class="pending" data-pod="{_e(p["pod"])}"><td>{_e(p["pod"])}</td>'
-            f'<td title="{_e(REASON_CLASSES.get(p["reason"], ""))}">{_e(p["reason"])}</td><td>{_e(p["detail"])}</td></tr>'
+            f'<td title="{_e(_sentence(p["reason"]))}">{_e(p["reason"])}</td><td>{_e(p["detail"])}</td></tr>'
             for p in report["pending"]
         )
         out.append(

@@ -61,6 +61,7 @@ from sharegpu.placement.preemption import (
     kube_candidate_limit,
     plan_preemption,
 )
+from sharegpu.placement.reasons import ReasonKind
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ COMPONENT = "sharegpu-preemption"
 # A priority no preemptor reaches (pod priorities are int32): pods that must never be chosen as victims (already
 # terminating, not bound yet, or held for another preemptor) are given it in the planner's facts.
 EXEMPT = 2**31
-GPU_ROOM = "gpu-busy"  # the pending-pod class of a GPU shortfall (sharegpu.k8s.status.REASON_CLASSES)
 
 
 class Outcome(StrEnum):
@@ -544,7 +544,11 @@ class PreemptionController:
         self.said.keep_only(lambda k: view.pod(k) is not None)
         sched = view.scheduler()
         for p in pending_pods(view):
-            if p.reason not in (GPU_ROOM, "fits") or p.pod in self._reservations or self._backoff.get(p.pod, 0.0) > now:
+            if (
+                p.reason not in (ReasonKind.GPU_ROOM, ReasonKind.FITS)
+                or p.pod in self._reservations
+                or self._backoff.get(p.pod, 0.0) > now
+            ):
                 continue
             pod = view.pod(p.pod)
             if pod is None or pod.spec.scheduler_name != self.scheduler_name or not unschedulable(pod):

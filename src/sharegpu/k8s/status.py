@@ -35,7 +35,7 @@ from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 from sharegpu.placement.fragmentation import FragmentationModel, Workload, fragmentation_of
 from sharegpu.placement.framework import Scheduler
 from sharegpu.placement.policies import PolicyContext, make_policy
-from sharegpu.placement.reasons import ReasonKind, fmt_mib
+from sharegpu.placement.reasons import PENDING_REASONS, ReasonKind, fmt_mib
 
 log = logging.getLogger(__name__)
 
@@ -48,31 +48,22 @@ MODE_NAMES = {
 }
 
 
-# Why a pending pod waits, most actionable first: the class of the nearest miss over all nodes. These are the
-# values of the ``reason`` label of sharegpu_cluster_pending_pods (docs/metrics.md).
-REASON_CLASSES = {
-    "gpu-busy": "GPUs of an allowed model exist but none has room for the share now",
-    "host-memory": "no node with a fitting GPU has enough free host memory",
-    "cpu": "no node with a fitting GPU has enough free CPU",
-    "gpu-model": "no node has a GPU of an allowed model",
-    "no-gpus": "no sharegpu node has GPUs",
-    "invalid-request": "the pod's sharegpu request can never be valid",
-    "fits": "sharegpu has room now; the pod waits on the kube-scheduler (queue, back-off, taints, affinity)",
-}
-# The framework's kinds of node reasons (placement.reasons) → classes, nearest miss first.
-_KIND_CLASSES = (
-    (ReasonKind.GPU_ROOM, "gpu-busy"),
-    (ReasonKind.HOST_MEMORY, "host-memory"),
-    (ReasonKind.CPU, "cpu"),
-    (ReasonKind.NO_ALLOWED_MODEL, "gpu-model"),
-    (ReasonKind.NO_GPUS, "no-gpus"),
+# The values of the ``reason`` label of sharegpu_cluster_pending_pods, most actionable first (docs/metrics.md).
+REASON_CLASSES = tuple(r.value for r in PENDING_REASONS)
+# The framework's kinds of node reasons, nearest miss first: a pending pod waits for the first that any node gives.
+_NEAREST_MISS_FIRST = (
+    ReasonKind.GPU_ROOM,
+    ReasonKind.HOST_MEMORY,
+    ReasonKind.CPU,
+    ReasonKind.NO_ALLOWED_MODEL,
+    ReasonKind.NO_GPUS,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class PendingPod:
     pod: str  # namespace/name
-    reason: str  # a key of REASON_CLASSES
+    reason: ReasonKind  # one of PENDING_REASONS
     detail: str  # the words a user can act on (the framework's summary over all nodes)
 
 
@@ -84,7 +75,7 @@ def pending_pods(view: ClusterView) -> list[PendingPod]:
     """
     led = view.ledger
     sched: Scheduler | None = None
-    judged: dict[GpuRequest, tuple[str, str]] = {}
+    judged: dict[GpuRequest, tuple[ReasonKind, str]] = {}
     out = []
     for pod in view.pods():
         if pod.spec.node_name or pod.finished or pod.metadata.deletion_timestamp:
@@ -99,7 +90,7 @@ def pending_pods(view: ClusterView) -> list[PendingPod]:
             try:
                 req = pod_request(pod, view.catalog)  # only an invalid request lands here: say why
             except InvalidRequest as e:
-                out.append(PendingPod(key, "invalid-request", str(e)))
+                out.append(PendingPod(key, ReasonKind.INVALID_REQUEST, str(e)))
                 continue
             if req is None:
                 continue
@@ -116,15 +107,15 @@ def pending_pods(view: ClusterView) -> list[PendingPod]:
     return out
 
 
-def _judge(sched: Scheduler, req: GpuRequest) -> tuple[str, str]:
+def _judge(sched: Scheduler, req: GpuRequest) -> tuple[ReasonKind, str]:
     ok, usable = sched.feasible(req)
     if ok.any():
-        return "fits", f"{int(ok.sum())} node(s) have room for it now"
+        return ReasonKind.FITS, f"{int(ok.sum())} node(s) have room for it now"
     why = sched.explain(req, usable)
-    for kind, reason in _KIND_CLASSES:
+    for kind in _NEAREST_MISS_FIRST:
         if kind in why.kinds:
-            return reason, why.reason
-    return "no-gpus", why.reason  # no sharegpu node at all
+            return kind, why.reason
+    return ReasonKind.NO_GPUS, why.reason  # no sharegpu node at all
 
 
 def fragmentation_milli(ledger: Ledger, workload: Workload | None) -> float | None:
@@ -155,7 +146,7 @@ def cluster_summary(view: ClusterView, pending: list[PendingPod]) -> dict[str, A
         "memory_mib_promised": sum(s.memory_mib for a in led.assignments.values() for s in a.shares),
         "pods_placed": len(led),
         "pending": len(pending),
-        "pending_reasons": [{"reason": r, "pods": c} for r, c in reasons.most_common()],
+        "pending_reasons": [{"reason": r.value, "pods": c} for r, c in reasons.most_common()],
     }
 
 
@@ -222,7 +213,7 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
     return {
         "summary": summary,
         "nodes": nodes,
-        "pending": [{"pod": p.pod, "reason": p.reason, "detail": p.detail} for p in pending],
+        "pending": [{"pod": p.pod, "reason": p.reason.value, "detail": p.detail} for p in pending],
         "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.dra_view.dra_status
         "problems": [{"kind": p.kind, "name": p.name, "reason": p.reason} for p in view.problems],
     }

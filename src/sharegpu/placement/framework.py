@@ -239,7 +239,7 @@ class Scheduler:
             f"{c} node(s): {kind.summary(req)}" for kind, c in sorted(kinds.items(), key=lambda kv: -kv[1])
         )
         hint = self._nearest_miss(req)
-        return Unschedulable(req, f"{summary or 'no nodes'}{hint}", kinds)
+        return Unschedulable(req, f"{summary or ReasonKind.NO_NODES.sentence}{hint}", kinds)
 
     def _nearest_miss(self, req: GpuRequest) -> str:
         led = self.ledger

@@ -6,7 +6,9 @@ which rule it failed, whether anything evicted could ever make it fit, and the w
 per-node answers, ``sharegpu status`` and the simulator's report all read the code; none parses the words.
 
 The rules run most fundamental first (no GPU of an allowed model before "GPUs are busy"); the first that holds is
-the node's reason. Each rule belongs to a :class:`ReasonKind`, the coarser class a summary counts nodes by. A kind's
+the node's reason. Each rule belongs to a :class:`ReasonKind`, the coarser class a summary counts nodes by; the
+kinds, with a request's outcomes beyond its nodes' (an invalid request, a full queue), are the one vocabulary of why
+a request is not placed: one machine name and one sentence each, defined here only. A kind's
 gate is written once over numpy arrays, so that counting a request that fits nowhere over every node (vectorised)
 and explaining one node agree by construction; the finer rules inside a kind only word the reason.
 """
@@ -27,24 +29,80 @@ IntArray = npt.NDArray[np.int64]
 
 
 class ReasonKind(Enum):
-    """The class of a node's reason, in the order the rules run. A summary counts nodes per kind."""
+    """Why a request is not placed: the one vocabulary of ``sharegpu status`` (its ``reason``, the ``reason`` label
+    of sharegpu_cluster_pending_pods) and the simulator (the keys of its ``failures_by_reason``). The value is the
+    stable machine name; :attr:`sentence` says it for people (docs/metrics.md lists both).
 
-    NO_ALLOWED_MODEL = "no GPU of an allowed model"
-    NO_GPUS = "no GPUs"
-    CPU = "not enough CPU"
-    HOST_MEMORY = "not enough host memory"
-    GPU_ROOM = "GPU room"  # fewer GPUs with room for the share than the request asks
+    The first five are the classes of a node's reason, in the order the rules run (a summary counts nodes per kind);
+    the rest are a request's outcomes that no node's rules give.
+    """
+
+    NO_ALLOWED_MODEL = "no-allowed-model"
+    NO_GPUS = "no-gpus"
+    CPU = "cpu"
+    HOST_MEMORY = "host-memory"
+    GPU_ROOM = "gpu-busy"  # fewer GPUs with room for the share than the request asks
+    INVALID_REQUEST = "invalid-request"
+    FITS = "fits"
+    NO_NODES = "no-nodes"
+    QUEUE_FULL = "queue-full"
+    STILL_PENDING = "still-pending"
+
+    @classmethod
+    def named(cls, name: str) -> ReasonKind | None:
+        """The kind of a machine name (None for a name this version does not know, e.g. from a newer extender)."""
+        try:
+            return cls(name)
+        except ValueError:
+            return None
+
+    @property
+    def sentence(self) -> str:
+        """The kind for people, said of a request over the whole cluster."""
+        return _SENTENCES[self]
 
     def summary(self, req: GpuRequest) -> str:
         """The kind in the words of a summary over nodes ("3 node(s): not enough CPU")."""
         if self is ReasonKind.GPU_ROOM:
             return f"fewer than {req.gpu_count} GPU(s) with room for the share"
-        return str(self.value)
+        return _NODE_WORDS.get(self, self.sentence)
 
     @property
     def model_mismatch(self) -> bool:
         """The node has no GPU the request may use at all: it says nothing about room or fragmentation."""
         return self in (ReasonKind.NO_ALLOWED_MODEL, ReasonKind.NO_GPUS)
+
+
+_SENTENCES = {
+    ReasonKind.NO_ALLOWED_MODEL: "no node has a GPU of an allowed model",
+    ReasonKind.NO_GPUS: "no sharegpu node has GPUs",
+    ReasonKind.CPU: "no node with a fitting GPU has enough free CPU",
+    ReasonKind.HOST_MEMORY: "no node with a fitting GPU has enough free host memory",
+    ReasonKind.GPU_ROOM: "GPUs of an allowed model exist but none has room for the share now",
+    ReasonKind.INVALID_REQUEST: "the pod's sharegpu request can never be valid",
+    ReasonKind.FITS: "sharegpu has room now; the pod waits on the kube-scheduler (queue, back-off, taints, affinity)",
+    ReasonKind.NO_NODES: "no nodes",
+    ReasonKind.QUEUE_FULL: "pending queue full",
+    ReasonKind.STILL_PENDING: "still pending at the end of the trace",
+}
+# A node's kinds in the words of a count over nodes (the extender's answers: their bytes are fixed).
+_NODE_WORDS = {
+    ReasonKind.NO_ALLOWED_MODEL: "no GPU of an allowed model",
+    ReasonKind.NO_GPUS: "no GPUs",
+    ReasonKind.CPU: "not enough CPU",
+    ReasonKind.HOST_MEMORY: "not enough host memory",
+}
+
+# The reasons a pod waits in a cluster (``sharegpu status``, the metric's label values), most actionable first.
+PENDING_REASONS = (
+    ReasonKind.GPU_ROOM,
+    ReasonKind.HOST_MEMORY,
+    ReasonKind.CPU,
+    ReasonKind.NO_ALLOWED_MODEL,
+    ReasonKind.NO_GPUS,
+    ReasonKind.INVALID_REQUEST,
+    ReasonKind.FITS,
+)
 
 
 class ReasonCode(Enum):

@@ -15,6 +15,7 @@ from sharegpu.ledger import Ledger
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.framework import Policy, Scheduler, Unschedulable
+from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.metrics import RunLog, Timeline, allocation_curve, percentile
 
 Progress = Callable[[int], None]
@@ -30,7 +31,7 @@ class RunResult:
     failed: int
     total_gpus: int
     curve: list[float | None]  # allocation % at arrived 0..130 %
-    failures: dict[str, int]
+    failures: dict[ReasonKind, int]  # why pods were not placed → how many
     latency_p50_ms: float
     latency_p99_ms: float
     fragmentation_pct: float | None  # free GPU milli that the workload cannot use, % of capacity, at the end
@@ -58,7 +59,7 @@ class RunResult:
             },
             "final_alloc_pct": round(self.final_alloc_pct, 2),
             "fragmentation_pct": None if self.fragmentation_pct is None else round(self.fragmentation_pct, 2),
-            "failures_by_reason": dict(sorted(self.failures.items(), key=lambda kv: -kv[1])),
+            "failures_by_reason": {k.value: n for k, n in sorted(self.failures.items(), key=lambda kv: -kv[1])},
             "decision_latency_ms": {"p50": round(self.latency_p50_ms, 3), "p99": round(self.latency_p99_ms, 3)},
             "curve_alloc_pct_by_arrived_pct": self.curve,
             **({"replay": self.replay} if self.replay is not None else {}),
@@ -66,10 +67,10 @@ class RunResult:
         }
 
 
-def summary_reason(d: Unschedulable) -> str:
+def summary_reason(d: Unschedulable) -> ReasonKind:
     """The reason most nodes that could ever host the request gave (a model mismatch explains nothing)."""
     telling = {k: c for k, c in d.kinds.items() if not k.model_mismatch} or d.kinds
-    return max(telling.items(), key=lambda kv: kv[1])[0].summary(d.request) if telling else "no nodes"
+    return max(telling.items(), key=lambda kv: kv[1])[0] if telling else ReasonKind.NO_NODES
 
 
 def run_arrivals(

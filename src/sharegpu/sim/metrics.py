@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from sharegpu.placement.reasons import ReasonKind
+
 CURVE_MAX = 130  # arrived % levels 0..130
 
 
@@ -19,7 +21,7 @@ class RunLog:
     arrived: list[int] = field(default_factory=lambda: [0])
     allocated: list[int] = field(default_factory=lambda: [0])
     latencies_s: list[float] = field(default_factory=list)
-    failures: dict[str, int] = field(default_factory=dict)
+    failures: dict[ReasonKind, int] = field(default_factory=dict)
     placed: int = 0
     failed: int = 0
     fragmentation: list[float] = field(default_factory=list)
@@ -28,7 +30,7 @@ class RunLog:
         self.arrived.append(arrived)
         self.allocated.append(allocated)
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: ReasonKind) -> None:
         self.failed += 1
         self.failures[reason] = self.failures.get(reason, 0) + 1
 

@@ -42,6 +42,7 @@ from sharegpu.placement.preemption import (
     kube_candidate_limit,
     plan_preemption,
 )
+from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.engine import PendingQueue, Progress, ReplayResult, _result
 from sharegpu.sim.metrics import RunLog, sample_timeline
 from sharegpu.sim.openb import TraceTask
@@ -218,7 +219,7 @@ def replay_trace(
             if prio[name] >= HIGH:
                 high_waiting[name] = None
         else:
-            log.fail("pending queue full")
+            log.fail(ReasonKind.QUEUE_FULL)
 
     def evict(name: str) -> None:
         """Stop ``name`` (a preemption victim or a moved pod): its controller will start it again."""
@@ -304,7 +305,7 @@ def replay_trace(
         if progress is not None and kind == 1 and seq % 256 == 0:
             progress(seq)
     for _ in range(len(pending)):
-        log.fail("still pending at the end of the trace")
+        log.fail(ReasonKind.STILL_PENDING)
     run = _result(policy.name, seed, ledger, log, t0, len(tasks), None)
     total = ledger.total_gpu_milli
     end = times[-1] if times else 0

@@ -190,8 +190,8 @@ def run_size(exp: Experiment) -> RunSize:
 
 
 def never_fit(nodes: Sequence[NodeSpec], tasks: Sequence[TraceTask]) -> dict[str, tuple[int, str]]:
-    """GPU pods that fit on no node even with the cluster empty, by the reason most nodes give: reason → (pods, an
-    example pod's name). Every policy filters alike (they differ in scores), so one policy's filter speaks for all;
+    """GPU pods that fit on no node even with the cluster empty, by the reason most nodes give, in the words of a
+    summary over nodes: words → (pods, an example pod's name). Every policy filters alike (they differ in scores), so one policy's filter speaks for all;
     one decision per distinct shape (a few hundred for the openb traces, 0.1 s)."""
     ledger = Ledger(nodes)
     sched = Scheduler(
@@ -206,7 +206,7 @@ def never_fit(nodes: Sequence[NodeSpec], tasks: Sequence[TraceTask]) -> dict[str
         key = req.shape_key()
         if key not in verdict:
             d = sched.decide(req)
-            verdict[key] = summary_reason(d) if isinstance(d, Unschedulable) else None
+            verdict[key] = summary_reason(d).summary(req) if isinstance(d, Unschedulable) else None
         reason = verdict[key]
         if reason is not None:
             count, example = out.get(reason, (0, req.name))
