@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "k8s"))
 
 from k8s_helpers import node_obj, node_spec, pod_obj
 
-from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
+from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY
+from sharegpu.kube.quantity import MIB
 from sharegpu.kube.schema import ExtenderArgs, ExtenderPreemptionArgs
 
 MAX_NAME = 253  # a node name is a DNS subdomain

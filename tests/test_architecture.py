@@ -62,3 +62,107 @@ def test_reason_names_are_written_only_in_placement_reasons() -> None:
     files = [*SRC.rglob("*.py"), *(SRC.parents[1] / "bench").rglob("*.py")]
     bad = [hit for f in files if f != REASONS_HOME for hit in _literals(f, names)]
     assert not bad, "reason names belong in placement/reasons.py (use ReasonKind):\n" + "\n".join(bad)
+
+
+# ----- wire names and byte units: one home each (issue 27) -----------------------------------------------------------
+CONTRACT = SRC / "model" / "contract.py"
+# Strings that cross a process boundary and are ours alone: the DRA driver's ResourceSlice attributes, counters and
+# capacities, and the fully qualified CDI device ID. Written anywhere but the contract, a writer and its readers can
+# drift apart.
+WIRE_STRINGS = (
+    "placementStart",
+    "placementSize",
+    "parentUUID",
+    "productName",
+    "cudaComputeCapability",
+    "migCapable",
+    "mpsCapable",
+    "multiprocessors",
+    "memory-slice",
+    "compute-slices",
+    "-counters",
+    "sharegpu.io/gpu=",
+)
+# Names too plain to forbid everywhere ("index", "memory" are also JSON keys of sharegpu's own outputs, "memory" a
+# Node's allocatable): in the DRA modules an attribute may not be read from a device (``.get``), an attribute or
+# capacity not written (a key whose value is a typed-value dict), and a capacity not looked up in a claim's
+# capacity map (``[…]``, ``in``).
+DRA_MODULES = ("node/dra", "k8s/dra_steer.py", "k8s/dra_view.py")
+PLAIN_ATTRIBUTES = {"type", "index", "uuid", "model", "profile"}
+CAPACITIES = {"memory", "compute"}
+
+
+def _strings(tree: ast.AST) -> list[ast.Constant]:
+    """The string constants of a module that are not docstrings (f-strings' literal parts included)."""
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    ]
+
+
+def _wire_literals(source: str, dra: bool) -> list[str]:
+    tree = ast.parse(source)
+    found = [f"{n.value!r}" for n in _strings(tree) if any(w in n.value for w in WIRE_STRINGS)]
+    if not dra:
+        return found
+
+    def plain(n: ast.AST | None, names: set[str]) -> bool:
+        return isinstance(n, ast.Constant) and n.value in names
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and n.args:
+            if plain(n.args[0], PLAIN_ATTRIBUTES):
+                found.append(f".get({ast.unparse(n.args[0])})")
+        elif isinstance(n, ast.Dict):
+            found += [f"{{{ast.unparse(k)}: {{...}}}}" for k, v in zip(n.keys, n.values, strict=True)
+                      if plain(k, PLAIN_ATTRIBUTES | CAPACITIES) and isinstance(v, ast.Dict)]  # fmt: skip
+        elif isinstance(n, ast.Subscript) and plain(n.slice, CAPACITIES):
+            found.append(f"[{ast.unparse(n.slice)}]")
+        elif isinstance(n, ast.Compare) and plain(n.left, CAPACITIES) and isinstance(n.ops[0], (ast.In, ast.NotIn)):
+            found.append(f"{ast.unparse(n.left)} in …")
+    return found
+
+
+def test_the_wire_check_finds_a_literal_written_again() -> None:
+    assert _wire_literals('attrs.get("placementStart")', dra=False) == ["'placementStart'"]
+    assert _wire_literals('x = f"sharegpu.io/gpu={name}"', dra=False)
+    assert _wire_literals('d = {"memory": {"value": "1Gi"}}', dra=True)
+    assert _wire_literals('(attrs.get("index") or {}).get("int")', dra=True)
+    assert _wire_literals('m = c["memory"] if "memory" in c else 0', dra=True)
+    assert not _wire_literals('"""Docs may name placementStart."""\nrow = {"index": 1}', dra=True)
+
+
+def test_wire_names_are_written_only_in_the_contract() -> None:
+    bad = []
+    for f in sorted(SRC.rglob("*.py")):
+        rel = f.relative_to(SRC).as_posix()
+        if f == CONTRACT or rel.startswith("node/proto/"):
+            continue
+        dra = any(rel == m or rel.startswith(f"{m}/") for m in DRA_MODULES)
+        bad += [f"{rel}: {lit}" for lit in _wire_literals(f.read_text(encoding="utf-8"), dra)]
+    assert not bad, "write these through sharegpu.model.contract's names:\n" + "\n".join(bad)
+
+
+def test_byte_units_are_defined_once() -> None:
+    """MIB and its kin live in sharegpu.kube.quantity (with the rounding rules); nothing else spells 1024 * 1024."""
+    home = SRC / "kube" / "quantity.py"
+    bad = []
+    for f in sorted(SRC.rglob("*.py")):
+        if f == home:
+            continue
+        for n in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id in ("KIB", "MIB") for t in targets):
+                bad.append(f"{f.relative_to(SRC)}: defines {ast.unparse(targets[0])}")
+            if isinstance(n, ast.BinOp) and ast.unparse(n) == "1024 * 1024":
+                bad.append(f"{f.relative_to(SRC)}: {ast.unparse(n)}")
+    assert not bad, "import the byte units from sharegpu.kube.quantity:\n" + "\n".join(bad)

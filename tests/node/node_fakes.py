@@ -17,11 +17,10 @@ import grpc.aio
 
 from sharegpu.kube.errors import KubeError
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
-from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
+from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE, cdi_allocation_name
 from sharegpu.node.agent import AgentConfig, NodeAgent
 from sharegpu.node.allocation import AllocateAnswer, Allocator, ContainerGrant
 from sharegpu.node.attribution import CHECKPOINT_FILE, Attributor, PodResourcesClient
-from sharegpu.node.cdi import allocation_name
 from sharegpu.node.device_plugin import answer_to_response
 from sharegpu.node.kube import ContainerInfo, NodeInfo, PodInfo
 from sharegpu.node.proto import deviceplugin_pb2 as pb
@@ -304,7 +303,7 @@ async def start_container(
     allocator = target.allocator if isinstance(target, NodeAgent) else target
     answer = allocator.allocate(device_ids)
     assert answer == AllocateAnswer(
-        f"sharegpu.io/gpu={allocation_name(device_ids)}", {"NVIDIA_VISIBLE_DEVICES": "void"}
+        f"sharegpu.io/gpu={cdi_allocation_name(device_ids)}", {"NVIDIA_VISIBLE_DEVICES": "void"}
     )
     record.hold(pod, container, device_ids, answer_to_response(answer))
     return await allocator.prestart(device_ids)
@@ -313,7 +312,7 @@ async def start_container(
 def cdi_spec(cdi_dir: Path, device_ids: Sequence[str]) -> dict[str, Any]:
     """The CDI spec written for these device IDs, as the runtime reads it: env (as a dict, but SHAREGPU_SHARES, which
     is under ``shares``), mounts, device nodes."""
-    name = allocation_name(device_ids)
+    name = cdi_allocation_name(device_ids)
     spec = json.loads((cdi_dir / f"sharegpu.io-dp_{name}.json").read_text())
     assert spec["kind"] == "sharegpu.io/gpu"
     (device,) = spec["devices"]

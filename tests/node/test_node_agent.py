@@ -17,12 +17,11 @@ from node_fakes import (
 )
 
 from sharegpu.model.assignment import Mechanism, MigSlot
-from sharegpu.model.contract import INVENTORY_ANNOTATION
+from sharegpu.model.contract import INVENTORY_ANNOTATION, cdi_allocation_name
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
-from sharegpu.node.cdi import allocation_name
 from sharegpu.node.kube import NodeInfo
 from sharegpu.node.mps import SimMpsDaemon
 
@@ -187,7 +186,7 @@ def test_cdi_specs_go_with_their_pod_and_orphans_at_start(tmp_path: Path, sock_d
             await start_container(agent, record, a, "c0", ["a0"])
             await start_container(agent, record, a, "c1", ["a1"])
             await start_container(agent, record, b, "c0", ["b0"])
-            names = {n: allocation_name([n]) for n in ("a0", "a1", "b0")}
+            names = {n: cdi_allocation_name([n]) for n in ("a0", "a1", "b0")}
             assert cdi.is_dir() and agent.allocator.cdi.allocation_names() == set(names.values())
             del kube.pods[a.uid]
             record.release(a.uid)
@@ -198,7 +197,7 @@ def test_cdi_specs_go_with_their_pod_and_orphans_at_start(tmp_path: Path, sock_d
             assert agent.state.cdi_specs == {b.uid: {names["b0"]}} and a.uid not in agent.state.device_share
             # Specs the state does not know (written by an agent whose state was lost, or left by a pod that went
             # while no agent ran) go when an agent starts; the known pod's spec and DRA claim specs stay.
-            orphan = cdi / f"sharegpu.io-dp_{allocation_name(['gone'])}.json"
+            orphan = cdi / f"sharegpu.io-dp_{cdi_allocation_name(['gone'])}.json"
             orphan.write_text((cdi / f"sharegpu.io-dp_{names['b0']}.json").read_text())
             claim = cdi / "sharegpu.io-gpu_0b4cb1c1-0000-4000-8000-000000000001.json"
             claim.write_text("{}")

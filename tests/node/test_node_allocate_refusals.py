@@ -26,11 +26,11 @@ from node_fakes import (
 )
 
 from sharegpu.model.assignment import GpuShare, Mechanism
+from sharegpu.model.contract import cdi_allocation_name
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.allocation import AllocationError
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
-from sharegpu.node.cdi import allocation_name
 from sharegpu.node.kube import ContainerInfo, NodeInfo, pod_info_from_dict
 from sharegpu.node.mps import SimMpsDaemon
 
@@ -44,7 +44,7 @@ class Node:
     cdi_dir: Path
 
     def spec_exists(self, ids: list[str]) -> bool:
-        return (self.cdi_dir / f"sharegpu.io-dp_{allocation_name(ids)}.json").exists()
+        return (self.cdi_dir / f"sharegpu.io-dp_{cdi_allocation_name(ids)}.json").exists()
 
 
 @asynccontextmanager

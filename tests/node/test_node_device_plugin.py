@@ -16,10 +16,11 @@ import pytest
 from node_fakes import SIM_YAML, FakeKube, FakeKubelet, KubeletRecord, assignment, cdi_spec, pod, share
 
 from sharegpu.model.assignment import Mechanism, MigSlot
+from sharegpu.model.contract import cdi_allocation_name
 from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER, Allocator
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
-from sharegpu.node.cdi import CdiWriter, allocation_name
+from sharegpu.node.cdi import CdiWriter
 from sharegpu.node.device_plugin import DevicePluginError, DevicePluginServer, device_tokens
 from sharegpu.node.kube import PodInfo
 from sharegpu.node.mig import MigManager
@@ -55,7 +56,7 @@ class Rig:
         """Start ``container`` of ``p`` with ``ids`` as the kubelet does; returns the CDI spec PreStartContainer
         wrote for it (and checks what Allocate answered)."""
         answer = await self.kubelet.run_container(self.record, p, container, ids)
-        assert list(answer.cdi_devices) == [pb.CDIDevice(name=f"sharegpu.io/gpu={allocation_name(ids)}")]
+        assert list(answer.cdi_devices) == [pb.CDIDevice(name=f"sharegpu.io/gpu={cdi_allocation_name(ids)}")]
         assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": "void"} and len(answer.mounts) == 0
         return cdi_spec(self.cdi_dir, ids)
 
@@ -67,7 +68,7 @@ class Rig:
             else:
                 await self.kubelet.run_container(self.record, p, container, ids)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
-        assert not (self.cdi_dir / f"sharegpu.io-dp_{allocation_name(ids)}.json").exists()
+        assert not (self.cdi_dir / f"sharegpu.io-dp_{cdi_allocation_name(ids)}.json").exists()
         return e.value.details() or ""
 
 
@@ -163,7 +164,9 @@ def test_allocate_only_names_the_cdi_device_and_hides_every_gpu(sock_dir: Path) 
             timeout=5,
         )
         names = [[d.name for d in r.cdi_devices] for r in resp.container_responses]
-        assert names[0] == [f"sharegpu.io/gpu={allocation_name(ids)}"] and names[0][0].startswith("sharegpu.io/gpu=dp-")
+        assert names[0] == [f"sharegpu.io/gpu={cdi_allocation_name(ids)}"] and names[0][0].startswith(
+            "sharegpu.io/gpu=dp-"
+        )
         assert names[1] == names[0] != names[2]  # named after the IDs, whatever their order
         assert all(dict(r.envs) == {"NVIDIA_VISIBLE_DEVICES": "void"} for r in resp.container_responses)
         assert all(len(r.mounts) == 0 and len(r.devices) == 0 for r in resp.container_responses)
@@ -209,7 +212,7 @@ def test_mps_share_gets_the_daemon_pipe_and_limits_in_its_cdi_spec(sock_dir: Pat
         assert rig.mps_daemon.starts == 1 and (Path(mount["hostPath"]) / SimMpsDaemon.MARKER).exists()
         assert spec["deviceNodes"] == []  # the simulated backend has no device nodes (a runtime stats each one)
         assert rig.state.allocations == {"uid-default-infer": {"c0": (rig.uuid(0),)}}
-        assert rig.state.cdi_specs == {"uid-default-infer": {allocation_name(["t0"])}}
+        assert rig.state.cdi_specs == {"uid-default-infer": {cdi_allocation_name(["t0"])}}
 
     run(sock_dir, body)
 

@@ -21,10 +21,10 @@ from node_fakes import (
 )
 
 from sharegpu.model.assignment import Mechanism, MigSlot
+from sharegpu.model.contract import cdi_allocation_name
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
-from sharegpu.node.cdi import allocation_name
 from sharegpu.node.kube import NodeInfo, PodInfo
 from sharegpu.node.mps import SimMpsDaemon
 
@@ -92,7 +92,7 @@ def test_allocations_are_forgotten_only_after_two_lists_without_the_pod(tmp_path
             g = sim.devices()[0].uuid
             a = kube.add(pod("a", assignment("a", share(0, g, Mechanism.TIME_SLICING, 100))))
             await start_container(agent, record, a, "c0", ["t0"])
-            spec = agent.config.cdi_dir / f"sharegpu.io-dp_{allocation_name(['t0'])}.json"
+            spec = agent.config.cdi_dir / f"sharegpu.io-dp_{cdi_allocation_name(['t0'])}.json"
             del kube.pods["uid-default-a"]
             await agent.reconcile_once()
             # One list without it: kept (ties, record and spec).
@@ -143,6 +143,6 @@ def test_a_grant_newer_than_the_pod_list_is_kept_whatever_that_list_says(tmp_pat
             await start_container(agent, record, p, "c0", ["t0"])
             await rec
             assert len(sim.mig_instances(1)) == 1 and agent.state.allocated_containers(p.uid) == {"c0"}
-            assert agent.allocator.cdi.allocation_names() == {allocation_name(["t0"])}
+            assert agent.allocator.cdi.allocation_names() == {cdi_allocation_name(["t0"])}
 
     asyncio.run(main())

@@ -15,7 +15,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-MIB = 1024 * 1024
+from sharegpu.kube.quantity import MIB
+
 LINGER_S = 1.0  # at most this long spent dropping the rest of a refused body
 
 # The extender's cap: the largest body the kube-scheduler sends it for a 10,000-node cluster with

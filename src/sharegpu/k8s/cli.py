@@ -16,13 +16,14 @@ import typer
 import uvloop
 from rich.console import Console
 
-from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, MIB
+from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY
 from sharegpu.k8s.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import ConfigError, Forbidden, KubeError
 from sharegpu.kube.kubeconfig import KUBECONFIG_HELP, quiet_http_logging
+from sharegpu.kube.quantity import MIB
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 

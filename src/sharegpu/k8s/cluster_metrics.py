@@ -34,11 +34,11 @@ from sharegpu.k8s.answers import FilterAnswer
 from sharegpu.k8s.pod_request import asks_for_sharegpu
 from sharegpu.k8s.status import MODE_NAMES, REASON_CLASSES, cluster_summary, pending_pods
 from sharegpu.k8s.view import ClusterView
+from sharegpu.kube.quantity import MIB
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingResult, ExtenderPreemptionResult
 from sharegpu.ledger import GpuMode
 from sharegpu.model.contract import GPU_RESOURCE, ISOLATION_ANNOTATION, MIG_PROFILE_ANNOTATION, SHARING_ANNOTATION
 
-MIB = 1024 * 1024
 VERBS = ("filter", "prioritize", "bind", "preempt")
 # Extender calls take sub-millisecond (a filter over 1,000 nodes) to seconds (a bind waits on the API server).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -35,23 +35,27 @@ from typing import Any
 
 import numpy as np
 
-from sharegpu.k8s.dra_view import _mib, _num
-from sharegpu.k8s.pod_request import cpu_and_memory
+from sharegpu.k8s.dra_view import claimed_mib, claimed_percent
+from sharegpu.k8s.pod_request import PERCENT_MILLI, cpu_and_memory
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.informer import Informer, Source, Timing, of_json
+from sharegpu.kube.quantity import capacity_mib, capacity_milli, quantity_or_zero
 from sharegpu.kube.schema import Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
+    ATTR_PROFILE,
     DEVICE_PATH_DRA,
     DEVICE_PATH_LABEL,
+    DEVICE_TYPE_GPU,
     DRIVER,
     MIG_CLASS,
     SHARED_CLASS,
     WHOLE_CLASS,
     mig_profile_token,
     parse_device_name,
+    read_slice_device,
 )
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest, Sharing
@@ -64,7 +68,7 @@ log = logging.getLogger(__name__)
 
 STEERED_CLASSES = (SHARED_CLASS, WHOLE_CLASS, MIG_CLASS)
 # The profile a MIG claim selects: a CEL selector on the device's ``profile`` attribute, as docs/dra.md shows.
-_PROFILE_SELECTOR = re.compile(r"""\.profile\s*==\s*["']([^"']+)["']""")
+_PROFILE_SELECTOR = re.compile(rf"""\.{ATTR_PROFILE}\s*==\s*["']([^"']+)["']""")
 HOLD_S = 10.0  # how long a steered pod's choice counts before its claim is seen allocated
 
 
@@ -73,10 +77,6 @@ class NotSteered(Exception):
 
 
 # ----- reading the objects ---------------------------------------------------------------------------------------
-def _cpu_milli(q: Any) -> int:
-    return round(_num(q) * 1000)
-
-
 def claim_names(pod: Mapping[str, Any]) -> list[str]:
     """The ResourceClaims a pod uses, by name: its own claims and those made from its templates (which the resource
     claim controller names in ``status.resourceClaimStatuses``). Raises :class:`NotSteered` while one is unnamed."""
@@ -139,8 +139,10 @@ def claim_request(key: str, claims: Iterable[Mapping[str, Any]], cpu_milli: int,
             )
         if cls == WHOLE_CLASS or not asked:
             return GpuRequest(key, count, cpu_milli=cpu_milli, host_memory_mib=host_memory_mib)
-        memory = _mib(asked["memory"]) if "memory" in asked else None
-        compute = round(_num(asked["compute"]) * 10) if "compute" in asked else 1000
+        # Asks, rounded up: the scheduler rounds a claim's ask up to the device's step (1Mi, 1 percent), and the
+        # extender rounds a pod's the same way, so both paths model a "10G" share as 9537 MiB.
+        memory = claimed_mib(asked)
+        compute = claimed_percent(asked) * PERCENT_MILLI
         return GpuRequest(
             key, count, compute_milli=compute, memory_mib=memory, cpu_milli=cpu_milli, host_memory_mib=host_memory_mib
         )
@@ -220,7 +222,11 @@ class DraState:
             cap = None
             if not gone and labels.get(DEVICE_PATH_LABEL) == DEVICE_PATH_DRA:
                 alloc = (obj.get("status") or {}).get("allocatable") or {}
-                cap = (_cpu_milli(alloc.get("cpu", "0")), _mib(alloc.get("memory", "0")))
+                # What the node has: rounded down.
+                cap = (
+                    capacity_milli(quantity_or_zero(alloc.get("cpu", "0"))),
+                    capacity_mib(quantity_or_zero(alloc.get("memory", "0"))),
+                )
             if self._nodes.get(key) != cap:
                 self._set(self._nodes, key, cap)
                 self._ledger = None
@@ -267,17 +273,12 @@ class DraState:
             return None
         node = str(spec.get("nodeName") or (spec.get("pool") or {}).get("name", ""))
         gpus = []
-        for d in spec.get("devices") or []:
-            attrs = d.get("attributes") or {}
-            if (attrs.get("type") or {}).get("string") != "gpu":
+        for raw in spec.get("devices") or []:
+            d = read_slice_device(raw)
+            if d.type != DEVICE_TYPE_GPU or not self.catalog.known(d.model):
                 continue
-            model = (attrs.get("model") or {}).get("string", "")
-            if not self.catalog.known(model):
-                continue
-            index = int((attrs.get("index") or {}).get("int", 0))
-            memory = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
-            uuid = (attrs.get("uuid") or {}).get("string", f"{node}-gpu-{index}")
-            gpus.append(GpuDevice(index, uuid, model, memory_mib=memory))
+            uuid = f"{node}-gpu-{d.index}" if d.uuid is None else d.uuid
+            gpus.append(GpuDevice(d.index, uuid, d.model, memory_mib=capacity_mib(quantity_or_zero(d.memory))))
         return node, tuple(gpus)
 
     # ----- the ledger of DRA nodes ---------------------------------------------------------------------------------
@@ -463,8 +464,9 @@ def _parse_use(claim: Mapping[str, Any], catalog: Catalog = DEFAULT_CATALOG) -> 
         if name.mig_token is not None and name.mig_start is not None and name.mig_token in _profile_names(catalog):
             part = (_profile_names(catalog)[name.mig_token], name.mig_start)
         whole = name.is_mig or not consumed
-        mem = _mib(consumed["memory"]) if "memory" in consumed else 1 << 40  # left out: the whole memory
-        compute = round(_num(consumed["compute"]) * 10) if "compute" in consumed else FULL_MILLI
+        mem = claimed_mib(consumed)
+        mem = 1 << 40 if mem is None else mem  # left out: the whole memory
+        compute = claimed_percent(consumed) * PERCENT_MILLI
         devices.append((name.gpu_index, whole, mem, compute, part))
     return _Use(node, tuple(devices)) if devices else None
 

@@ -13,20 +13,37 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sharegpu.kube.quantity import MIB, quantity_or_zero
-from sharegpu.model.contract import DEVICE_PATH_DRA, DEVICE_PATH_LABEL, DRIVER
+from sharegpu.kube.quantity import asked_mib, asked_whole, capacity_mib, quantity_or_zero
+from sharegpu.model.contract import (
+    CAPACITY_COMPUTE,
+    CAPACITY_MEMORY,
+    COMPUTE_FULL,
+    DEVICE_PATH_DRA,
+    DEVICE_PATH_LABEL,
+    DEVICE_TYPE_GPU,
+    DEVICE_TYPE_MIG,
+    DRIVER,
+    gpu_device_name,
+    read_slice_device,
+)
 
 
 def is_dra_node(labels: Mapping[str, str]) -> bool:
     return labels.get(DEVICE_PATH_LABEL) == DEVICE_PATH_DRA
 
 
-def _mib(q: Any) -> int:
-    return int(quantity_or_zero(q) / MIB)
+# A claim's capacity map (its request's ``capacity.requests``, or its allocation's ``consumedCapacity``) is an ask:
+# rounded up, as the driver enforces it and as the extender counts a pod's ask.
+def claimed_mib(capacity: Mapping[str, Any]) -> int | None:
+    """The GPU memory a claim's capacity map names, in MiB rounded up (None: it names none, i.e. the whole)."""
+    return asked_mib(quantity_or_zero(capacity[CAPACITY_MEMORY])) if CAPACITY_MEMORY in capacity else None
 
 
-def _num(q: Any) -> float:
-    return float(quantity_or_zero(q))
+def claimed_percent(capacity: Mapping[str, Any]) -> int:
+    """The compute (percent of the GPU) a claim's capacity map names, rounded up (none named: the whole)."""
+    if CAPACITY_COMPUTE not in capacity:
+        return COMPUTE_FULL
+    return asked_whole(quantity_or_zero(capacity[CAPACITY_COMPUTE]))
 
 
 def _mig_compute_pct(model: str, profile: str) -> float:
@@ -51,33 +68,27 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
         if spec.get("driver") != DRIVER:
             continue
         pool = str((spec.get("pool") or {}).get("name", ""))
-        for d in spec.get("devices") or []:
-            attrs = d.get("attributes") or {}
-            kind = (attrs.get("type") or {}).get("string")
-            index = (attrs.get("index") or {}).get("int", 0)
-            if kind == "gpu":
-                gpus[(pool, d["name"])] = {
-                    "index": index,
-                    "uuid": (attrs.get("uuid") or {}).get("string", ""),
-                    "model": (attrs.get("model") or {}).get("string", ""),
-                    "memory_mib_total": _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0")),
+        for raw in spec.get("devices") or []:
+            d = read_slice_device(raw)
+            if d.type == DEVICE_TYPE_GPU:
+                gpus[(pool, d.name)] = {
+                    "index": d.index,
+                    "uuid": d.uuid or "",
+                    "model": d.model,
+                    "memory_mib_total": capacity_mib(quantity_or_zero(d.memory)),
                     "memory_mib_used": 0,
                     "compute_pct_used": 0.0,
                     "mechanism": "free",
                     "mig": [],
                     "claims": [],
                 }
-            elif kind == "mig":
-                profile = (attrs.get("profile") or {}).get("string", "")
-                start = (attrs.get("placementStart") or {}).get("int", 0)
-                model = (attrs.get("model") or {}).get("string", "")
-                memory = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
-                mig_parent[(pool, d["name"])] = (
-                    f"gpu-{index}",
-                    profile,
-                    start,
-                    memory,
-                    _mig_compute_pct(model, profile),
+            elif d.type == DEVICE_TYPE_MIG:
+                mig_parent[(pool, d.name)] = (
+                    gpu_device_name(d.index),
+                    d.profile,
+                    d.placement_start,
+                    capacity_mib(quantity_or_zero(d.memory)),
+                    _mig_compute_pct(d.model, d.profile),
                 )
     for c in claims:
         meta = c.get("metadata") or {}
@@ -102,12 +113,13 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
             if row is None:
                 continue
             consumed = r.get("consumedCapacity") or {}
-            memory = _mib(consumed["memory"]) if "memory" in consumed else row["memory_mib_total"]
-            compute = _num(consumed["compute"]) if "compute" in consumed else 100.0
-            row["memory_mib_used"] += memory
+            claimed = claimed_mib(consumed)
+            used = row["memory_mib_total"] if claimed is None else claimed
+            compute = claimed_percent(consumed)
+            row["memory_mib_used"] += used
             row["compute_pct_used"] += compute
             row["claims"].append(key)
-            whole = memory >= row["memory_mib_total"] and compute >= 100
+            whole = used >= row["memory_mib_total"] and compute >= COMPUTE_FULL
             row["mechanism"] = "exclusive" if whole and len(row["claims"]) == 1 else "shared"
     nodes: dict[str, list[dict[str, Any]]] = {}
     for (pool, _), row in sorted(gpus.items(), key=lambda kv: (kv[0][0], kv[1]["index"])):

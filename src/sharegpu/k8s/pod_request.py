@@ -7,14 +7,13 @@ what a valid request is lives in :class:`GpuRequest`, whose :class:`InvalidReque
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from sharegpu.kube.echo import ECHO_CHARS, echo
-from sharegpu.kube.quantity import MIB, parse_quantity
+from sharegpu.kube.quantity import asked_mib, asked_milli, parse_quantity
 from sharegpu.kube.schema import Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, CatalogError
 from sharegpu.model.contract import (
@@ -100,9 +99,8 @@ def _container_ask(c: Container) -> _ContainerAsk:
         gpus = int(q)
     if (text := resource_text(c, MEMORY_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{MEMORY_RESOURCE}")
-        # Rounded up to whole MiB: the workload gets at least what it asked for ("10G" is 9537Mi, not 9536Mi). A value
-        # ≤ 0 stays ≤ 0 (in MiB too), for GpuRequest to say that it must be positive.
-        memory = math.ceil(q / MIB) if q > 0 else math.floor(q / MIB)
+        # An ask: rounded up ("10G" is 9537Mi, not 9536Mi); a value ≤ 0 stays ≤ 0, for GpuRequest to refuse.
+        memory = asked_mib(q)
     if (text := resource_text(c, COMPUTE_RESOURCE)) is not None:
         q = _quantity(text, f"{where}{COMPUTE_RESOURCE}")
         if q != q.to_integral_value():
@@ -153,9 +151,9 @@ def _cpu_memory_of(res: Mapping[str, str | int | float], where: str) -> tuple[in
     """CPU (milli) and memory (MiB) of a resource list, rounded up (None: not named)."""
     cpu = mem = None
     if "cpu" in res:
-        cpu = max(math.ceil(_quantity(str(res["cpu"]), f"{where}cpu") * 1000), 0)
+        cpu = max(asked_milli(_quantity(str(res["cpu"]), f"{where}cpu")), 0)
     if "memory" in res:
-        mem = max(math.ceil(_quantity(str(res["memory"]), f"{where}memory") / MIB), 0)
+        mem = max(asked_mib(_quantity(str(res["memory"]), f"{where}memory")), 0)
     return cpu, mem
 
 

@@ -10,9 +10,11 @@ import each other to agree on a name. Pure constants and pure functions: no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 # ----- extended resources: container limits (DESIGN §2) ------------------------------------------------------------
 GPU_RESOURCE: Final = "sharegpu.io/gpu"  # GPUs (or MIG instances); the one the kubelet's device plugin serves
@@ -101,8 +103,104 @@ def parse_device_name(name: str) -> DeviceName | None:
     return DeviceName(int(m.group(1)), parts.group(2), int(parts.group(3)))
 
 
+# ----- DRA ResourceSlice devices: what the driver publishes and the control plane reads back -----------------------
+# Attributes of a device (each a typed value: {"string": …}, {"int": …}, {"bool": …}, {"version": …}).
+ATTR_TYPE: Final = "type"  # DEVICE_TYPE_GPU or DEVICE_TYPE_MIG
+DEVICE_TYPE_GPU: Final = "gpu"
+DEVICE_TYPE_MIG: Final = "mig"
+ATTR_INDEX: Final = "index"  # the GPU's index on its node (a MIG device: its parent's)
+ATTR_UUID: Final = "uuid"  # a GPU's UUID
+ATTR_PARENT_UUID: Final = "parentUUID"  # a MIG device's GPU's UUID
+ATTR_MODEL: Final = "model"  # the catalog's model name
+ATTR_PRODUCT_NAME: Final = "productName"
+ATTR_ARCHITECTURE: Final = "architecture"
+ATTR_CUDA_COMPUTE_CAPABILITY: Final = "cudaComputeCapability"
+ATTR_MIG_CAPABLE: Final = "migCapable"
+ATTR_MPS_CAPABLE: Final = "mpsCapable"
+ATTR_PROFILE: Final = "profile"  # a MIG device's profile ("3g.40gb"); MIG claims select it by CEL
+ATTR_PLACEMENT_START: Final = "placementStart"  # a MIG device's first memory slot
+ATTR_PLACEMENT_SIZE: Final = "placementSize"  # ... and its number of memory slots
+# Capacities: a GPU's memory (a quantity) and compute (percent of the GPU) that claims consume part of; a MIG
+# device's memory and multiprocessors.
+CAPACITY_MEMORY: Final = "memory"
+CAPACITY_COMPUTE: Final = "compute"
+CAPACITY_MULTIPROCESSORS: Final = "multiprocessors"
+COMPUTE_FULL: Final = 100  # a GPU's compute capacity: percent
+# Counters of a GPU's geometry (its counter set): one per memory slot, and its compute slices.
+COMPUTE_SLICES_COUNTER: Final = "compute-slices"
+
+
+def memory_counter(slot: int) -> str:
+    """The counter of one memory slot of a MIG-capable GPU (each 1: two instances can never hold one slot)."""
+    return f"memory-slice-{slot}"
+
+
+def counter_set_name(index: int) -> str:
+    """The counter set of GPU ``index``'s geometry."""
+    return f"gpu-{index}-counters"
+
+
+@dataclass(frozen=True, slots=True)
+class SliceDevice:
+    """One device of the driver's ResourceSlices, read back (the inverse of what the driver publishes)."""
+
+    name: str
+    type: str  # DEVICE_TYPE_GPU, DEVICE_TYPE_MIG, or another (not ours to read)
+    index: int
+    uuid: str | None  # a GPU's UUID (None: not published)
+    model: str
+    profile: str  # a MIG device's profile ("" otherwise)
+    placement_start: int  # a MIG device's first memory slot (0 otherwise)
+    memory: str  # the memory capacity as published, a Kubernetes quantity ("0" when absent)
+
+
+def _attr(attrs: Mapping[str, Any], name: str, kind: str) -> Any:
+    return (attrs.get(name) or {}).get(kind)
+
+
+def read_slice_device(device: Mapping[str, Any]) -> SliceDevice:
+    """A device of a ResourceSlice (the API object's ``spec.devices[]`` entry) as this driver publishes it."""
+    attrs = device.get("attributes") or {}
+    capacity = device.get("capacity") or {}
+    return SliceDevice(
+        name=str(device.get("name", "")),
+        type=str(_attr(attrs, ATTR_TYPE, "string") or ""),
+        index=int(_attr(attrs, ATTR_INDEX, "int") or 0),
+        uuid=None if (uuid := _attr(attrs, ATTR_UUID, "string")) is None else str(uuid),
+        model=str(_attr(attrs, ATTR_MODEL, "string") or ""),
+        profile=str(_attr(attrs, ATTR_PROFILE, "string") or ""),
+        placement_start=int(_attr(attrs, ATTR_PLACEMENT_START, "int") or 0),
+        memory=str((capacity.get(CAPACITY_MEMORY) or {}).get("value", "0")),
+    )
+
+
 # ----- CDI (what the kubelet passes to the container runtime) ---------------------------------------------------
 CDI_KIND: Final = "sharegpu.io/gpu"  # fully qualified device IDs are <kind>=<name>
+_CDI_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
+CDI_ALLOCATION_PREFIX: Final = "dp-"  # the CDI device names of device-plugin allocations
+
+
+def cdi_device_id(name: str) -> str:
+    """The fully qualified CDI device ID the kubelet passes to the runtime: ``<kind>=<name>``."""
+    return f"{CDI_KIND}={name}"
+
+
+def cdi_claim_device_name(claim_uid: str, request: str, device: str) -> str:
+    """The CDI device name of one device of a prepared DRA claim: its claim UID, request and device, so that two
+    claims sharing one GPU never clash."""
+    # CDI device names allow letters, digits and "_.:-"; request names of subrequests carry a "/".
+    return _CDI_NAME_UNSAFE.sub("_", f"{claim_uid}-{request}-{device}")
+
+
+def cdi_allocation_name(device_ids: Iterable[str]) -> str:
+    """The CDI device name of one device-plugin allocation: a digest of its device IDs (order-free).
+
+    The kubelet gives a device ID to one pod at a time, so while a pod runs the name is its alone; Allocate can name
+    it before anyone knows the pod, and PreStartContainer writes its spec.
+    """
+    digest = hashlib.sha256("\n".join(sorted(device_ids)).encode()).hexdigest()[:24]
+    return f"{CDI_ALLOCATION_PREFIX}{digest}"
+
 
 # ----- the environment the node gives a container -------------------------------------------------------------------
 NVIDIA_VISIBLE_DEVICES_ENV: Final = "NVIDIA_VISIBLE_DEVICES"

@@ -3,7 +3,8 @@
 The kubelet's device plugin calls name device IDs, never the pod. sharegpu's device IDs are interchangeable tokens,
 so the work is split in two, and nothing is ever guessed:
 
-- **Allocate** (pod admission) answers with one CDI device, named after the device IDs (:func:`allocation_name`), and
+- **Allocate** (pod admission) answers with one CDI device, named after the device IDs
+  (:func:`~sharegpu.model.contract.cdi_allocation_name`), and
   ``NVIDIA_VISIBLE_DEVICES=void``, so a container whose runtime never applied the CDI device sees no GPU at all.
 - **PreStartContainer** (right before the kubelet creates the container; the plugin asks for it) finds the pod that
   holds these device IDs in the kubelet's own records (:mod:`sharegpu.node.attribution`), reads its
@@ -33,10 +34,12 @@ from sharegpu.model.contract import (
     MECHANISM_ENV,
     NVIDIA_VISIBLE_DEVICES_ENV,
     SHARES_ENV,
+    cdi_allocation_name,
+    cdi_device_id,
 )
 from sharegpu.node.attribution import AttributionError, Attributor, Owner
 from sharegpu.node.backends.base import BackendError, GpuBackend
-from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, allocation_name
+from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter
 from sharegpu.node.errors import NodeError
 from sharegpu.node.kube import KubeApi, PodInfo
 from sharegpu.node.mig import MigError, MigInvalid, MigManager, MigNeed
@@ -137,8 +140,8 @@ class Allocator:
     def allocate(self, device_ids: Sequence[str]) -> AllocateAnswer:
         if not device_ids:
             raise AllocationError(f"the kubelet asked for 0 {GPU_RESOURCE}; at least 1 is needed")
-        name = allocation_name(device_ids)
-        return AllocateAnswer(f"{self.cdi.kind}={name}", {NVIDIA_VISIBLE_DEVICES_ENV: NO_GPU})
+        name = cdi_allocation_name(device_ids)
+        return AllocateAnswer(cdi_device_id(name), {NVIDIA_VISIBLE_DEVICES_ENV: NO_GPU})
 
     async def prestart(self, device_ids: Sequence[str]) -> ContainerGrant:
         """The container that holds ``device_ids`` is about to be created: make its share ready and write its CDI
@@ -153,7 +156,7 @@ class Allocator:
             pod = await self._pod_of(owner, deadline)
             assignment = self._assignment_of(pod)
             shares = self._shares_for(pod, assignment, ids)
-            grant = await self._grant(pod, owner.container, shares, deadline, allocation_name(ids))
+            grant = await self._grant(pod, owner.container, shares, deadline, cdi_allocation_name(ids))
             try:
                 self.cdi.write_allocation(
                     CdiDevice(

@@ -6,24 +6,24 @@ and the MPS pipe directory's mount. A runtime stats every device node, so a spec
 host (the backend says which). Files are written atomically, so a runtime never reads half a spec.
 
 - DRA: one file per prepared claim (``sharegpu.io-gpu_<claim UID>.json``), one CDI device per allocated device of the
-  claim, named after the claim UID, its request and its device, so that two claims sharing one GPU never clash.
+  claim (named by :func:`~sharegpu.model.contract.cdi_claim_device_name`).
 - Device plugin: one file per container allocation (``sharegpu.io-dp_<name>.json``), named after the device IDs
-  the kubelet allocated (:func:`allocation_name`); written at PreStartContainer, once the kubelet has said whose
-  container it is.
+  the kubelet allocated (:func:`~sharegpu.model.contract.cdi_allocation_name`); written at PreStartContainer, once
+  the kubelet has said whose container it is.
+
+The names and the fully qualified IDs (:func:`~sharegpu.model.contract.cdi_device_id`) live in the contract.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sharegpu.model.contract import CDI_KIND
+from sharegpu.model.contract import CDI_ALLOCATION_PREFIX, CDI_KIND
 from sharegpu.node.durable import write_atomic
 from sharegpu.node.errors import NodeError
 
@@ -31,7 +31,6 @@ CDI_VERSION = "0.6.0"
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 _FILE_PREFIX = "sharegpu.io-gpu_"  # DRA claims
 _DP_FILE_PREFIX = "sharegpu.io-dp_"  # device-plugin allocations
-_DP_NAME_PREFIX = "dp-"
 
 
 class CdiError(NodeError):
@@ -52,29 +51,8 @@ class CdiDevice:
     device_nodes: tuple[str, ...] = ()
     mounts: tuple[CdiMount, ...] = field(default_factory=tuple)
 
-    @property
-    def qualified(self) -> str:
-        return f"{CDI_KIND}={self.name}"
-
-
-def cdi_name(claim_uid: str, request: str, device: str) -> str:
-    # CDI device names allow letters, digits and "_.:-"; request names of subrequests carry a "/".
-    return re.sub(r"[^A-Za-z0-9_.:-]", "_", f"{claim_uid}-{request}-{device}")
-
-
-def allocation_name(device_ids: Iterable[str]) -> str:
-    """The CDI device name of one device-plugin allocation: a digest of its device IDs (order-free).
-
-    The kubelet gives a device ID to one pod at a time, so while a pod runs the name is its alone; Allocate can name
-    it before anyone knows the pod, and PreStartContainer writes its spec.
-    """
-    digest = hashlib.sha256("\n".join(sorted(device_ids)).encode()).hexdigest()[:24]
-    return f"{_DP_NAME_PREFIX}{digest}"
-
 
 class CdiWriter:
-    kind = CDI_KIND
-
     def __init__(self, directory: Path = DEFAULT_CDI_DIR) -> None:
         self.directory = directory
 
@@ -97,12 +75,12 @@ class CdiWriter:
         return self._write(self.path(claim_uid), devices)
 
     def allocation_path(self, name: str) -> Path:
-        if not re.fullmatch(rf"{_DP_NAME_PREFIX}[0-9a-f]+", name):
+        if not re.fullmatch(rf"{CDI_ALLOCATION_PREFIX}[0-9a-f]+", name):
             raise CdiError(f"{name!r} is not a device-plugin allocation name")
         return self.directory / f"{_DP_FILE_PREFIX}{name}.json"
 
     def write_allocation(self, device: CdiDevice) -> Path:
-        """The spec of one device-plugin allocation (``device.name`` from :func:`allocation_name`)."""
+        """The spec of one device-plugin allocation (``device.name`` from :func:`~sharegpu.model.contract.cdi_allocation_name`)."""
         return self._write(self.allocation_path(device.name), (device,))
 
     def remove_allocation(self, name: str) -> None:

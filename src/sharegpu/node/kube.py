@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sharegpu.kube.errors import ConfigError
-from sharegpu.kube.quantity import quantity_or_zero
+from sharegpu.kube.quantity import asked_whole, capacity_mib, capacity_milli, quantity_or_zero
 from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.model.demand import ContainerDemand, pod_demand
 
@@ -112,19 +112,16 @@ def node_info_from_dict(d: Mapping[str, Any]) -> NodeInfo:
         name=str(meta.get("name", "")),
         labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
         annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
-        cpu_milli=_quantity(alloc.get("cpu"), 1000),
-        memory_mib=_quantity(alloc.get("memory"), 1 / (1024 * 1024)),
+        # What the node has: rounded down (through Decimal: a float would lose a milli-CPU of "1.001").
+        cpu_milli=capacity_milli(quantity_or_zero(alloc.get("cpu"))),
+        memory_mib=capacity_mib(quantity_or_zero(alloc.get("memory"))),
     )
 
 
 def _container(c: Mapping[str, Any], init: bool = False) -> ContainerInfo:
     limits = (c.get("resources") or {}).get("limits") or {}
     sidecar = init and c.get("restartPolicy") == "Always"
-    return ContainerInfo(str(c.get("name", "")), _quantity(limits.get(GPU_RESOURCE), 1), sidecar)
-
-
-def _quantity(q: Any, scale: float) -> int:
-    return int(float(quantity_or_zero(q)) * scale)
+    return ContainerInfo(str(c.get("name", "")), asked_whole(quantity_or_zero(limits.get(GPU_RESOURCE))), sidecar)
 
 
 def _time(t: Any) -> str:

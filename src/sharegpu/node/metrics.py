@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from sharegpu.kube.quantity import MIB
 from sharegpu.node.audit import Finding, MpsUnitUsage
 from sharegpu.node.enforcement import WatchCounts
 from sharegpu.node.errors import NodeError
 from sharegpu.node.mps import MpsDaemonStatus
 
 log = logging.getLogger(__name__)
-
-MIB = 1024 * 1024
 
 
 class MetricsError(NodeError):

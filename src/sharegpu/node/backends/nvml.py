@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from sharegpu.kube.quantity import capacity_mib
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel
 from sharegpu.node.backends.base import (
     BackendError,
@@ -43,7 +44,6 @@ from sharegpu.node.backends.nvml_api import (
 
 log = logging.getLogger(__name__)
 
-MIB = 1024 * 1024
 _EVENTS_PER_POLL = 256  # a storm of Xids is drained over several reconciles, never in one unbounded loop
 
 
@@ -146,7 +146,7 @@ class NvmlBackend:
         uuid = self._api.uuid(h)
         total, _ = self._api.memory(h)
         product = self._api.name(h)
-        model = resolve_model(product, total // MIB, self._catalog)
+        model = resolve_model(product, capacity_mib(total), self._catalog)
         try:
             current, _ = self._api.mig_mode(h)
         except NvmlCallError as e:
@@ -163,7 +163,7 @@ class NvmlBackend:
             uuid=uuid,
             product=product,
             model=model.name,
-            memory_mib=total // MIB,
+            memory_mib=capacity_mib(total),
             sms=self._api.sm_count(h) or model.sms,
             mig_enabled=current,
             healthy=healthy,
@@ -293,7 +293,7 @@ class NvmlBackend:
                 p.pid,
                 gpu_index,
                 uuids.get(p.gpu_instance_id, gpu_uuid) if p.gpu_instance_id is not None else gpu_uuid,
-                p.used_bytes // MIB,
+                capacity_mib(p.used_bytes),
             )
             for p in procs
         )
@@ -309,7 +309,7 @@ class NvmlBackend:
 
     def memory_used_mib(self, gpu_index: int) -> int:
         try:
-            return self._api.memory(self._handle(gpu_index))[1] // MIB
+            return capacity_mib(self._api.memory(self._handle(gpu_index))[1])
         except NvmlCallError as e:
             raise _err(e, f"GPU {gpu_index}: reading memory") from None
 
@@ -334,7 +334,7 @@ class NvmlBackend:
                 p.pid,
                 gpu_index,
                 uuids.get(p.gpu_instance_id, gpu_uuid) if p.gpu_instance_id is not None else gpu_uuid,
-                p.used_bytes // MIB,
+                capacity_mib(p.used_bytes),
             )
             for p in procs
         )
@@ -434,7 +434,7 @@ class NvmlBackend:
         h = self._handle(gpu_index)
         try:
             total, _ = self._api.memory(h)
-            model = resolve_model(self._api.name(h), total // MIB, self._catalog)
+            model = resolve_model(self._api.name(h), capacity_mib(total), self._catalog)
             raw = self._api.gi_profiles(h)
             table: list[tuple[MigProfileInfo, int]] = []
             seen: set[str] = set()

@@ -12,14 +12,14 @@ from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
-from sharegpu.kube.quantity import MIB, parse_quantity
+from sharegpu.kube.quantity import asked_mib, asked_whole, parse_quantity
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
-from sharegpu.model.contract import DRIVER
+from sharegpu.model.contract import CAPACITY_COMPUTE, CAPACITY_MEMORY, COMPUTE_FULL, DRIVER
 from sharegpu.model.request import Isolation
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.config import ConfigError, EffectiveConfig, Sharing, TimeSlice, configs_for_request
-from sharegpu.node.dra.slices import COMPUTE_FULL, PublishedDevice, node_devices
+from sharegpu.node.dra.slices import PublishedDevice, node_devices
 from sharegpu.node.errors import NodeError
 
 
@@ -63,14 +63,6 @@ class ClaimPlan:
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
-
-
-def quantity_mib(q: Any) -> int:
-    return int(_quantity(q) / MIB)
-
-
-def quantity_int(q: Any) -> int:
-    return int(_quantity(q))
 
 
 def _quantity(q: Any) -> Decimal:
@@ -161,8 +153,10 @@ def _plan_device(
         return mig
     consumed = result.get("consumedCapacity") or {}
     try:
-        memory = quantity_mib(consumed["memory"]) if "memory" in consumed else pub.memory_mib
-        compute = quantity_int(consumed["compute"]) if "compute" in consumed else COMPUTE_FULL
+        # What the claim consumes is what it asked (the scheduler's grant of it): rounded up, as the control plane
+        # counts it, so that the node enforces no less than the extender and DRA steering model.
+        memory = asked_mib(_quantity(consumed[CAPACITY_MEMORY])) if CAPACITY_MEMORY in consumed else pub.memory_mib
+        compute = asked_whole(_quantity(consumed[CAPACITY_COMPUTE])) if CAPACITY_COMPUTE in consumed else COMPUTE_FULL
     except ValueError as e:
         raise ClaimError(f"{where}: consumedCapacity is malformed: {e}") from None
     if config.isolation is Isolation.HARDWARE:

@@ -25,10 +25,12 @@ from sharegpu.model.contract import (
     MPS_PIPE_DIRECTORY_ENV,
     MPS_THREAD_PERCENTAGE_ENV,
     NVIDIA_VISIBLE_DEVICES_ENV,
+    cdi_claim_device_name,
+    cdi_device_id,
 )
 from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER
 from sharegpu.node.backends.base import BackendError, GpuBackend
-from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter, cdi_name
+from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
 from sharegpu.node.dra.claims import ClaimError, ClaimPlan, DevicePlan, plan_claim
 from sharegpu.node.dra.config import TimeSlice
@@ -356,7 +358,9 @@ class DraDriver:
                 env.append((MPS_MEMORY_LIMIT_ENV, f"0={d.memory_mib}M"))
                 mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
             nodes = self.backend.device_nodes(d.gpu_index)  # only nodes the host has: the runtime stats each one
-            out.append(CdiDevice(cdi_name(plan.uid, d.request, d.device), tuple(env), nodes, tuple(mounts)))
+            out.append(
+                CdiDevice(cdi_claim_device_name(plan.uid, d.request, d.device), tuple(env), nodes, tuple(mounts))
+            )
         return tuple(out)
 
     def _answer(self, plan: ClaimPlan, units: tuple[str, ...]) -> tuple[PreparedDevice, ...]:
@@ -365,7 +369,7 @@ class DraDriver:
                 d.request,
                 d.pool,
                 d.device,
-                (f"sharegpu.io/gpu={cdi_name(plan.uid, d.request, d.device)}",),
+                (cdi_device_id(cdi_claim_device_name(plan.uid, d.request, d.device)),),
                 d.share_id,
             )
             for d in plan.devices

@@ -20,21 +20,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel, MigProfile
-from sharegpu.model.contract import DRIVER, gpu_device_name, mig_device_name
+from sharegpu.model.contract import (
+    ATTR_ARCHITECTURE,
+    ATTR_CUDA_COMPUTE_CAPABILITY,
+    ATTR_INDEX,
+    ATTR_MIG_CAPABLE,
+    ATTR_MODEL,
+    ATTR_MPS_CAPABLE,
+    ATTR_PARENT_UUID,
+    ATTR_PLACEMENT_SIZE,
+    ATTR_PLACEMENT_START,
+    ATTR_PRODUCT_NAME,
+    ATTR_PROFILE,
+    ATTR_TYPE,
+    ATTR_UUID,
+    CAPACITY_COMPUTE,
+    CAPACITY_MEMORY,
+    CAPACITY_MULTIPROCESSORS,
+    COMPUTE_FULL,
+    COMPUTE_SLICES_COUNTER,
+    DEVICE_TYPE_GPU,
+    DEVICE_TYPE_MIG,
+    DRIVER,
+    counter_set_name,
+    gpu_device_name,
+    memory_counter,
+    mig_device_name,
+)
 from sharegpu.node.backends.base import DeviceInfo
 
 RESOURCE_API = "resource.k8s.io/v1"
-COMPUTE_FULL = 100  # compute capacity is percent of the GPU
 MEMORY_STEP_MIB = 1  # MPS limits memory in MiB
-COMPUTE_SLICES = "compute-slices"
-
-
-def memory_counter(slot: int) -> str:
-    return f"memory-slice-{slot}"
-
-
-def counter_set_name(index: int) -> str:
-    return f"gpu-{index}-counters"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +89,15 @@ def node_devices(
 def _attrs(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
     arch, cc = model.architecture, model.compute_capability
     return {
-        "type": {"string": "gpu"},
-        "index": {"int": d.index},
-        "uuid": {"string": d.uuid},
-        "model": {"string": model.name},
-        "productName": {"string": d.product},
-        "architecture": {"string": arch},
-        "cudaComputeCapability": {"version": cc},
-        "migCapable": {"bool": model.mig_capable},
-        "mpsCapable": {"bool": model.mps_capable},
+        ATTR_TYPE: {"string": DEVICE_TYPE_GPU},
+        ATTR_INDEX: {"int": d.index},
+        ATTR_UUID: {"string": d.uuid},
+        ATTR_MODEL: {"string": model.name},
+        ATTR_PRODUCT_NAME: {"string": d.product},
+        ATTR_ARCHITECTURE: {"string": arch},
+        ATTR_CUDA_COMPUTE_CAPABILITY: {"version": cc},
+        ATTR_MIG_CAPABLE: {"bool": model.mig_capable},
+        ATTR_MPS_CAPABLE: {"bool": model.mps_capable},
     }
 
 
@@ -93,14 +109,14 @@ def _gpu_device(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
         "allowMultipleAllocations": True,
         "capacity": {
             # The defaults are the whole capacity: a claim that asks for none gets the GPU to itself.
-            "memory": {
+            CAPACITY_MEMORY: {
                 "value": memory,
                 "requestPolicy": {
                     "default": memory,
                     "validRange": {"min": f"{MEMORY_STEP_MIB}Mi", "step": f"{MEMORY_STEP_MIB}Mi"},
                 },
             },
-            "compute": {
+            CAPACITY_COMPUTE: {
                 "value": str(COMPUTE_FULL),
                 "requestPolicy": {"default": str(COMPUTE_FULL), "validRange": {"min": "1", "step": "1"}},
             },
@@ -108,26 +124,26 @@ def _gpu_device(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
     }
     if model.mig_capable:
         counters = {memory_counter(s): {"value": "1"} for s in range(model.memory_slots)}
-        counters[COMPUTE_SLICES] = {"value": str(model.compute_slices)}
+        counters[COMPUTE_SLICES_COUNTER] = {"value": str(model.compute_slices)}
         device["consumesCounters"] = [{"counterSet": counter_set_name(d.index), "counters": counters}]
     return device
 
 
 def _mig_device(d: DeviceInfo, model: GpuModel, p: MigProfile, start: int) -> dict[str, Any]:
     attrs = _attrs(d, model)
-    attrs["type"] = {"string": "mig"}
-    attrs["parentUUID"] = attrs.pop("uuid")
-    attrs["profile"] = {"string": p.name}
-    attrs["placementStart"] = {"int": start}
-    attrs["placementSize"] = {"int": p.memory_slots}
+    attrs[ATTR_TYPE] = {"string": DEVICE_TYPE_MIG}
+    attrs[ATTR_PARENT_UUID] = attrs.pop(ATTR_UUID)
+    attrs[ATTR_PROFILE] = {"string": p.name}
+    attrs[ATTR_PLACEMENT_START] = {"int": start}
+    attrs[ATTR_PLACEMENT_SIZE] = {"int": p.memory_slots}
     counters = {memory_counter(s): {"value": "1"} for s in range(start, start + p.memory_slots)}
-    counters[COMPUTE_SLICES] = {"value": str(p.compute_slices)}
+    counters[COMPUTE_SLICES_COUNTER] = {"value": str(p.compute_slices)}
     return {
         "name": mig_device_name(d.index, p.name, start),
         "attributes": attrs,
         "capacity": {
-            "memory": {"value": f"{p.memory_mib}Mi"},
-            "multiprocessors": {"value": str(model.profile_sms(p))},
+            CAPACITY_MEMORY: {"value": f"{p.memory_mib}Mi"},
+            CAPACITY_MULTIPROCESSORS: {"value": str(model.profile_sms(p))},
         },
         "consumesCounters": [{"counterSet": counter_set_name(d.index), "counters": counters}],
     }
@@ -135,7 +151,7 @@ def _mig_device(d: DeviceInfo, model: GpuModel, p: MigProfile, start: int) -> di
 
 def _counter_set(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
     counters = {memory_counter(s): {"value": "1"} for s in range(model.memory_slots)}
-    counters[COMPUTE_SLICES] = {"value": str(model.compute_slices)}
+    counters[COMPUTE_SLICES_COUNTER] = {"value": str(model.compute_slices)}
     return {"name": counter_set_name(d.index), "counters": counters}
 
 
