@@ -210,27 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(run_checks(args.out, args.gpu))
 
 
-def _without_kubernetes_client() -> None:
-    """The node modules the check uses read Kubernetes quantities through lightkube, which a bare GPU machine need not
-    have; the check parses none, so where lightkube is missing a stand-in that refuses to parse takes its place."""
-    import importlib.util
-    import types
-
-    if importlib.util.find_spec("lightkube") is not None:
-        return
-
-    def parse_quantity(value: object) -> object:
-        raise ValueError("no Kubernetes quantities in the GPU check")
-
-    for name in ("lightkube", "lightkube.utils"):
-        sys.modules[name] = types.ModuleType(name)
-    quantity = types.ModuleType("lightkube.utils.quantity")
-    quantity.parse_quantity = parse_quantity  # type: ignore[attr-defined]
-    sys.modules["lightkube.utils.quantity"] = quantity
-
-
 async def run_checks(out: Path, gpu: int) -> int:
-    _without_kubernetes_client()
     from sharegpu.ledger import Ledger
     from sharegpu.model.inventory import GpuDevice, NodeSpec
     from sharegpu.model.request import GpuRequest, Isolation

@@ -56,3 +56,27 @@ def test_it_refuses_to_run_without_root_or_the_mps_control(check: ModuleType, mo
     monkeypatch.setattr(check.os, "geteuid", lambda: 0)
     monkeypatch.setattr(check.shutil, "which", lambda _: None)
     assert check.main(["--out", "/nonexistent"]) == 2
+
+
+def test_it_imports_on_a_gpu_machine_without_the_kubernetes_client() -> None:
+    # A bare GPU machine has NVML, numpy and CuPy or PyTorch, not lightkube, pydantic or PyYAML (the H200's image had
+    # none of them): the check and the node code it drives must import without them.
+    import subprocess
+
+    code = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] in ('lightkube', 'pydantic', 'yaml'):
+            raise ImportError('not on a bare GPU machine: ' + name)
+sys.meta_path.insert(0, Block())
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import gpu_node_check
+from sharegpu.node.audit import read_gpu
+from sharegpu.node.backends.nvml import NvmlBackend
+from sharegpu.node.mps import MpsManager
+from sharegpu.node.mps_faults import fault_lines
+from sharegpu.placement.policies import make_policy
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]

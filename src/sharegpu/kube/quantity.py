@@ -22,8 +22,6 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-from lightkube.utils.quantity import parse_quantity as _lightkube_parse
-
 KIB = 1024  # bytes
 MIB = 1024 * KIB  # bytes
 GIB = 1024 * MIB  # bytes
@@ -43,10 +41,14 @@ def parse_quantity(value: object) -> Decimal | None:
 def _parsed(text: str) -> Decimal | None:
     # Kubernetes writes a decimal exponent as "e" or "E" ("1E3" is 1000; "1E" alone is exa, "1Ei" exbi), and
     # lightkube reads "E" only as exa.
+    # Imported here, not with the module: the node code that only counts bytes (the GPU check on a bare GPU machine)
+    # imports this module without a Kubernetes client installed; the import is paid once, the results are cached.
+    from lightkube.utils.quantity import parse_quantity as lightkube_parse
+
     if m := _UPPER_EXPONENT.fullmatch(text.strip()):
         text = f"{m[1]}e{m[2]}"
     try:
-        value = _lightkube_parse(text)
+        value = lightkube_parse(text)
     except (ValueError, InvalidOperation):
         return None
     return None if value is None else Decimal(value)
