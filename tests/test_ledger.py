@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from sharegpu.ledger import (
     MPS_MAX_CLIENTS,
+    SOLE_MPS_USER,
     GpuMode,
     InvariantViolation,
     Ledger,
@@ -590,6 +592,11 @@ def test_reads() -> None:
         lambda lg: lg.assignments.__setitem__("ghost", asg("ghost", "b", ts("b", 2, 600))),
         lambda lg: lg.assignments.__setitem__("ghost", asg("ghost", "b", mps("b", 2, 1))),
         lambda lg: lg.assignments.pop("p3"),
+        # The user an MPS unit is keyed to must be its clients' (user 0 here): another, or closed, is corruption.
+        lambda lg: lg.mps_user.__setitem__((1, 0), 1000),
+        lambda lg: lg.mps_user.__setitem__((1, 1), SOLE_MPS_USER),
+        lambda lg: setattr(lg.instances_on(0, 1)[0], "mps_user", 1000),
+        lambda lg: lg.assignments.__setitem__("p3", replace(lg.assignments["p3"], user=1000)),
     ],
 )
 def test_check_invariants_notices_a_corrupt_state(tamper: Any) -> None:

@@ -140,9 +140,9 @@ class Ledger:
         # have none, so the filters skip the pin check on every decision.
         self.any_mig_pinned = bool(self.mig_pinned.any())
         self.clients = np.zeros((n_nodes, width), dtype=np.int16)
-        self.mps_user = np.full((n_nodes, width), NO_MPS_USER, dtype=np.int64)  # see mps_user_key
-        # MPS units recorded with clients of several users (place(check_health=False)): closed to new MPS clients.
-        self.mps_mixed: set[tuple[int, int, int | None]] = set()
+        # See mps_user_key; a unit recorded with clients of several users (place(check_health=False)) is keyed
+        # SOLE_MPS_USER: closed to new MPS clients.
+        self.mps_user = np.full((n_nodes, width), NO_MPS_USER, dtype=np.int64)
         self.mig_slots_used = np.zeros((n_nodes, width), dtype=np.int16)  # bitmask on the memory-slot axis
         self.mig_slices_used = np.zeros((n_nodes, width), dtype=np.int8)
         self.version = np.zeros(n_nodes, dtype=np.int64)  # bumped on every change of a node
@@ -292,7 +292,6 @@ class Ledger:
             self.mps_user[n, g] = mps_user_key(user)
         elif want is GpuMode.MPS and mixed:
             self.mps_user[n, g] = SOLE_MPS_USER
-            self.mps_mixed.add((n, g, None))
         self.clients[n, g] += 1
         self.mode[n, g] = want
 
@@ -307,7 +306,6 @@ class Ledger:
         if self.clients[n, g] == 0:
             self.mode[n, g] = GpuMode.FREE
             self.mps_user[n, g] = NO_MPS_USER
-            self.mps_mixed.discard((n, g, None))
 
     def _apply_mig(
         self,
@@ -358,7 +356,6 @@ class Ledger:
             inst.mps_user = mps_user_key(user)
         elif mixed:
             inst.mps_user = SOLE_MPS_USER
-            self.mps_mixed.add((n, g, s.mig.start))
         inst.clients += 1
         inst.inner = s.inner
 
@@ -371,7 +368,6 @@ class Ledger:
         if inst.clients == 0:
             inst.inner = None
             inst.mps_user = NO_MPS_USER
-            self.mps_mixed.discard((n, g, s.mig.start))
             if not inst.persistent:
                 self._destroy_instance(n, g, self.gpu_model(n, g), s.mig.start)
 
@@ -459,22 +455,12 @@ class Ledger:
                 raise InvariantViolation(f"GPU unit {unit} mixes mechanisms {sorted(ms)}")
         for unit, us in users.items():
             n, g, start = unit
-            mixed = (None in us and len(us) > 1) or len(set(us)) > 1
-            if mixed != (unit in self.mps_mixed):
-                raise InvariantViolation(f"MPS unit {unit}: recorded as mixed {unit in self.mps_mixed}, users {us}")
-            if mixed:
-                if (int(self.mps_user[n, g]) if start is None else self.instances_on(n, g)[start].mps_user) != (
-                    SOLE_MPS_USER
-                ):
-                    raise InvariantViolation(f"MPS unit {unit} serves several users but is open to new clients")
-                continue
-            if (None in us and len(us) > 1) or len(set(us)) > 1:
-                raise InvariantViolation(f"MPS unit {unit} serves several Unix users {us}: their clients would wait")
-            key = mps_user_key(us[0])
+            # One declared user keys the unit; an undeclared user, or several users (recorded as they ran), close it.
+            key = mps_user_key(us[0]) if len(set(us)) == 1 and (us[0] is not None or len(us) == 1) else SOLE_MPS_USER
             inst = self.instances_on(n, g).get(start) if start is not None else None
             held = int(self.mps_user[n, g]) if start is None else (inst.mps_user if inst else key)
             if held != key:
-                raise InvariantViolation(f"MPS unit {unit} is keyed to user {held}, its shares to {key}")
+                raise InvariantViolation(f"MPS unit {unit} is keyed to user {held}; its clients' users {us} make {key}")
         non_mig_units = {(n, g) for (n, g, start) in mechs if start is None}
         for n, node in enumerate(self.nodes):
             for dev in node.gpus:
@@ -567,7 +553,6 @@ class Ledger:
             "mode": self.mode.tolist(),
             "clients": self.clients.tolist(),
             "mps_user": self.mps_user.tolist(),
-            "mps_mixed": sorted(self.mps_mixed, key=str),
             "mig": sorted(
                 (
                     n,
