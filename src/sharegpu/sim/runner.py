@@ -114,6 +114,13 @@ def run_experiment(
 ) -> list[RunResult]:
     """Every policy × seed; results in (policy, seed) order. ``jobs`` 0 means one process per core.
     ``on_progress`` hears how far each run has got (every 256 pods), also from worker processes."""
+    if exp.users == 1:
+        # One user for every run: given to the tasks once here, so that no run copies every request for it (a run
+        # then finds each request already of user 0, and tuned copies keep it).
+        users = with_users([t.request for t in exp.tasks], 1, 0)
+        exp = dataclasses.replace(
+            exp, tasks=tuple(dataclasses.replace(t, request=r) for t, r in zip(exp.tasks, users, strict=True))
+        )
     workload = exp.workload()
     combos = [(p, s) for p in exp.policies for s in exp.seeds]
     jobs = jobs or (os.cpu_count() or 1)
