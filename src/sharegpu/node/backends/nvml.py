@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from sharegpu.node.backends.nvml_api import (
     GiProfile,
     NvmlApi,
     NvmlCallError,
+    NvmlProcess,
 )
 
 log = logging.getLogger(__name__)
@@ -281,13 +282,16 @@ class NvmlBackend:
             raise _err(e, f"GPU {gpu_index}: destroying the instance at slot {start}") from None
 
     def processes(self, gpu_index: int) -> tuple[ProcessInfo, ...]:
-        h = self._handle(gpu_index)
         try:
-            gpu_uuid = self._api.uuid(h)
-            uuids = self._api.mig_uuids(h) if self._api.mig_mode(h)[0] else {}
-            procs = self._api.processes(h)
+            return self._listed(gpu_index, self._api.processes)
         except NvmlCallError as e:
             raise _err(e, f"GPU {gpu_index}: listing processes") from None
+
+    def _listed(self, gpu_index: int, query: Callable[[Any], list[NvmlProcess]]) -> tuple[ProcessInfo, ...]:
+        """The processes one of NVML's process queries lists, each on its unit (the GPU, or its MIG instance)."""
+        h = self._handle(gpu_index)
+        gpu_uuid = self._api.uuid(h)
+        uuids = self._api.mig_uuids(h) if self._api.mig_mode(h)[0] else {}
         return tuple(
             ProcessInfo(
                 p.pid,
@@ -295,7 +299,7 @@ class NvmlBackend:
                 uuids.get(p.gpu_instance_id, gpu_uuid) if p.gpu_instance_id is not None else gpu_uuid,
                 capacity_mib(p.used_bytes),
             )
-            for p in procs
+            for p in query(h)
         )
 
     def utilization(self, gpu_index: int) -> Utilization:
@@ -320,24 +324,12 @@ class NvmlBackend:
             return {}  # no samples yet, or not kept in MIG mode: nothing to report rather than an error
 
     def mps_processes(self, gpu_index: int) -> tuple[ProcessInfo, ...] | None:
-        h = self._handle(gpu_index)
         try:
-            gpu_uuid = self._api.uuid(h)
-            uuids = self._api.mig_uuids(h) if self._api.mig_mode(h)[0] else {}
-            procs = self._api.mps_processes(h)
+            return self._listed(gpu_index, self._api.mps_processes)
         except NvmlCallError as e:
             if e.kind == "not_supported":
                 return None
             raise _err(e, f"GPU {gpu_index}: listing MPS clients") from None
-        return tuple(
-            ProcessInfo(
-                p.pid,
-                gpu_index,
-                uuids.get(p.gpu_instance_id, gpu_uuid) if p.gpu_instance_id is not None else gpu_uuid,
-                capacity_mib(p.used_bytes),
-            )
-            for p in procs
-        )
 
     def process_name(self, pid: int) -> str | None:
         # argv[0] first: comm is cut to 15 characters. Either can be unreadable (the process ended, no hostPID).
