@@ -571,6 +571,52 @@ def chart_docs(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return [d for path, text in rendered.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
+def _tls_listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextlib.contextmanager
+def chart_webhooks(rig: Rig, probe: Callable[[str], bool]) -> Iterator[str]:
+    """``sharegpu webhook`` on this machine, registered with the API server as the chart registers it (its rules,
+    matchConditions and policy) for one new namespace only, which is yielded. ``probe(namespace)`` says when the API
+    server calls the webhooks: it loads webhook configurations through an informer, so a probe of dry runs (the
+    chart's webhooks have no side effects) is waited on rather than a fixed pause."""
+    import base64
+
+    from lightkube.generic_resource import create_global_resource
+
+    pki = rig.pki  # the webhook's serving pair for 127.0.0.1, and the CA the API server is given
+    port = free_port()
+    argv = sharegpu_argv("webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(pki.server_crt))
+    hook = rig.spawn("webhook", [*argv, "--tls-key", str(pki.server_key)])
+    wait_for(lambda: _tls_listening(port) or not hook.alive, "the webhook to listen", 30)
+    ns = rig.namespace(labels={"sharegpu-test/webhook": rig.prefix})
+    ca = base64.b64encode(pki.ca.read_bytes()).decode()
+    made = []
+    try:
+        for doc in chart_docs():
+            if doc["kind"] not in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+                continue
+            doc["metadata"] = {"name": f"{rig.prefix}-{doc['kind'].lower()}"}
+            for w in doc["webhooks"]:
+                path = w["clientConfig"]["service"]["path"]
+                w["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
+                # Only this namespace, so that nothing else on the shared rig goes through this webhook.
+                w["namespaceSelector"] = {"matchLabels": {"sharegpu-test/webhook": rig.prefix}}
+            res = create_global_resource("admissionregistration.k8s.io", "v1", doc["kind"], doc["kind"].lower() + "s")
+            rig.client.create(res.from_dict(doc))
+            made.append((res, doc["metadata"]["name"]))
+        wait_for(lambda: probe(ns), "the API server to call both webhooks", 30)
+        yield ns
+    finally:
+        for res, name in made:
+            rig.client.delete(res, name)
+
+
 def _https_ok(url: str) -> bool:
     import ssl
 

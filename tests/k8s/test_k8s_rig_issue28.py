@@ -9,16 +9,13 @@ Skipped unless SHAREGPU_TEST_KUBECONFIG names the rig's kubeconfig.
 from __future__ import annotations
 
 import asyncio
-import base64
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from k8s_helpers import pod_obj
-from rig import KUBECONFIG, SKIP_REASON, Rig, audit, chart_docs, free_port, sharegpu_argv, wait_for
+from rig import KUBECONFIG, SKIP_REASON, Rig, audit, chart_webhooks, wait_for
 from test_k8s_rig_preemption import HIGH_VALUE, Watchdog, _delete_priority_class, _priority_class
+from test_k8s_rig_scheduling import webhooks_in_force
 
 pytestmark = pytest.mark.skipif(not KUBECONFIG, reason=SKIP_REASON)
 
@@ -32,51 +29,11 @@ def rig_pod(name: str, **kw: Any) -> dict[str, Any]:
 
 
 # ----- the webhook through a real AdmissionReview (items 1-3) ------------------------------------------------------
-def _tls_listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-@contextmanager
-def webhook(rig: Rig) -> Iterator[str]:
-    """The webhook as the chart registers it (its rules and matchConditions), for one new namespace only."""
-    from lightkube.generic_resource import create_global_resource
-
-    pki = rig.pki
-    port = free_port()
-    argv = ["webhook", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(pki.server_crt)]
-    hook = rig.spawn("webhook", sharegpu_argv(*argv, "--tls-key", str(pki.server_key)))
-    wait_for(lambda: _tls_listening(port) or not hook.alive, "the webhook to listen", 30)
-    ns = rig.namespace(labels={"sharegpu-test/webhook": rig.prefix})
-    ca = base64.b64encode(pki.ca.read_bytes()).decode()
-    made = []
-    for doc in chart_docs():
-        if doc["kind"] not in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-            continue
-        doc["metadata"] = {"name": f"{rig.prefix}-{doc['kind'].lower()}"}
-        for w in doc["webhooks"]:
-            path = w["clientConfig"]["service"]["path"]
-            w["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
-            w["namespaceSelector"] = {"matchLabels": {"sharegpu-test/webhook": rig.prefix}}
-        res = create_global_resource("admissionregistration.k8s.io", "v1", doc["kind"], doc["kind"].lower() + "s")
-        rig.client.create(res.from_dict(doc))
-        made.append((res, doc["metadata"]["name"]))
-    try:
-        time.sleep(2.0)  # the API server's webhook configuration informer
-        yield ns
-    finally:
-        for res, name in made:
-            rig.client.delete(res, name)
-
-
 def test_the_webhook_refuses_a_typo_zero_gpus_and_a_bad_movable_through_the_api_server(rig: Rig) -> None:
     from lightkube.core.exceptions import ApiError
     from lightkube.resources.core_v1 import Pod
 
-    with webhook(rig) as ns:
+    with chart_webhooks(rig, lambda ns: webhooks_in_force(rig, ns)) as ns:
 
         def refusal(obj: dict[str, Any]) -> str:
             with pytest.raises(ApiError) as e:
@@ -233,7 +190,9 @@ def test_preemption_prefers_the_node_whose_victims_break_no_real_budget(rig: Rig
                 )
 
             wait_for(lambda: bool(bound()), "the high-priority pod bound", 120)
-            time.sleep(1.5)
+            # The preemptor is bound, so its reservation is over and nothing more is evicted for it: wait for the
+            # watch to have seen its victims go, then nothing else may have gone.
+            wait_for(lambda: {"w-0", "w-1"} <= set(dog.deleted), "the victims' deletions seen", 30)
         pods = {p["metadata"]["name"]: p for p in rig.pods(ns)}
         assert bound() == n2
         assert sorted(dog.deleted) == ["w-0", "w-1"], dog.deleted

@@ -15,9 +15,7 @@ from rig import (
     SKIP_REASON,
     Rig,
     audit,
-    chart_docs,
-    free_port,
-    sharegpu_argv,
+    chart_webhooks,
     status_json,
     wait_for,
 )
@@ -133,60 +131,30 @@ def test_preemption_through_the_real_scheduler_and_the_extenders_preempt_verb(ri
         rig.client.delete(PriorityClass, high)
 
 
-def test_the_webhook_admits_and_refuses_through_a_real_admission_review(rig: Rig) -> None:
-    import base64
-
+def webhooks_in_force(rig: Rig, ns: str) -> bool:
+    """A dry run shows the mutating webhook rewriting a pod and the validating one refusing another."""
     from lightkube.core.exceptions import ApiError
-    from lightkube.generic_resource import create_global_resource
     from lightkube.resources.core_v1 import Pod
 
-    pki = rig.pki  # the webhook's serving pair for 127.0.0.1, and the CA the API server is given
-    port = free_port()
-    hook = rig.spawn(
-        "webhook",
-        sharegpu_argv(
-            "webhook",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--tls-cert",
-            str(pki.server_crt),
-            "--tls-key",
-            str(pki.server_key),
-        ),
-    )
-    wait_for(lambda: _tls_listening(port) or not hook.alive, "the webhook to listen", 30)
-    ns = rig.namespace(labels={"sharegpu-test/webhook": rig.prefix})
-    ca = base64.b64encode(pki.ca.read_bytes()).decode()
-    made = []
-    for doc in chart_docs():
-        if doc["kind"] not in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-            continue
-        doc["metadata"] = {"name": f"{rig.prefix}-{doc['kind'].lower()}"}
-        for w in doc["webhooks"]:
-            path = w["clientConfig"]["service"]["path"]
-            w["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
-            # The chart's own rules, matchConditions (CEL, evaluated by the API server) and policy; only this test's
-            # namespace, so that nothing else on the shared rig goes through this webhook.
-            w["namespaceSelector"] = {"matchLabels": {"sharegpu-test/webhook": rig.prefix}}
-        res = create_global_resource("admissionregistration.k8s.io", "v1", doc["kind"], doc["kind"].lower() + "s")
-        rig.client.create(res.from_dict(doc))
-        made.append((res, doc["metadata"]["name"]))
+    def create(obj: dict[str, Any]) -> dict[str, Any]:
+        return dict(rig.client.create(Pod.from_dict(obj), namespace=ns, dry_run=True).to_dict())
+
+    mutated = create(rig_pod("probe", memory="10Gi", compute=30, scheduler_name=None))
     try:
+        create(rig_pod("probe-bad", memory="10Gi", compute=150))
+    except ApiError as e:
+        return mutated["spec"]["schedulerName"] == "sharegpu-scheduler" and "denied the request" in str(e)
+    return False
 
-        def create(obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
-            return dict(rig.client.create(Pod.from_dict(obj), namespace=ns, dry_run=dry_run).to_dict())
 
-        def both_configurations_in_force() -> bool:
-            # The API server loads webhook configurations through an informer: a dry run (the chart's webhooks have
-            # no side effects) shows when the mutating one rewrites a pod and the validating one refuses one.
-            mutated = create(rig_pod("probe", memory="10Gi", compute=30, scheduler_name=None), dry_run=True)
-            try:
-                create(rig_pod("probe-bad", memory="10Gi", compute=150), dry_run=True)
-            except ApiError as e:
-                return mutated["spec"]["schedulerName"] == "sharegpu-scheduler" and "denied the request" in str(e)
-            return False
+def test_the_webhook_admits_and_refuses_through_a_real_admission_review(rig: Rig) -> None:
+    from lightkube.core.exceptions import ApiError
+    from lightkube.resources.core_v1 import Pod
 
-        wait_for(both_configurations_in_force, "the API server to call both webhooks", 30)
+    with chart_webhooks(rig, lambda ns: webhooks_in_force(rig, ns)) as ns:
+
+        def create(obj: dict[str, Any]) -> dict[str, Any]:
+            return dict(rig.client.create(Pod.from_dict(obj), namespace=ns).to_dict())
 
         share = rig_pod("share", memory="10Gi", compute=30, scheduler_name=None)
         created = create(share)
@@ -199,17 +167,6 @@ def test_the_webhook_admits_and_refuses_through_a_real_admission_review(rig: Rig
         with pytest.raises(ApiError) as env:
             create(rig_pod("sneaky", memory="10Gi", compute=30, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}))
         assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in str(env.value)
-    finally:
-        for res, name in made:
-            rig.client.delete(res, name)
-
-
-def _tls_listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_resource_quota_on_sharegpu_resources_refuses_a_pod_over_quota_at_creation(rig: Rig) -> None:
