@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from sharegpu.k8s.dra_steer import DraState
+from sharegpu.k8s.extender.dra_steer import DraState
 from sharegpu.kube.schema import Pod
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.slices import build_slices, resource_slice

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.serving import Listener, Site, serve_bound
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender, make_app
+from sharegpu.k8s.serving.server import Listener, Site, serve_bound
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment

@@ -1,5 +1,5 @@
 """The largest request bodies the kube-scheduler sends the extender, and the memory parsing them takes: the basis
-of the extender's body cap (sharegpu.k8s.body_limit.EXTENDER_MAX_BODY).
+of the extender's body cap (sharegpu.k8s.serving.body_limit.EXTENDER_MAX_BODY).
 
     uv run python bench/extender_body_size.py --nodes 10000
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "k8s"))
 
 from k8s_helpers import node_obj, node_spec, pod_obj
 
-from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY
+from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY
 from sharegpu.kube.quantity import MIB
 from sharegpu.kube.schema import ExtenderArgs, ExtenderPreemptionArgs
 

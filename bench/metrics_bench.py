@@ -22,9 +22,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from extender_bench import DATA, node_json, placed_pod_json, pod_json
-from sharegpu.k8s.cluster_metrics import ClusterMetrics
-from sharegpu.k8s.status import status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.metrics import ClusterMetrics
+from sharegpu.k8s.status.report import status_report
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger
 from sharegpu.placement.fragmentation import Workload

@@ -12,8 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "k8s"))
 from k8s_helpers import pod_obj
 
-from sharegpu.k8s.cluster_metrics import ClusterMetrics
-from sharegpu.k8s.view import NOT_SYNCED, ClusterView
+from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
+from sharegpu.k8s.extender.metrics import ClusterMetrics
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingResult, ExtenderFilterResult
 
 

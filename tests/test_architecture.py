@@ -87,7 +87,7 @@ WIRE_STRINGS = (
 # Node's allocatable): in the DRA modules an attribute may not be read from a device (``.get``), an attribute or
 # capacity not written (a key whose value is a typed-value dict), and a capacity not looked up in a claim's
 # capacity map (``[…]``, ``in``).
-DRA_MODULES = ("node/dra", "k8s/dra_steer.py", "k8s/dra_view.py")
+DRA_MODULES = ("node/dra", "k8s/extender/dra_steer.py", "k8s/status/dra.py", "k8s/dra_objects.py")
 PLAIN_ATTRIBUTES = {"type", "index", "uuid", "model", "profile"}
 CAPACITIES = {"memory", "compute"}
 

@@ -269,7 +269,7 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
     assert (await rig.c.get(Pod, "infer-a", namespace=rig.ns)).spec.nodeName == rig.node
 
     # `sharegpu status` shows the DRA node from its slices and claims (and the extender's view leaves it out).
-    from sharegpu.k8s.dra_view import load_dra_status
+    from sharegpu.k8s.status.dra import load_dra_status
 
     shown = [n for n in await load_dra_status(Path(str(KUBECONFIG))) if n["name"] == rig.node]
     assert len(shown) == 1 and len(shown[0]["gpus"]) == 1

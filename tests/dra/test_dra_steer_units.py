@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from sharegpu.k8s.dra_steer import DraState, NotSteered, claim_names, claim_request
-from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.dra_steer import DraState, NotSteered, claim_names, claim_request
+from sharegpu.k8s.extender.server import Extender
 from sharegpu.kube.schema import ExtenderArgs, Pod
 from sharegpu.model.request import GpuRequest
 from sharegpu.node.backends.base import DeviceInfo

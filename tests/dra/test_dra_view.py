@@ -6,9 +6,9 @@ from typing import Any
 
 from rich.console import Console
 
-from sharegpu.k8s.dra_view import dra_status
-from sharegpu.k8s.status import print_status, status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.status.dra import dra_status
+from sharegpu.k8s.status.report import print_status, status_report
 from sharegpu.kube.schema import Node
 from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec, sim_gpus

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 
-from sharegpu.k8s.serving import Listener, Site, serve_bound
-from sharegpu.k8s.tls import ServerTls
+from sharegpu.k8s.serving.server import Listener, Site, serve_bound
+from sharegpu.k8s.serving.tls import ServerTls
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec, sim_gpus
@@ -123,7 +123,7 @@ def nodes(objs: list[dict[str, Any]]) -> list[Node]:
 
 
 class LoopbackServer:
-    """An ASGI app served as sharegpu serves its own (:mod:`sharegpu.k8s.serving`) on 127.0.0.1, in a thread with its
+    """An ASGI app served as sharegpu serves its own (:mod:`sharegpu.k8s.serving.server`) on 127.0.0.1, in a thread with its
     own event loop.
 
     Everything that touches the app's state (the view, the in-memory API) runs on that loop through :meth:`call`

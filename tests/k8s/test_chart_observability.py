@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_cluster_metrics import cluster_view
 
-from sharegpu.k8s.cluster_metrics import ClusterMetrics
+from sharegpu.k8s.extender.metrics import ClusterMetrics
 from sharegpu.node.metrics import GpuSample, MetricsSnapshot, MigSample, PodUsage, ShareSample, new_registry
 from sharegpu.node.mps import MpsDaemonStatus
 

@@ -13,10 +13,10 @@ from k8s_helpers import LoopbackServer, node_obj, node_spec, nodes, pod_obj, pod
 from memory_api import MemoryClusterApi
 from prometheus_client.parser import text_string_to_metric_families
 
-from sharegpu.k8s.cluster_metrics import BindOutcome, ClusterMetrics
-from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.status import REASON_CLASSES, fragmentation_milli, status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.metrics import BindOutcome, ClusterMetrics
+from sharegpu.k8s.extender.server import Extender, make_app
+from sharegpu.k8s.status.report import REASON_CLASSES, fragmentation_milli, status_report
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 
@@ -170,7 +170,7 @@ def test_every_bind_path_of_the_extender_lands_in_its_outcome(
     cases.append((BindOutcome.REFUSED, bind(pod_obj("later", memory="1Gi"), "node-a")))
     srv.call(lambda: setattr(view, "synced", True))
 
-    from sharegpu.k8s.cluster_metrics import bind_outcome
+    from sharegpu.k8s.extender.metrics import bind_outcome
     from sharegpu.kube.schema import ExtenderBindingResult
 
     for want, error in cases:
@@ -218,7 +218,7 @@ def test_filter_and_preempt_decisions_latency_and_errors_are_counted(
 
 
 def test_run_extender_serves_metrics_on_its_own_port_and_counts_relists() -> None:
-    from sharegpu.k8s.extender import run_extender
+    from sharegpu.k8s.extender.server import run_extender
 
     api = MemoryClusterApi()
     api.put_node("node-a", node_spec("node-a", gpus=1))

@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from proc_helpers import Proc, free_port, kubeconfig
 from sharegpu.cli import app
-from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.view import ClusterView
-from sharegpu.k8s.webhook import WebhookConfig
-from sharegpu.k8s.webhook import make_app as webhook_app
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender, make_app
+from sharegpu.k8s.webhook.admission import WebhookConfig
+from sharegpu.k8s.webhook.admission import make_app as webhook_app
 
 MIB = 1024 * 1024
 GOOD = "apiVersion: v1\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:6443'}}]\n"

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from test_k8s_preemption import Harness, run, until
 
-from sharegpu.k8s.consolidation import ConsolidationConfig, PlanOutcome, is_movable
-from sharegpu.k8s.extender import run_extender
-from sharegpu.k8s.preemption import Outcome
+from sharegpu.k8s.controllers.consolidation import ConsolidationConfig, PlanOutcome, is_movable
+from sharegpu.k8s.controllers.preemption import Outcome
+from sharegpu.k8s.extender.server import run_extender
 from sharegpu.kube.api import DisruptionBudget, PodEvent
 from sharegpu.kube.schema import ExtenderBindingArgs, Pod
 from sharegpu.model.contract import MOVABLE_ANNOTATION

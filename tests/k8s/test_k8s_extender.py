@@ -9,9 +9,9 @@ import pytest
 from k8s_helpers import LoopbackServer, node_obj, node_spec, nodes, pod_obj
 from memory_api import MemoryClusterApi
 
-from sharegpu.k8s.extender import Extender, make_app
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender, make_app
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import Pod
 from sharegpu.model.assignment import Assignment, Mechanism
 from sharegpu.placement.framework import Decision

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from k8s_helpers import node_obj, nodes, pod_obj
 from memory_api import MemoryClusterApi
 
-from sharegpu.k8s import answers
-from sharegpu.k8s.answers import event_safe
-from sharegpu.k8s.extender import Extender
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender import answers
+from sharegpu.k8s.extender.answers import event_safe
+from sharegpu.k8s.extender.server import Extender
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import MAX_EXTENDER_PRIORITY, ExtenderArgs, Pod
 from sharegpu.model.request import InvalidRequest
 from sharegpu.placement.framework import CycleState, Scheduler

@@ -10,8 +10,8 @@ import pytest
 from k8s_helpers import LoopbackServer, node_spec, nodes, pod_obj
 from memory_api import MemoryClusterApi
 
-from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender, make_app
 from sharegpu.model.contract import DEVICE_PATH_DRA, DEVICE_PATH_LABEL
 
 FIELDS = {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}

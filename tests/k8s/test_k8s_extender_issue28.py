@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from proc_helpers import kubeconfig
-from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender, make_app
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.names import InvalidName, check_name, name_problem
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from proc_helpers import Proc, free_port, kubeconfig
 from sharegpu.cli import app
-from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY
+from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY
 
 FILTER = {"Pod": pod_obj("p", memory="10Gi"), "NodeNames": ["node-a"]}
 

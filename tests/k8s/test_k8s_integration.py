@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from k8s_helpers import node_spec, pod_obj
 
-from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.status import status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender
+from sharegpu.k8s.status.report import status_report
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.errors import Conflict
 from sharegpu.kube.schema import ExtenderBindingArgs

@@ -9,9 +9,9 @@ from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 from starlette.testclient import TestClient
 
-from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.leader import LeaderElector
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.leader import LeaderElector
+from sharegpu.k8s.extender.server import Extender, make_app
 from sharegpu.kube.schema import Node
 
 

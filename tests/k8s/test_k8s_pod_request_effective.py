@@ -10,9 +10,9 @@ import pytest
 from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 
-from sharegpu.k8s.extender import Extender
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import ExtenderArgs, Node, Pod
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import InvalidRequest

@@ -17,9 +17,15 @@ from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 from prometheus_client import CollectorRegistry
 
-from sharegpu.k8s.consolidation import ConsolidationConfig, ConsolidationMetrics, Consolidator
-from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.preemption import ObservedView, Outcome, PreemptionConfig, PreemptionController, PreemptionMetrics
+from sharegpu.k8s.controllers.consolidation import ConsolidationConfig, ConsolidationMetrics, Consolidator
+from sharegpu.k8s.controllers.preemption import (
+    ObservedView,
+    Outcome,
+    PreemptionConfig,
+    PreemptionController,
+    PreemptionMetrics,
+)
+from sharegpu.k8s.extender.server import Extender
 from sharegpu.kube.api import DisruptionBudget
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingArgs, Pod
 

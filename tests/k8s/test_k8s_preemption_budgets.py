@@ -13,8 +13,8 @@ from k8s_helpers import pod_obj
 from test_k8s_consolidation import ON, events, share
 from test_k8s_preemption import HIGH, Harness, run
 
-from sharegpu.k8s.consolidation import PlanOutcome
-from sharegpu.k8s.preemption import Outcome, budget_violations, spend_budgets
+from sharegpu.k8s.controllers.consolidation import PlanOutcome
+from sharegpu.k8s.controllers.preemption import Outcome, budget_violations, spend_budgets
 from sharegpu.kube.api import DisruptionBudget
 from sharegpu.kube.schema import Pod
 
@@ -151,7 +151,7 @@ def test_no_preemption_is_said_once_per_pod_at_info_and_repeated_at_debug(caplog
         await h.nodes("n1")
         await h.placed("peer", "n1", priority=HIGH)  # nobody of lower priority to evict
         first = await h.waiting("first")
-        with caplog.at_level(logging.DEBUG, logger="sharegpu.k8s.preemption"):
+        with caplog.at_level(logging.DEBUG, logger="sharegpu.k8s.controllers.preemption"):
             for _ in range(3):
                 await h.ctrl.round()
             second = await h.waiting("second")

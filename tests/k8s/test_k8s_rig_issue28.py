@@ -58,8 +58,8 @@ def test_the_webhook_refuses_a_typo_zero_gpus_and_a_bad_movable_through_the_api_
 def test_names_that_are_no_kubernetes_names_never_reach_the_api_server(rig: Rig) -> None:
     from lightkube.resources.core_v1 import Pod
 
-    from sharegpu.k8s.binding import Binder
-    from sharegpu.k8s.view import ClusterView
+    from sharegpu.k8s.cache.view import ClusterView
+    from sharegpu.k8s.extender.binding import Binder
     from sharegpu.kube.api import LightkubeClusterApi
     from sharegpu.kube.names import InvalidName
     from sharegpu.kube.schema import ExtenderBindingArgs

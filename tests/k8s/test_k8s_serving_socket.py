@@ -7,7 +7,7 @@ import asyncio
 import socket
 
 from proc_helpers import free_port
-from sharegpu.k8s.serving import Listener
+from sharegpu.k8s.serving.server import Listener
 
 
 def test_accepted_connections_have_tcp_nodelay() -> None:

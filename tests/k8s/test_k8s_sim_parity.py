@@ -10,9 +10,9 @@ import random
 from k8s_helpers import node_spec, nodes, pod_obj
 from memory_api import MemoryClusterApi
 
-from sharegpu.k8s.extender import Extender
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingArgs, Pod
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment

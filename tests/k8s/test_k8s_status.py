@@ -13,8 +13,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
-from sharegpu.k8s.status import FollowedStatus, print_status, status_report, summary_line, watch_status
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.status.report import FollowedStatus, print_status, status_report, summary_line, watch_status
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from k8s_helpers import node_obj, node_spec, nodes, pods
 from rich.console import Console
 
-from sharegpu.k8s.bench_note import BENCH_ANNOTATION, BenchNote, BenchPick, parse_note
-from sharegpu.k8s.status import print_status, status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.status.bench_note import BenchNote, BenchPick, parse_note
+from sharegpu.k8s.status.report import print_status, status_report
 from sharegpu.kube.api import MODIFIED
+from sharegpu.model.contract import BENCH_ANNOTATION
 
 NOTE = BenchNote(
     "NVIDIA H200",

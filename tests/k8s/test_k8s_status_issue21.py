@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from proc_helpers import Proc, free_port, kubeconfig
 from sharegpu.cli import app
-from sharegpu.k8s.dra_view import dra_status
-from sharegpu.k8s.status import FollowedStatus, print_status, status_report, summary_line, watch_status
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.status.dra import dra_status
+from sharegpu.k8s.status.report import FollowedStatus, print_status, status_report, summary_line, watch_status
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.node.backends.base import DeviceInfo

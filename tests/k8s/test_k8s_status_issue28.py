@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from k8s_helpers import node_obj, node_spec, nodes, pod_obj, pods, with_assignment
 
-from sharegpu.k8s.status import status_report, summary_line
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.status.report import status_report, summary_line
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tls_helpers import Pki, make_pki_or_skip
 
-from sharegpu.k8s.tls import ServerTls
+from sharegpu.k8s.serving.tls import ServerTls
 from sharegpu.kube.api import ADDED, LightkubeClusterApi
 from sharegpu.kube.errors import KubeError, Unavailable
 from sharegpu.kube.transport import AiohttpTransport

@@ -10,8 +10,8 @@ import pytest
 from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 
-from sharegpu.k8s.extender import Extender
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender
 from sharegpu.kube.schema import ExtenderBindingArgs
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION

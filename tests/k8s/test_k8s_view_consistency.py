@@ -13,10 +13,10 @@ from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 from starlette.testclient import TestClient
 
-from sharegpu.k8s.assume import Phase
-from sharegpu.k8s.extender import Extender, make_app
-from sharegpu.k8s.status import status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.assume import Phase
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.server import Extender, make_app
+from sharegpu.k8s.status.report import status_report
 from sharegpu.kube.api import DELETED, MODIFIED
 from sharegpu.kube.errors import Unavailable
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingArgs, Node, Pod
@@ -294,7 +294,7 @@ def test_one_unhealthy_gpu_keeps_the_whole_observed_assignment() -> None:
 def test_a_node_whose_inventory_cannot_be_accounted_is_left_out_and_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from sharegpu.k8s import ledger_view as view_module
+    from sharegpu.k8s.cache import ledger_view as view_module
 
     real = view_module.Ledger
 

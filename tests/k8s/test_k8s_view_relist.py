@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from k8s_helpers import pod_obj, with_assignment
 from memory_api import MemoryClusterApi
 
+from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.view import ClusterView
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.request import InvalidRequest

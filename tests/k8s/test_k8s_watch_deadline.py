@@ -12,7 +12,7 @@ from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 
 from proc_helpers import kubeconfig
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.schema import Pod
 

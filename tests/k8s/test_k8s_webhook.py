@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from k8s_helpers import LoopbackServer, pod_obj
 
-from sharegpu.k8s.webhook import WebhookConfig, make_app
+from sharegpu.k8s.webhook.admission import WebhookConfig, make_app
 
 EXTENDER = "system:serviceaccount:sharegpu:sharegpu-extender"
 
@@ -156,7 +156,7 @@ def test_the_webhook_command_serves_https(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from sharegpu.k8s.webhook import serve_webhook
+    from sharegpu.k8s.webhook.admission import serve_webhook
 
     thread = threading.Thread(
         target=serve_webhook, args=("127.0.0.1", port, str(cert), str(key), WebhookConfig()), daemon=True

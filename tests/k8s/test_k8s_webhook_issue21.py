@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from k8s_helpers import pod_obj
 
-from sharegpu.k8s.webhook import WebhookConfig, admit_pod
+from sharegpu.k8s.webhook.admission import WebhookConfig, admit_pod
 
 EXTENDER = "system:serviceaccount:sharegpu:sharegpu-extender"
 CFG = WebhookConfig(trusted_users=(EXTENDER,))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from k8s_helpers import LoopbackServer, pod_obj
 
-from sharegpu.k8s.webhook import WebhookConfig, admit_pod, make_app
+from sharegpu.k8s.webhook.admission import WebhookConfig, admit_pod, make_app
 from sharegpu.kube.echo import echo
 
 CFG = WebhookConfig()
@@ -98,7 +98,7 @@ def test_a_huge_annotation_value_is_echoed_cut_short_in_the_denial_and_the_log(
         assert len(message) < 400, (key, len(message))
         assert "… (200000 bytes)" in message and "x" * 80 in message and "x" * 81 not in message
     # Through the HTTP API, where the denial is logged.
-    with LoopbackServer(make_app(CFG)) as srv, caplog.at_level(logging.INFO, logger="sharegpu.k8s.webhook"):
+    with LoopbackServer(make_app(CFG)) as srv, caplog.at_level(logging.INFO, logger="sharegpu.k8s.webhook.admission"):
         status, body = srv.post(
             "/validate", review(pod_obj("p", memory="10Gi", annotations={"sharegpu.io/gpu-model": value}))
         )

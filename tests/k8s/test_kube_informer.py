@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from proc_helpers import kubeconfig
-from sharegpu.k8s.dra_steer import DraState, follow_dra
+from sharegpu.k8s.extender.dra_steer import DraState, follow_dra
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import Gone
 from sharegpu.kube.informer import ADDED, DELETED, MODIFIED, Informer, Source, Timing, of_json

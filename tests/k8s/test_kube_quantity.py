@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from sharegpu.k8s.dra_steer import DraState, _parse_use, claim_request
-from sharegpu.k8s.dra_view import dra_status
+from sharegpu.k8s.extender.dra_steer import DraState, _parse_use, claim_request
 from sharegpu.k8s.pod_request import cpu_and_memory, pod_request
+from sharegpu.k8s.status.dra import dra_status
 from sharegpu.kube.quantity import (
     MIB,
     asked_mib,

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from k8s_helpers import LoopbackServer, node_obj, node_spec, nodes, pod_obj, pods, with_assignment
 
-from sharegpu.k8s.page import make_page_app
-from sharegpu.k8s.status import StatusSnapshot, status_report
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.status.page import make_page_app
+from sharegpu.k8s.status.report import StatusSnapshot, status_report
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 
@@ -281,8 +281,8 @@ def test_serve_page_follows_the_api_server_and_stops() -> None:
 
     from memory_api import MemoryClusterApi
 
-    from sharegpu.k8s.page import serve_page
-    from sharegpu.k8s.status import FollowedStatus
+    from sharegpu.k8s.status.page import serve_page
+    from sharegpu.k8s.status.report import FollowedStatus
 
     api = MemoryClusterApi()
     api.put_node("gpu-h100", node_spec("gpu-h100", gpus=2))

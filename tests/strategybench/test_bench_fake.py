@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from proc_helpers import MAIN, free_port, kubeconfig
 from sharegpu.cli import app
-from sharegpu.k8s.bench_note import BENCH_ANNOTATION, parse_note
+from sharegpu.k8s.status.bench_note import parse_note
+from sharegpu.model.contract import BENCH_ANNOTATION
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
 from sharegpu.strategybench.runner import BenchError, plan

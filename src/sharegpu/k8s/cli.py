@@ -16,9 +16,9 @@ import typer
 import uvloop
 from rich.console import Console
 
-from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY
-from sharegpu.k8s.tls import ServerTls, TlsError
-from sharegpu.k8s.webhook import WebhookConfig, serve_webhook, trusted
+from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY
+from sharegpu.k8s.serving.tls import ServerTls, TlsError
+from sharegpu.k8s.webhook.admission import WebhookConfig, serve_webhook, trusted
 from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import ConfigError, Forbidden, KubeError
@@ -176,10 +176,10 @@ def scheduler_extender(
     ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
-    from sharegpu.k8s.consolidation import ConsolidationConfig
-    from sharegpu.k8s.extender import run_extender
-    from sharegpu.k8s.leader import LeaderElector
-    from sharegpu.k8s.preemption import ObservedView, PreemptionConfig
+    from sharegpu.k8s.controllers.consolidation import ConsolidationConfig
+    from sharegpu.k8s.controllers.preemption import ObservedView, PreemptionConfig
+    from sharegpu.k8s.extender.leader import LeaderElector
+    from sharegpu.k8s.extender.server import run_extender
 
     _logging()
     try:
@@ -295,9 +295,9 @@ def status(
     ),
 ) -> None:
     """Show every sharegpu GPU: model, mechanism, used memory and compute, MIG layout and the pods sharing it."""
-    from sharegpu.k8s.dra_view import load_dra_status
-    from sharegpu.k8s.status import FollowedStatus, print_status, status_report, watch_status
-    from sharegpu.k8s.view import ClusterView
+    from sharegpu.k8s.cache.view import ClusterView
+    from sharegpu.k8s.status.dra import load_dra_status
+    from sharegpu.k8s.status.report import FollowedStatus, print_status, status_report, watch_status
 
     if serve is not None:
         _logging()  # a server: it says where it listens (and what goes wrong) in its log
@@ -348,7 +348,7 @@ def status(
         return status_report(view, await dra())
 
     async def follow() -> None:
-        from sharegpu.k8s.page import serve_page
+        from sharegpu.k8s.status.page import serve_page
 
         followed = FollowedStatus(dra=dra, dra_every_s=max(interval, 2.0))
 

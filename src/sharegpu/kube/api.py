@@ -252,7 +252,7 @@ class LightkubeClusterApi:
             # The API server answers a Binding with a Status (201), not a Binding.
             await self.client.post_undecoded(binding, name, namespace, f"bind pod {namespace}/{name} to {node}")
 
-    # ----- preemption (sharegpu.k8s.preemption) ----------------------------------------------------------------
+    # ----- preemption (sharegpu.k8s.controllers.preemption) ----------------------------------------------------------------
     async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:
         from lightkube.models.meta_v1 import DeleteOptions, ObjectMeta, Preconditions
         from lightkube.resources.core_v1 import Pod as KPod

@@ -1,6 +1,6 @@
 """The ``coordination.k8s.io/v1`` Lease as leader election reads and writes it: a record and three requests.
 
-The election itself (client-go's protocol) is :mod:`sharegpu.k8s.leader`, on top of :class:`LeaseApi`;
+The election itself (client-go's protocol) is :mod:`sharegpu.k8s.extender.leader`, on top of :class:`LeaseApi`;
 :class:`sharegpu.kube.api.LightkubeClusterApi` implements it against an API server.
 """
 

@@ -37,6 +37,8 @@ POD_ANNOTATIONS: Final = (*REQUEST_ANNOTATIONS, MOVABLE_ANNOTATION)  # every sha
 # control plane rebuilds its state from), and the fence that moves a pod past a lost Binding's resourceVersion.
 ASSIGNMENT_ANNOTATION: Final = "sharegpu.io/assignment"
 FENCE_ANNOTATION: Final = "sharegpu.io/bind-fence"
+# On a Node: `sharegpu bench --publish` writes its result there (JSON: sharegpu.k8s.status.bench_note).
+BENCH_ANNOTATION: Final = "sharegpu.io/strategy-bench"
 DEFAULT_SCHEDULER_NAME: Final = "sharegpu-scheduler"  # the chart's scheduler profile that places sharegpu pods
 
 # ----- node annotations and labels ---------------------------------------------------------------------------------

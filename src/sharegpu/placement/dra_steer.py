@@ -6,7 +6,7 @@ picks (``dra_allocator.FirstFitGpus``). The extender cannot change that, but its
 one node: the one sharegpu would pick *knowing* that the device there will be first fit's, not sharegpu's best.
 So each node is scored by sharegpu's key of the GPU first fit takes there (a share's key depends on the GPU it
 lands on; a whole-GPU request's does not), and the device is first fit's. This is what the extender's filter
-decides for DRA pods (:mod:`sharegpu.k8s.dra_steer`) and what the simulator measures against ``dra-default``
+decides for DRA pods (:mod:`sharegpu.k8s.extender.dra_steer`) and what the simulator measures against ``dra-default``
 (GPU-blind node, first-fit device) and ``sharegpu`` (sharegpu's node and device).
 """
 

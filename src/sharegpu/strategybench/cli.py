@@ -134,7 +134,7 @@ def bench(
 
 
 def note_annotation() -> str:
-    from sharegpu.k8s.bench_note import BENCH_ANNOTATION
+    from sharegpu.model.contract import BENCH_ANNOTATION
 
     return BENCH_ANNOTATION
 

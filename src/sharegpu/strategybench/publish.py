@@ -10,9 +10,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sharegpu.k8s.bench_note import BENCH_ANNOTATION, BenchNote, BenchPick
+from sharegpu.k8s.status.bench_note import BenchNote, BenchPick
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import ConfigError, KubeError
+from sharegpu.model.contract import BENCH_ANNOTATION
 from sharegpu.strategybench.recommend import Recommendation
 from sharegpu.strategybench.runner import BenchError, Unit
 

@@ -44,8 +44,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from sharegpu.k8s.body_limit import WEBHOOK_MAX_BODY, BodyLimit
 from sharegpu.k8s.pod_request import asks_for_sharegpu, containers_missing_gpu_count, pod_request, resource_text
+from sharegpu.k8s.serving.body_limit import WEBHOOK_MAX_BODY, BodyLimit
 from sharegpu.kube.echo import echo
 from sharegpu.kube.quantity import parse_quantity
 from sharegpu.kube.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
@@ -477,10 +477,10 @@ def _short(e: Exception) -> str:
 
 
 def serve_webhook(host: str, port: int, cert: str, key: str, cfg: WebhookConfig) -> None:
-    """Serve until SIGTERM/SIGINT; raises :class:`~sharegpu.k8s.tls.TlsError` for unusable certificate files and
+    """Serve until SIGTERM/SIGINT; raises :class:`~sharegpu.k8s.serving.tls.TlsError` for unusable certificate files and
     OSError when the port cannot be bound."""
-    from sharegpu.k8s.serving import Listener, Site, serve
-    from sharegpu.k8s.tls import ServerTls
+    from sharegpu.k8s.serving.server import Listener, Site, serve
+    from sharegpu.k8s.serving.tls import ServerTls
 
     tls = ServerTls(Path(cert), Path(key))
     tls.context()

@@ -5,7 +5,7 @@ Two kinds of series, all ``sharegpu_*`` and documented in docs/metrics.md:
 - event counters and histograms the extender updates as it serves (filter decisions, binds by outcome, latency per
   verb, malformed or failed requests, leader status);
 - cluster gauges computed at scrape time from the extender's own ledger by :class:`ClusterCollector`, through the
-  same functions as ``sharegpu status`` (:mod:`sharegpu.k8s.status`): GPUs by model and mechanism, memory and
+  same functions as ``sharegpu status`` (:mod:`sharegpu.k8s.status.report`): GPUs by model and mechanism, memory and
   compute promised, allocation and the simulator's fragmentation measure, pending pods by reason class, and the
   view's sync state and relists.
 
@@ -30,10 +30,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sharegpu.k8s.answers import FilterAnswer
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.answers import FilterAnswer
 from sharegpu.k8s.pod_request import asks_for_sharegpu
-from sharegpu.k8s.status import MODE_NAMES, REASON_CLASSES, cluster_summary, pending_pods
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.status.report import MODE_NAMES, REASON_CLASSES, cluster_summary, pending_pods
 from sharegpu.kube.quantity import MIB
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingResult, ExtenderPreemptionResult
 from sharegpu.ledger import GpuMode

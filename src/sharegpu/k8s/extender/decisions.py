@@ -13,10 +13,10 @@ steering filter.
   it decides and holds afresh.
 - preempt: keep only the nodes where evicting the proposed victims really frees room for the pod.
 - dra/filter (steering, when on): for a pod whose GPUs come from DRA claims, keep only the node the ``dra-steered``
-  policy picks (see :mod:`sharegpu.k8s.dra_steer`); a second extender entry of the scheduler profile, filter only.
+  policy picks (see :mod:`sharegpu.k8s.extender.dra_steer`); a second extender entry of the scheduler profile, filter only.
 
 Nothing here awaits or writes to the API server: a decision is held in the view's assume cache, and the binder
-(:mod:`sharegpu.k8s.binding`) takes it from there.
+(:mod:`sharegpu.k8s.extender.binding`) takes it from there.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sharegpu.k8s.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
-from sharegpu.k8s.dra_steer import DraState
+from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
+from sharegpu.k8s.extender.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
+from sharegpu.k8s.extender.dra_steer import DraState
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.view import NOT_SYNCED, ClusterView
 from sharegpu.kube.schema import (
     MAX_EXTENDER_PRIORITY,
     ExtenderArgs,

@@ -5,9 +5,9 @@ Protocol: k8s.io/kube-scheduler/extender/v1 (see :mod:`sharegpu.kube.schema`), J
 ``<urlPrefix>/<verb>``. Works with ``nodeCacheCapable: true`` (node names in, node names out) and ``false``
 (whole Node objects in, the passing ones out, unchanged).
 
-- filter, prioritize, preempt and dra/filter decide (:mod:`sharegpu.k8s.decisions`): the policy's pick is held for
+- filter, prioritize, preempt and dra/filter decide (:mod:`sharegpu.k8s.extender.decisions`): the policy's pick is held for
   the pod's bind, and a pod that fits nowhere gets a reason per node a user can act on;
-- bind binds (:mod:`sharegpu.k8s.binding`): the Binding writes the node and the assignment in one request, and what
+- bind binds (:mod:`sharegpu.k8s.extender.binding`): the Binding writes the node and the assignment in one request, and what
   it reserved is released only when the pod is known not to be bound;
 - /healthz and /readyz (only the leader in sync is ready), under a request-body limit; /metrics on its own port.
 """
@@ -26,17 +26,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from sharegpu.k8s.answers import FilterAnswer
-from sharegpu.k8s.binding import NOT_LEADER, Binder
-from sharegpu.k8s.body_limit import EXTENDER_MAX_BODY, BodyLimit
-from sharegpu.k8s.cluster_metrics import ClusterMetrics  # issue 10
-from sharegpu.k8s.consolidation import ConsolidationConfig, enable_consolidation
-from sharegpu.k8s.decisions import HOLD_S, Decisions
-from sharegpu.k8s.dra_steer import DraState, follow_dra
-from sharegpu.k8s.leader import LeaderElector
-from sharegpu.k8s.preemption import PreemptionConfig, run_preemption
-from sharegpu.k8s.tls import ServerTls
-from sharegpu.k8s.view import NOT_SYNCED, ClusterView
+from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
+from sharegpu.k8s.controllers.consolidation import ConsolidationConfig, enable_consolidation
+from sharegpu.k8s.controllers.preemption import PreemptionConfig, run_preemption
+from sharegpu.k8s.extender.answers import FilterAnswer
+from sharegpu.k8s.extender.binding import NOT_LEADER, Binder
+from sharegpu.k8s.extender.decisions import HOLD_S, Decisions
+from sharegpu.k8s.extender.dra_steer import DraState, follow_dra
+from sharegpu.k8s.extender.leader import LeaderElector
+from sharegpu.k8s.extender.metrics import ClusterMetrics  # issue 10
+from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY, BodyLimit
+from sharegpu.k8s.serving.tls import ServerTls
 from sharegpu.kube.api import ClusterApi, DisruptionApi
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.schema import (
@@ -215,7 +215,7 @@ async def run_extender(
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
     ``elector``, only while it holds the Lease does this replica hold, bind and report ready."""
-    from sharegpu.k8s.serving import Listener, Site, probes_only, serve
+    from sharegpu.k8s.serving.server import Listener, Site, probes_only, serve
 
     stop = stop or asyncio.Event()
     dra = DraState(view.catalog, view.seed) if dra_client is not None else None
@@ -229,7 +229,7 @@ async def run_extender(
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
     if dra is not None and dra_client is not None:
         tasks.append(asyncio.ensure_future(follow_dra(dra, dra_client, stop)))
-    if preemption is not None:  # issue 19: the leader preempts for GPU room (sharegpu.k8s.preemption)
+    if preemption is not None:  # issue 19: the leader preempts for GPU room (sharegpu.k8s.controllers.preemption)
         config, disruption = preemption
         registry = extender.metrics.registry
         leads = extender.is_leader

@@ -16,10 +16,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from sharegpu.k8s.answers import event_safe
-from sharegpu.k8s.assume import Outcome, Phase
+from sharegpu.k8s.cache.assume import Outcome, Phase
+from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
+from sharegpu.k8s.extender.answers import event_safe
 from sharegpu.k8s.pod_request import pod_request
-from sharegpu.k8s.view import NOT_SYNCED, ClusterView
 from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.errors import Conflict, KubeError, NotFound, Unavailable
 from sharegpu.kube.names import InvalidName, check_name

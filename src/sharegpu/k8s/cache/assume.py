@@ -4,7 +4,7 @@ Like the kube-scheduler's assumed pods, a placement is accounted before the API 
 *holds* its pick for the pod's bind (the kube-scheduler binds asynchronously, and the pods filtered meanwhile must
 see the share taken), the bind *reserves* it while the Binding is written, and it stays until the watch shows the
 pod bound, gone, or changed past the lost Binding's precondition. Each entry is in one :class:`Phase`; this module
-holds the entries and their transitions and nothing else — the ledger view (:mod:`sharegpu.k8s.ledger_view`)
+holds the entries and their transitions and nothing else — the ledger view (:mod:`sharegpu.k8s.cache.ledger_view`)
 accounts an entry's assignment in the ledger and reconciles the pod after every transition.
 """
 

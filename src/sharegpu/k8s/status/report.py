@@ -2,8 +2,8 @@
 and the pods that share it — built from the API server exactly as the extender builds its ledger — and a cluster
 summary: GPUs in use, allocation and fragmentation as the simulator measures them, pending pods and why.
 
-The report is the one source of the terminal table, ``--json``, the live page (:mod:`sharegpu.k8s.page`) and the
-extender's cluster metrics (:mod:`sharegpu.k8s.cluster_metrics`).
+The report is the one source of the terminal table, ``--json``, the live page (:mod:`sharegpu.k8s.status.page`) and the
+extender's cluster metrics (:mod:`sharegpu.k8s.extender.metrics`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from sharegpu.k8s.bench_note import InvalidBenchNote, parse_note
+from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.status.bench_note import InvalidBenchNote, parse_note
 from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.errors import KubeError
 from sharegpu.ledger import GpuMode, Ledger
@@ -214,7 +214,7 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
         "summary": summary,
         "nodes": nodes,
         "pending": [{"pod": p.pod, "reason": p.reason.value, "detail": p.detail} for p in pending],
-        "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.dra_view.dra_status
+        "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.status.dra.dra_status
         "problems": [{"kind": p.kind, "name": p.name, "reason": p.reason} for p in view.problems],
     }
 

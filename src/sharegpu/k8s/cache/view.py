@@ -1,9 +1,9 @@
-"""The cluster view: the ledger view (:mod:`sharegpu.k8s.ledger_view`) kept in step with the API server.
+"""The cluster view: the ledger view (:mod:`sharegpu.k8s.cache.ledger_view`) kept in step with the API server.
 
 The kube-scheduler's split: an informer lists and watches (:class:`~sharegpu.kube.informer.Informer`: the idle
 deadline, tombstones, bounded cancellation), its event handlers feed the cache (here a full list replaces the ledger
 view's objects, a watch event changes one), and the cache holds the nodes, the pods and the assumed placements
-(:mod:`sharegpu.k8s.ledger_view`, :mod:`sharegpu.k8s.assume`). What this module adds is whether the view is in
+(:mod:`sharegpu.k8s.cache.ledger_view`, :mod:`sharegpu.k8s.cache.assume`). What this module adds is whether the view is in
 sync, which the extender checks before every placement: a view that lost the API server places nothing.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sharegpu.k8s.ledger_view import LedgerView
+from sharegpu.k8s.cache.ledger_view import LedgerView
 from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.informer import WATCH_CLOSE_S, WATCH_TIMEOUT_S, Informer, Source, Timing
 from sharegpu.kube.schema import Node, Pod

@@ -2,9 +2,9 @@
 ``sharegpu sim`` uses, read by the extender's filter, prioritize and bind.
 
 Like the kube-scheduler's cache, it takes in objects (:meth:`LedgerView.reset`, :meth:`~LedgerView.apply_node`,
-:meth:`~LedgerView.apply_pod`) without knowing where they come from — :class:`sharegpu.k8s.view.ClusterView` feeds
+:meth:`~LedgerView.apply_pod`) without knowing where they come from — :class:`sharegpu.k8s.cache.view.ClusterView` feeds
 it from the API server — and accounts the placements of this process that the API server does not show yet, the
-assume cache of :mod:`sharegpu.k8s.assume`, as if they were.
+assume cache of :mod:`sharegpu.k8s.cache.assume`, as if they were.
 
 State is rebuilt from the API server alone: node inventories (``sharegpu.io/inventory``, written by the node
 agent, schema in :mod:`sharegpu.model.inventory`) and the ``sharegpu.io/assignment`` of every pod that holds one.
@@ -25,9 +25,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sharegpu.k8s.assume import AssumeCache, Assumed, Outcome, Phase
-from sharegpu.k8s.bench_note import BENCH_ANNOTATION
-from sharegpu.k8s.dra_view import is_dra_node
+from sharegpu.k8s.cache.assume import AssumeCache, Assumed, Outcome, Phase
+from sharegpu.k8s.dra_objects import is_dra_node
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.kube.api import DELETED
 from sharegpu.kube.informer import Tombstones, older
@@ -37,6 +36,7 @@ from sharegpu.model.assignment import Assignment, InvalidAssignment
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
     ASSIGNMENT_ANNOTATION,
+    BENCH_ANNOTATION,
     DEVICE_PATH_DRA,
     DEVICE_PATH_LABEL,
     DRIVER,
@@ -86,7 +86,7 @@ class LedgerView:
         # name the cluster lacks, a DRA node and a node without the agent, and each asks the user something else.
         self._node_names: set[str] = set()
         self._dra_nodes: set[str] = set()
-        self._bench_notes: dict[str, str] = {}  # node → its strategy-bench annotation (sharegpu.k8s.bench_note)
+        self._bench_notes: dict[str, str] = {}  # node → its strategy-bench annotation (sharegpu.k8s.status.bench_note)
         self._pods: dict[str, Pod] = {}
         self._requests: dict[str, GpuRequest] = {}
         self._pod_problems: dict[str, str] = {}
@@ -311,7 +311,7 @@ class LedgerView:
             self._bench_notes[name] = note
         if is_dra_node(node.metadata.labels):
             self._dra_nodes.add(name)
-            return  # its GPUs are handed out through DRA only (see sharegpu.k8s.dra_view): never counted here
+            return  # its GPUs are handed out through DRA only (see sharegpu.k8s.status.dra): never counted here
         text = node.metadata.annotations.get(INVENTORY_ANNOTATION)
         if text is None:
             return  # not a sharegpu node: no problem to report, node_problem() explains it if asked

@@ -2,7 +2,7 @@
 (enough in total, no GPU or node fits) and preemption cannot help it (no lower-priority pod to evict), the leader
 moves a few movable pods so that it fits. Off by default (``sharegpu scheduler-extender --consolidation``).
 
-It runs inside the preemption controller's rounds (:class:`sharegpu.k8s.preemption.PreemptionController` calls
+It runs inside the preemption controller's rounds (:class:`sharegpu.k8s.controllers.preemption.PreemptionController` calls
 :meth:`Consolidator.consolidate` for a candidate whose preemption found no room) and shares its pieces rather than
 copying them: the same candidates (refused by the scheduler, fitting nowhere for GPU room), the ledger as it will be
 once what is leaving has left, the Eviction API loop (a budget's 429 ends the plan), and the reservation that holds
@@ -27,7 +27,7 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter
 
-from sharegpu.k8s.preemption import PreemptionController, budget_protects, budget_violations, pod_priority
+from sharegpu.k8s.controllers.preemption import PreemptionController, budget_protects, budget_violations, pod_priority
 from sharegpu.kube.api import DisruptionBudget, PodEvent
 from sharegpu.kube.schema import Pod
 from sharegpu.model.contract import MOVABLE_ANNOTATION
@@ -223,7 +223,7 @@ class Consolidator:
 
 
 def enable_consolidation(config: ConsolidationConfig) -> Callable[[PreemptionController, CollectorRegistry], None]:
-    """For :func:`sharegpu.k8s.preemption.run_preemption`'s ``setup``: consolidation in its controller's rounds."""
+    """For :func:`sharegpu.k8s.controllers.preemption.run_preemption`'s ``setup``: consolidation in its controller's rounds."""
 
     def setup(ctrl: PreemptionController, registry: CollectorRegistry) -> None:
         Consolidator(ctrl, ConsolidationMetrics(registry), config).attach()

@@ -16,7 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-BENCH_ANNOTATION = "sharegpu.io/strategy-bench"
+from sharegpu.model.contract import BENCH_ANNOTATION
+
 NOTE_VERSION = 1
 
 

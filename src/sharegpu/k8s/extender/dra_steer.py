@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from sharegpu.k8s.dra_view import claimed_mib, claimed_percent
+from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent
 from sharegpu.k8s.pod_request import PERCENT_MILLI, cpu_and_memory
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.informer import Informer, Source, Timing, of_json

@@ -1,6 +1,6 @@
 """The live "who shares which GPU" page: ``sharegpu status --serve HOST:PORT``.
 
-A small read-only web page over exactly the report of ``sharegpu status`` (:func:`sharegpu.k8s.status.status_report`):
+A small read-only web page over exactly the report of ``sharegpu status`` (:func:`sharegpu.k8s.status.report.status_report`):
 the cluster's allocation and fragmentation at the top, then every node and GPU with its mechanism, its MIG layout
 drawn to scale on the model's memory-slot axis, memory and compute used and the pods on it, then the pending pods and
 their reasons. It refreshes itself (a script fetches ``fragment`` every few seconds; without scripts the page is
@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sharegpu.k8s.status import FollowedStatus, StatusSnapshot, summary_line
+from sharegpu.k8s.status.report import FollowedStatus, StatusSnapshot, summary_line
 from sharegpu.kube.api import ClusterApi
 from sharegpu.placement.reasons import ReasonKind, fmt_mib
 
@@ -288,7 +288,7 @@ async def serve_page(
 ) -> None:
     """Follow the API server and serve the page until ``stop`` (or SIGTERM/SIGINT); raises OSError when the address
     cannot be bound."""
-    from sharegpu.k8s.serving import Listener, Site, serve
+    from sharegpu.k8s.serving.server import Listener, Site, serve
 
     stop = stop or asyncio.Event()
     app = make_page_app(followed.snapshot, refresh_s)

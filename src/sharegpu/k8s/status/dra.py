@@ -1,5 +1,4 @@
-"""Nodes on the DRA path, for the control plane: left out of the extender's ledger, shown from ResourceSlices and
-ResourceClaims.
+"""Nodes on the DRA path in ``sharegpu status``: shown from ResourceSlices and ResourceClaims.
 
 A GPU is handed out by one path only. A node labelled ``sharegpu.io/device-path=dra`` (the DRA driver sets it on
 start; the chart's node selectors use it) belongs to the DRA path: the kube-scheduler's DRA allocator places claims
@@ -13,37 +12,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sharegpu.kube.quantity import asked_mib, asked_whole, capacity_mib, quantity_or_zero
+from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent
+from sharegpu.kube.quantity import capacity_mib, quantity_or_zero
 from sharegpu.model.contract import (
-    CAPACITY_COMPUTE,
-    CAPACITY_MEMORY,
     COMPUTE_FULL,
-    DEVICE_PATH_DRA,
-    DEVICE_PATH_LABEL,
     DEVICE_TYPE_GPU,
     DEVICE_TYPE_MIG,
     DRIVER,
     gpu_device_name,
     read_slice_device,
 )
-
-
-def is_dra_node(labels: Mapping[str, str]) -> bool:
-    return labels.get(DEVICE_PATH_LABEL) == DEVICE_PATH_DRA
-
-
-# A claim's capacity map (its request's ``capacity.requests``, or its allocation's ``consumedCapacity``) is an ask:
-# rounded up, as the driver enforces it and as the extender counts a pod's ask.
-def claimed_mib(capacity: Mapping[str, Any]) -> int | None:
-    """The GPU memory a claim's capacity map names, in MiB rounded up (None: it names none, i.e. the whole)."""
-    return asked_mib(quantity_or_zero(capacity[CAPACITY_MEMORY])) if CAPACITY_MEMORY in capacity else None
-
-
-def claimed_percent(capacity: Mapping[str, Any]) -> int:
-    """The compute (percent of the GPU) a claim's capacity map names, rounded up (none named: the whole)."""
-    if CAPACITY_COMPUTE not in capacity:
-        return COMPUTE_FULL
-    return asked_whole(quantity_or_zero(capacity[CAPACITY_COMPUTE]))
 
 
 def _mig_compute_pct(model: str, profile: str) -> float:

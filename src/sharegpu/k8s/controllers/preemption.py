@@ -7,7 +7,7 @@ extender, on its ledger, every ``interval_s`` while its replica is the leader:
 
 1. candidates: pods of this scheduler that ask for sharegpu, are unbound, were refused by the scheduler
    (``PodScheduled=False``, reason ``Unschedulable``) and fit on no node for GPU room now (the ``gpu-busy`` class of
-   :func:`sharegpu.k8s.status.pending_pods`, the same judgement ``sharegpu status`` shows); highest
+   :func:`sharegpu.k8s.status.report.pending_pods`, the same judgement ``sharegpu status`` shows); highest
    ``spec.priority`` first; ``preemptionPolicy: Never`` waits instead;
 2. plan with :func:`sharegpu.placement.preemption.plan_preemption` on the ledger as it will be once what is already
    leaving has left (terminating pods gone, earlier reservations placed), so that two preemptors never count on the
@@ -42,8 +42,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sharegpu.k8s.status import pending_pods
-from sharegpu.k8s.view import ClusterView
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.status.report import pending_pods
 from sharegpu.kube.api import DisruptionApi, DisruptionBudget, PodEvent
 from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
 from sharegpu.kube.schema import ExtenderArgs, Node, Pod
@@ -172,11 +172,11 @@ async def run_preemption(
     """Preemption beside a running extender (its view, its metrics' registry, its leadership) until ``stop``."""
     if not isinstance(view, ObservedView):
         raise TypeError(
-            "preemption needs an ObservedView (sharegpu.k8s.preemption): it holds freed room on pod changes"
+            "preemption needs an ObservedView (sharegpu.k8s.controllers.preemption): it holds freed room on pod changes"
         )
     ctrl = PreemptionController(view, api, PreemptionMetrics(registry), scheduler_name, is_leader, config)
     ctrl.attach()
-    if setup is not None:  # e.g. consolidation (sharegpu.k8s.consolidation.enable_consolidation)
+    if setup is not None:  # e.g. consolidation (sharegpu.k8s.controllers.consolidation.enable_consolidation)
         setup(ctrl, registry)
     filters.append(ctrl.saw_filter)
     log.info("preemption for GPU room on (a round every %gs, while this replica leads)", config.interval_s)
@@ -340,7 +340,7 @@ class PreemptionController:
         # UID): preemption never evicts on a node the pod cannot use (affinity, taints, CPU it counts).
         self._passed: dict[str, tuple[str, tuple[str, ...]]] = {}
         # What to try for a pod that preemption cannot help (no lower-priority victims anywhere): consolidation
-        # (sharegpu.k8s.consolidation) when it is on. It answers as _preempt does: ("", moved) or (why not, ()).
+        # (sharegpu.k8s.controllers.consolidation) when it is on. It answers as _preempt does: ("", moved) or (why not, ()).
         self.no_room: Callable[[Pod, Sequence[DisruptionBudget]], Awaitable[tuple[str, tuple[str, ...]]]] | None = None
         # Why a pod got no preemption (or consolidation), said at INFO once per pod and reason, DEBUG when repeated.
         self.said = SaidOnce()

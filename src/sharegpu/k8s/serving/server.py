@@ -31,7 +31,7 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
-from sharegpu.k8s.tls import ServerTls
+from sharegpu.k8s.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 # hypercorn's own log: its errors (an app that raised, a broken connection) at WARNING and above; its "Running on"

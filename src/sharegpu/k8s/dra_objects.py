@@ -1,0 +1,31 @@
+"""Reading the DRA path's objects: which node is on it, and what a claim's capacity map asks or holds.
+
+Shared by the cluster cache (which leaves DRA nodes out of the device-plugin ledger and models their claims) and
+``sharegpu status`` (which shows them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sharegpu.kube.quantity import asked_mib, asked_whole, quantity_or_zero
+from sharegpu.model.contract import CAPACITY_COMPUTE, CAPACITY_MEMORY, COMPUTE_FULL, DEVICE_PATH_DRA, DEVICE_PATH_LABEL
+
+
+def is_dra_node(labels: Mapping[str, str]) -> bool:
+    return labels.get(DEVICE_PATH_LABEL) == DEVICE_PATH_DRA
+
+
+# A claim's capacity map (its request's ``capacity.requests``, or its allocation's ``consumedCapacity``) is an ask:
+# rounded up, as the driver enforces it and as the extender counts a pod's ask.
+def claimed_mib(capacity: Mapping[str, Any]) -> int | None:
+    """The GPU memory a claim's capacity map names, in MiB rounded up (None: it names none, i.e. the whole)."""
+    return asked_mib(quantity_or_zero(capacity[CAPACITY_MEMORY])) if CAPACITY_MEMORY in capacity else None
+
+
+def claimed_percent(capacity: Mapping[str, Any]) -> int:
+    """The compute (percent of the GPU) a claim's capacity map names, rounded up (none named: the whole)."""
+    if CAPACITY_COMPUTE not in capacity:
+        return COMPUTE_FULL
+    return asked_whole(quantity_or_zero(capacity[CAPACITY_COMPUTE]))

@@ -1,0 +1,1 @@
+"""Serving sharegpu's HTTP apps: sockets, TLS and a cap on request bodies."""

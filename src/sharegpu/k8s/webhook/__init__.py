@@ -1,0 +1,1 @@
+"""The admission webhook for pods that ask for sharegpu resources."""
