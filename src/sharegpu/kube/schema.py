@@ -207,3 +207,119 @@ class AdmissionReview(K8sModel):
     kind: str = "AdmissionReview"
     request: AdmissionRequest | None = None
     response: AdmissionResponse | None = None
+
+
+# ----- resource.k8s.io/v1 (DRA) -----------------------------------------------------------------------------------
+# As far as sharegpu reads them: the driver's ResourceSlices (its devices, their attributes and capacities) and the
+# ResourceClaims (what they ask, what they were allocated, which pods they are reserved for).
+class DeviceAttribute(K8sModel):
+    """One typed value of a device attribute: exactly one of the four is set."""
+
+    string: str | None = None
+    int_: int | None = Field(default=None, alias="int")
+    bool_: bool | None = Field(default=None, alias="bool")
+    version: str | None = None
+
+
+class DeviceCapacity(K8sModel):
+    value: str | int | float = 0
+
+
+class Device(K8sModel):
+    name: str = ""
+    attributes: dict[str, DeviceAttribute] = Field(default_factory=dict)
+    capacity: dict[str, DeviceCapacity] = Field(default_factory=dict)
+
+
+class ResourcePool(K8sModel):
+    name: str = ""
+    generation: int = 0
+    resource_slice_count: int = Field(default=1, alias="resourceSliceCount")
+
+
+class ResourceSliceSpec(K8sModel):
+    driver: str = ""
+    node_name: str = Field(default="", alias="nodeName")
+    pool: ResourcePool = Field(default_factory=ResourcePool)
+    devices: list[Device] = Field(default_factory=list)
+
+
+class ResourceSlice(K8sModel):
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: ResourceSliceSpec = Field(default_factory=ResourceSliceSpec)
+
+    @property
+    def node(self) -> str:
+        """The node whose devices the slice lists (a node-local pool is named after its node)."""
+        return self.spec.node_name or self.spec.pool.name
+
+
+class CelSelector(K8sModel):
+    expression: str = ""
+
+
+class DeviceSelector(K8sModel):
+    cel: CelSelector | None = None
+
+
+class CapacityRequirements(K8sModel):
+    requests: dict[str, str | int | float] = Field(default_factory=dict)
+
+
+class ExactDeviceRequest(K8sModel):
+    device_class_name: str = Field(default="", alias="deviceClassName")
+    selectors: list[DeviceSelector] = Field(default_factory=list)
+    allocation_mode: str = Field(default="ExactCount", alias="allocationMode")
+    count: int = 1
+    capacity: CapacityRequirements | None = None
+
+
+class DeviceRequest(K8sModel):
+    name: str = ""
+    exactly: ExactDeviceRequest | None = None
+    first_available: list[dict[str, Any]] | None = Field(default=None, alias="firstAvailable")
+
+
+class DeviceClaim(K8sModel):
+    requests: list[DeviceRequest] = Field(default_factory=list)
+
+
+class ResourceClaimSpec(K8sModel):
+    devices: DeviceClaim = Field(default_factory=DeviceClaim)
+
+
+class DeviceRequestAllocationResult(K8sModel):
+    request: str = ""
+    driver: str = ""
+    pool: str = ""
+    device: str = ""
+    consumed_capacity: dict[str, str | int | float] = Field(default_factory=dict, alias="consumedCapacity")
+
+
+class DeviceAllocationResult(K8sModel):
+    results: list[DeviceRequestAllocationResult] = Field(default_factory=list)
+
+
+class AllocationResult(K8sModel):
+    devices: DeviceAllocationResult = Field(default_factory=DeviceAllocationResult)
+
+
+class ResourceClaimConsumerReference(K8sModel):
+    resource: str = ""
+    name: str = ""
+    uid: str = ""
+
+
+class ResourceClaimStatus(K8sModel):
+    allocation: AllocationResult | None = None
+    reserved_for: list[ResourceClaimConsumerReference] = Field(default_factory=list, alias="reservedFor")
+
+
+class ResourceClaim(K8sModel):
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: ResourceClaimSpec = Field(default_factory=ResourceClaimSpec)
+    status: ResourceClaimStatus = Field(default_factory=ResourceClaimStatus)
+
+    @property
+    def key(self) -> str:
+        return f"{self.metadata.namespace}/{self.metadata.name}"
