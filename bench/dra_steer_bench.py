@@ -1,4 +1,4 @@
-"""Cost of DRA steering's filter (``DraState.steer``) against the number of DRA nodes.
+"""Cost of DRA steering's filter (``DraSteering.steer`` over the cluster view's DRA ledger) against the number of DRA nodes.
 
 Builds the extender's DRA state from ResourceSlices (the driver's builder) of N nodes with 8 A100-80GB each, fills
 about 60 % of the GPUs with allocated claims (quarter shares, whole GPUs), then times steering decisions for
@@ -17,8 +17,9 @@ import statistics
 import time
 from typing import Any
 
-from sharegpu.k8s.extender.dra_steer import DraState
-from sharegpu.kube.schema import Pod
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.dra_steer import DraSteering
+from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.slices import build_slices, resource_slice
 
@@ -46,7 +47,9 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=50)
     args = ap.parse_args()
     rng = random.Random(1)
-    s = DraState()
+    view = ClusterView(policy="bestfit", dra_steering=True)
+    assert view.dra is not None
+    s = DraSteering(view.dra)
     names = [f"n{i:04d}" for i in range(args.nodes)]
     nodes, slices, claims = [], [], []
     for n in names:
@@ -64,15 +67,16 @@ def main() -> None:
             elif u < 0.6:
                 for k in range(rng.choice((1, 2, 3))):
                     claims.append(claim(f"{n}-{g}-{k}", 25, n, g))
-    s.reset("node", nodes)
-    s.reset("slice", slices)
-    s.reset("claim", claims)
-    s.reset("pod", [])
-    s.synced = True
+    view.relisted(
+        [Node.model_validate(n) for n in nodes],
+        [],
+        [ResourceSlice.model_validate(x) for x in slices],
+        [ResourceClaim.model_validate(c) for c in claims],
+    )
     rebuilt, cached = [], []
     for i in range(args.decisions):
         c = claim(f"p{i}", 25)
-        s.apply("claim", "ADDED", c)
+        view.apply_claim("ADDED", ResourceClaim.model_validate(c))
         pod = Pod.model_validate({"metadata": {"namespace": "b", "name": f"p{i}", "uid": f"p{i}"},
                                   "spec": {"containers": [{"name": "m"}],
                                            "resourceClaims": [{"name": "gpu", "resourceClaimName": f"p{i}"}]}})  # fmt: skip
@@ -85,7 +89,7 @@ def main() -> None:
         assert len(got.keep) == 1, got.why
         node = got.keep[0]
         gpu = got.assignment.shares[0].gpu_index if got.assignment else 0
-        s.apply("claim", "MODIFIED", claim(f"p{i}", 25, node, gpu))
+        view.apply_claim("MODIFIED", ResourceClaim.model_validate(claim(f"p{i}", 25, node, gpu)))
 
     def q(xs: list[float], p: float) -> float:
         return sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] * 1000

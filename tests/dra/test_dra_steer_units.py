@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 
 from sharegpu.k8s.cache.view import ClusterView
-from sharegpu.k8s.extender.dra_steer import DraState, NotSteered, claim_names, claim_request
+from sharegpu.k8s.extender.dra_steer import DraSteering, NotSteered, Steer, claim_names, claim_request
 from sharegpu.k8s.extender.server import Extender
-from sharegpu.kube.schema import ExtenderArgs, Pod
+from sharegpu.kube.schema import ExtenderArgs, Node, Pod, ResourceClaim, ResourceSlice
+from sharegpu.ledger import Ledger
 from sharegpu.model.request import GpuRequest
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.slices import build_slices, resource_slice
@@ -60,23 +61,60 @@ def pod(name: str, claim_name: str | None = None, uid: str = "") -> Pod:
     return Pod.model_validate({"metadata": {"namespace": "ml", "name": name, "uid": uid or name}, "spec": spec})
 
 
-def state(nodes: tuple[str, ...] = ("a", "b", "c"), claims: list[dict[str, Any]] = ()) -> DraState:  # type: ignore[assignment]
-    s = DraState()
-    s.reset("node", [node_obj(n) for n in nodes])
-    s.reset("slice", [x for n in nodes for x in slices(n)])
-    s.reset("claim", list(claims))
-    s.reset("pod", [])
-    s.synced = True
+class Steering:
+    """The cluster view with DRA steering on (one cache: its DRA ledger and assume cache) and the steering decision
+    over it, fed the API objects as JSON, as the informer would."""
+
+    def __init__(self) -> None:
+        self.view = ClusterView(policy="bestfit", dra_steering=True)
+        assert self.view.dra is not None
+        self.dra = self.view.dra
+        self.steering = DraSteering(self.dra)
+
+    def apply(self, kind: str, event: str, obj: dict[str, Any]) -> None:
+        if kind == "node":
+            self.view.apply_node(event, Node.model_validate(obj))
+        elif kind == "slice":
+            self.view.apply_slice(event, ResourceSlice.model_validate(obj))
+        elif kind == "claim":
+            self.view.apply_claim(event, ResourceClaim.model_validate(obj))
+        else:
+            self.view.apply_pod(event, Pod.model_validate(obj))
+
+    def steer(self, p: Pod, nodes: list[str]) -> Steer:
+        return self.steering.steer(p, nodes, None, self.view.synced)
+
+    def ledger(self) -> Ledger:
+        return self.dra.ledger()
+
+    @property
+    def holds(self) -> set[str]:
+        return {h.uid for h in self.dra.holds()}
+
+
+def state(nodes: tuple[str, ...] = ("a", "b", "c"), claims: list[dict[str, Any]] = ()) -> Steering:  # type: ignore[assignment]
+    s = Steering()
+    s.view.relisted(
+        [Node.model_validate(node_obj(n)) for n in nodes],
+        [],
+        [ResourceSlice.model_validate(x) for n in nodes for x in slices(n)],
+        [ResourceClaim.model_validate(c) for c in claims],
+    )
+    s.view.synced = True
     return s
 
 
+def typed(claims: list[dict[str, Any]]) -> list[ResourceClaim]:
+    return [ResourceClaim.model_validate(c) for c in claims]
+
+
 def test_claim_request_reads_capacity_requests() -> None:
-    r = claim_request("ml/p", [claim("c", "10Gi", "30")], 1000, 1024)
+    r = claim_request("ml/p", typed([claim("c", "10Gi", "30")]), 1000, 1024)
     assert (r.gpu_count, r.memory_mib, r.compute_milli, r.cpu_milli) == (1, 10240, 300, 1000)
     # compute left out is the whole compute (the driver's request policy default)
-    assert claim_request("ml/p", [claim("c", "10Gi", None)], 0, 0).compute_milli == 1000
-    assert claim_request("ml/p", [claim("c", None, None)], 0, 0) == GpuRequest("ml/p", 1)
-    assert claim_request("ml/p", [claim("c", "10Gi", "30", cls="whole-gpu.sharegpu.io")], 0, 0).is_whole
+    assert claim_request("ml/p", typed([claim("c", "10Gi", None)]), 0, 0).compute_milli == 1000
+    assert claim_request("ml/p", typed([claim("c", None, None)]), 0, 0) == GpuRequest("ml/p", 1)
+    assert claim_request("ml/p", typed([claim("c", "10Gi", "30", cls="whole-gpu.sharegpu.io")]), 0, 0).is_whole
 
 
 @pytest.mark.parametrize(
@@ -91,7 +129,7 @@ def test_claim_request_reads_capacity_requests() -> None:
 )
 def test_claims_steering_cannot_judge_are_named(claims: list[dict[str, Any]], why: str) -> None:
     with pytest.raises(NotSteered, match=why):
-        claim_request("ml/p", claims, 0, 0)
+        claim_request("ml/p", typed(claims), 0, 0)
 
 
 def test_claim_names_from_templates_come_from_the_pod_status() -> None:
@@ -137,7 +175,7 @@ def test_steer_passes_every_node_when_it_cannot_judge() -> None:
     assert s.steer(pod("plain"), nodes).keep == nodes
     assert s.steer(pod("m", "m"), nodes).keep == nodes
     assert s.steer(pod("unseen", "unseen"), nodes).why.endswith("not seen yet")
-    s.synced = False
+    s.view.synced = False
     assert s.steer(pod("m", "m"), nodes).why == "DRA state not synced"
     # nothing fits in the model (e.g. every GPU used): the scheduler's own DRA filter decides
     full = state(("a",), [claim(f"w{i}", None, None, allocated=("a", f"gpu-{i}")) for i in range(2)] + [claim("p")])
@@ -157,7 +195,7 @@ def test_pods_bound_to_dra_nodes_count_their_cpu() -> None:
 
 def test_extender_dra_filter_returns_the_pick_and_passes_others_over() -> None:
     s = state(claims=[claim("x", allocated=("b", "gpu-0")), claim("p1")])
-    ext = Extender(ClusterView(policy="bestfit"), None, dra=s)
+    ext = Extender(s.view, None)
     args = ExtenderArgs.model_validate({"Pod": pod("p1", "p1").model_dump(mode="json", by_alias=True),
                                         "NodeNames": ["a", "b", "c"]})  # fmt: skip
     out = ext.dra_filter(args)
@@ -195,7 +233,7 @@ def test_the_ledger_follows_events_incrementally_as_a_rebuild_would() -> None:
 
 def test_an_expired_hold_stops_counting() -> None:
     s = state(claims=[claim("p1")])
-    s.hold_s = 0.0
+    s.steering.hold_s = 0.0
     got = s.steer(pod("p1", "p1"), ["a", "b", "c"])
     assert got.assignment is not None
     led = s.ledger()  # the hold expired at once
@@ -210,7 +248,7 @@ def mig_claim(name: str, profile: str, allocated: tuple[str, str] | None = None)
 
 
 def test_mig_claims_are_read_and_their_partitions_accounted() -> None:
-    r = claim_request("ml/p", [mig_claim("c", "3g.40gb")], 0, 0)
+    r = claim_request("ml/p", typed([mig_claim("c", "3g.40gb")]), 0, 0)
     assert (r.mig_profile, r.gpu_count) == ("3g.40gb", 1)
     s = state(("a",), [mig_claim("m", "3g.40gb", allocated=("a", "gpu-0-mig-3g40gb-4"))])
     led = s.ledger()

@@ -17,9 +17,9 @@ from k8s_helpers import node_spec, pod_obj
 from memory_api import MemoryClusterApi
 from prometheus_client import CollectorRegistry
 
+from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.controllers.consolidation import ConsolidationConfig, ConsolidationMetrics, Consolidator
 from sharegpu.k8s.controllers.preemption import (
-    ObservedView,
     Outcome,
     PreemptionConfig,
     PreemptionController,
@@ -44,7 +44,7 @@ class Harness:
     def __init__(
         self,
         api: MemoryClusterApi,
-        view: ObservedView,
+        view: ClusterView,
         leader: bool = True,
         clock: Callable[[], float] = time.monotonic,
         consolidation: ConsolidationConfig | None = None,
@@ -135,7 +135,7 @@ class Harness:
 def run(body: Callable[[Harness], Awaitable[None]], leader: bool = True, **harness: Any) -> None:
     async def main() -> None:
         api = MemoryClusterApi()
-        view = ObservedView(policy="bestfit")
+        view = ClusterView(policy="bestfit")
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
         h = Harness(api, view, leader, **harness)
@@ -338,11 +338,15 @@ def test_room_freed_by_the_first_victim_is_kept_while_the_others_terminate() -> 
         h.api.terminate(a)
         await until(lambda: h.view.pod(a) is None, "first victim gone")
         assert h.filter(late) == [] and h.filter(high) == []
+        kept = h.view.kept_room(high, a)  # the gone victim's share, kept for the preemptor as a typed entry
+        assert kept is not None and kept.assignment.node == "n1" and kept.ledger_name in h.view.ledger.assignments
         h.api.terminate(b)
         await until(lambda: h.view.held(high) is not None, "room held for the preemptor")
         assert h.filter(late) == []
         assert h.filter(high) == ["n1"]
-        assert [k for k in h.view.ledger.assignments if "#" in k] == []  # the kept room went to the preemptor
+        assert (
+            h.view.room_for(high) == [] and [k for k in h.view.ledger.assignments if "#" in k] == []
+        )  # the kept room went to the preemptor
         h.view.ledger.check_invariants()
 
     run(body)
@@ -361,12 +365,15 @@ def test_the_free_part_of_the_preemptors_room_is_held_while_its_victim_terminate
         assert h.api.evictions == [low]
         replica = await h.waiting("low-replica", priority=0, memory="30Gi")  # would fit in the free 40Gi
         assert h.filter(replica) == []
-        assert any(k.startswith("free#kept-for-") for k in h.view.ledger.assignments)
+        kept = h.view.kept_room(high, None)  # the free part of its room, a typed entry of the assume cache
+        assert kept is not None and kept.ledger_name in h.view.ledger.assignments
         h.view.ledger.check_invariants()
         h.api.terminate(low)
         await until(lambda: h.view.held(high) is not None, "room held for the preemptor")
         assert h.filter(replica) == [] and h.filter(high) == ["n1"]
-        assert [k for k in h.view.ledger.assignments if "#" in k] == []  # placeholders gave way to the hold
+        assert (
+            h.view.room_for(high) == [] and [k for k in h.view.ledger.assignments if "#" in k] == []
+        )  # placeholders gave way to the hold
 
     run(body)
 
@@ -379,7 +386,11 @@ def test_a_refused_eviction_releases_the_room_reserved_before_it() -> None:
         high = await h.waiting("high", memory="60Gi")
         report = await h.ctrl.round()
         assert high in report.refused and h.api.evictions == []
-        assert h.ctrl.reservations() == {} and [k for k in h.view.ledger.assignments if "#" in k] == []
+        assert (
+            h.ctrl.reservations() == {}
+            and h.view.room_for(high) == []
+            and [k for k in h.view.ledger.assignments if "#" in k] == []
+        )
         other = h.pod("other", 0, memory="30Gi")
         await until(lambda: h.view.pod(other) is not None, other)
         assert h.filter(other) == ["n1"]  # the free 40Gi is anyone's again

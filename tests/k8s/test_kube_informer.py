@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from proc_helpers import kubeconfig
-from sharegpu.k8s.extender.dra_steer import DraState, follow_dra
-from sharegpu.kube.client import KubeClient
+from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.errors import Gone
 from sharegpu.kube.informer import ADDED, DELETED, MODIFIED, Informer, Source, Timing, of_json
 
@@ -154,7 +154,7 @@ def test_stopping_does_not_wait_beyond_the_bound_for_a_watch_that_ignores_its_ca
     asyncio.run(main())
 
 
-def test_dra_steering_follows_slices_and_claims_over_http(tmp_path: Path) -> None:
+def test_the_cluster_view_follows_slices_and_claims_over_http_with_dra_steering(tmp_path: Path) -> None:
     node = {
         "metadata": {"name": "n1", "resourceVersion": "3", "labels": {"sharegpu.io/device-path": "dra"}},
         "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}},
@@ -195,21 +195,26 @@ def test_dra_steering_follows_slices_and_claims_over_http(tmp_path: Path) -> Non
         srv = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         kc = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
-        client = KubeClient(kc, "test")
-        state = DraState()
+        api = LightkubeClusterApi(kc)
+        view = ClusterView(policy="bestfit", dra_steering=True, scheduler_name="sharegpu-scheduler")
+        assert view.dra is not None
+        dra = view.dra
         stop = asyncio.Event()
-        task = asyncio.ensure_future(follow_dra(state, client, stop))
+        task = asyncio.ensure_future(view.follow(api, stop))
         try:
-            await until(lambda: state.synced and "ns/c1" in state.claims, "the claim from the watch")
-            assert state.counts() == (1, 0, 1)
+            await until(lambda: view.synced and "ns/c1" in dra.claims, "the claim from the watch")
+            assert dra.counts() == (1, 0, 1)
         finally:
             stop.set()
             await asyncio.wait_for(task, 10)
-            await client.close()
+            await api.close()
             srv.close()
-        assert not state.synced
+        assert not view.synced
+        # One informer for everything: one watch per kind, each from its list's version, with a server-side timeout.
         watches = [t for t in seen if "watch=" in t]
         assert len(watches) == 4 and all("timeoutSeconds=" in t and "resourceVersion=10" in t for t in watches)
         assert any("fieldSelector=spec.driver" in t for t in watches)
+        # With steering, every pod is followed (no scheduler field selector): those bound to DRA nodes take cpu.
+        assert all("schedulerName" not in t for t in seen if t.startswith("/api/v1/pods"))
 
     asyncio.run(main())

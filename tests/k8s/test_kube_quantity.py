@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from sharegpu.k8s.extender.dra_steer import DraState, _parse_use, claim_request
+from sharegpu.k8s.cache.assume import AssumeCache
+from sharegpu.k8s.cache.dra_ledger import DraLedger, parse_use
+from sharegpu.k8s.extender.dra_steer import claim_request
 from sharegpu.k8s.pod_request import cpu_and_memory, pod_request
 from sharegpu.k8s.status.dra import dra_status
 from sharegpu.kube.quantity import (
@@ -24,7 +26,7 @@ from sharegpu.kube.quantity import (
     parse_quantity,
     quantity_or_zero,
 )
-from sharegpu.kube.schema import Pod
+from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.model.contract import DRIVER
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.claims import plan_claim
@@ -115,9 +117,9 @@ def test_a_claim_asking_10G_is_9537_MiB_everywhere_its_ask_is_read() -> None:
     plan = plan_claim(claim, "u1", "n1", (A100,)).devices[0]
     assert plan.memory_mib == ASKED and plan.compute_percent == 30
     # the extender's DRA steering: the claim's ask, and its allocation
-    req = claim_request("ns/p", [claim], 0, 0)
+    req = claim_request("ns/p", [ResourceClaim.model_validate(claim)], 0, 0)
     assert req.memory_mib == ASKED and req.compute_milli == 300
-    use = _parse_use(claim)
+    use = parse_use(ResourceClaim.model_validate(claim))
     assert use is not None and use.devices[0][2:4] == (ASKED, 300)
     # sharegpu status
     (node,) = dra_status([gpu_slice("80Gi")], [claim])
@@ -127,8 +129,8 @@ def test_a_claim_asking_10G_is_9537_MiB_everywhere_its_ask_is_read() -> None:
 def test_a_claim_compute_of_a_fraction_of_a_percent_is_rounded_up_alike() -> None:
     claim = allocated_claim({"memory": "1Gi", "compute": "33.4"})
     assert plan_claim(claim, "u1", "n1", (A100,)).devices[0].compute_percent == 34
-    assert claim_request("ns/p", [claim], 0, 0).compute_milli == 340
-    use = _parse_use(claim)
+    assert claim_request("ns/p", [ResourceClaim.model_validate(claim)], 0, 0).compute_milli == 340
+    use = parse_use(ResourceClaim.model_validate(claim))
     assert use is not None and use.devices[0][3] == 340
 
 
@@ -152,7 +154,7 @@ def test_the_dra_claim_path_and_the_extender_path_agree_on_a_10G_share() -> None
     extender = pod_request(pod)
     assert extender is not None
     claim = allocated_claim({"memory": TEN_G})
-    assert extender.memory_mib == claim_request("ns/p", [claim], 0, 0).memory_mib == ASKED
+    assert extender.memory_mib == claim_request("ns/p", [ResourceClaim.model_validate(claim)], 0, 0).memory_mib == ASKED
     assert plan_claim(claim, "u1", "n1", (A100,)).devices[0].memory_mib == ASKED
     assert cpu_and_memory(pod) == (1, ASKED)  # the pod's own CPU and memory asks: rounded up too
 
@@ -161,11 +163,11 @@ def test_the_dra_claim_path_and_the_extender_path_agree_on_a_10G_share() -> None
 def test_a_device_or_node_of_10G_has_9536_MiB_everywhere() -> None:
     (node,) = dra_status([gpu_slice(TEN_G)], [])
     assert node["gpus"][0]["memory_mib_total"] == HAS
-    state = DraState()
-    parsed = state._parse_slice(gpu_slice(TEN_G))
+    state = DraLedger(AssumeCache())
+    parsed = state._parse_slice(ResourceSlice.model_validate(gpu_slice(TEN_G)))
     assert parsed is not None and parsed[1][0].memory_mib == HAS
-    state.apply("node", "ADDED", {"metadata": {"name": "n1", "labels": {"sharegpu.io/device-path": "dra"}},
-                                  "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}})  # fmt: skip
+    state.apply_node("ADDED", Node.model_validate({"metadata": {"name": "n1", "labels": {"sharegpu.io/device-path": "dra"}},
+                                  "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}}))  # fmt: skip
     assert state._nodes["n1"] == (1001, HAS)
     info = node_info_from_dict(
         {"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}}

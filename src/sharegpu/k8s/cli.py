@@ -20,7 +20,6 @@ from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY
 from sharegpu.k8s.serving.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook.admission import WebhookConfig, serve_webhook, trusted
 from sharegpu.kube.api import LightkubeClusterApi
-from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import ConfigError, Forbidden, KubeError
 from sharegpu.kube.kubeconfig import KUBECONFIG_HELP, quiet_http_logging
 from sharegpu.kube.quantity import MIB
@@ -176,8 +175,9 @@ def scheduler_extender(
     ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
+    from sharegpu.k8s.cache.view import ClusterView
     from sharegpu.k8s.controllers.consolidation import ConsolidationConfig
-    from sharegpu.k8s.controllers.preemption import ObservedView, PreemptionConfig
+    from sharegpu.k8s.controllers.preemption import PreemptionConfig
     from sharegpu.k8s.extender.leader import LeaderElector
     from sharegpu.k8s.extender.server import run_extender
 
@@ -198,11 +198,9 @@ def scheduler_extender(
             raise SetupError(
                 f"--consolidation-moves-per-minute {consolidation_moves_per_minute} must be 1 or more, e.g. 4"
             )
-        # ObservedView: the cluster view that tells preemption of every pod change (it holds freed room at once).
-        view = ObservedView(policy=policy, seed=seed, scheduler_name=scheduler_name)
+        view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name, dra_steering=dra_steering)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
-        dra_client = KubeClient(kubeconfig, "sharegpu-dra-steering") if dra_steering else None
     except (SetupError, UnknownPolicy, TlsError) as e:
         raise _fail(str(e)) from None
     except ConfigError as e:
@@ -227,7 +225,6 @@ def scheduler_extender(
                 max_request_bytes=max_request_mib * MIB,
                 elector=elector,
                 metrics_listen=metrics,
-                dra_client=dra_client,
                 preemption=(PreemptionConfig(interval_s=preemption_interval), api) if preemption else None,
                 consolidation=ConsolidationConfig(max_moves_per_minute=consolidation_moves_per_minute)
                 if consolidation

@@ -13,14 +13,14 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from sharegpu.kube.client import KubeClient
 from sharegpu.kube.errors import EvictionBlocked, TooManyRequests
 from sharegpu.kube.informer import ADDED, DELETED, MODIFIED
 from sharegpu.kube.lease import LeaseRecord, lease_object, lease_record
 from sharegpu.kube.names import check_name
-from sharegpu.kube.schema import Node, Pod
+from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 
 __all__ = [
     "ADDED",
@@ -166,6 +166,25 @@ class DisruptionApi(Protocol):
     async def list_disruption_budgets(self) -> Sequence[DisruptionBudget]: ...
 
 
+@runtime_checkable
+class DraApi(Protocol):
+    """The resource.k8s.io/v1 objects the cluster cache follows when DRA steering is on: the ResourceSlices of one
+    driver and every ResourceClaim. A list raises :class:`~sharegpu.kube.errors.NotFound` where the API server does
+    not serve resource.k8s.io/v1."""
+
+    async def list_slices(self, driver: str) -> tuple[list[ResourceSlice], str]: ...
+
+    def watch_slices(
+        self, resource_version: str, timeout_s: int | None, driver: str
+    ) -> AsyncIterator[tuple[str, ResourceSlice]]: ...
+
+    async def list_claims(self) -> tuple[list[ResourceClaim], str]: ...
+
+    def watch_claims(
+        self, resource_version: str, timeout_s: int | None = None
+    ) -> AsyncIterator[tuple[str, ResourceClaim]]: ...
+
+
 class LightkubeClusterApi:
     """:class:`ClusterApi` (and :class:`~sharegpu.kube.lease.LeaseApi`) over :class:`KubeClient` (in-cluster config,
     or a kubeconfig file)."""
@@ -204,6 +223,37 @@ class LightkubeClusterApi:
         fields = _of_scheduler(scheduler_name)
         async for kind, obj in self.client.watch(KPod, resource_version, "watch pods", timeout_s, "*", fields):
             yield kind, Pod.model_validate(obj)
+
+    async def list_slices(self, driver: str) -> tuple[list[ResourceSlice], str]:
+        from lightkube.resources.resource_v1 import ResourceSlice as KSlice
+
+        items, version = await self.client.list(KSlice, "list ResourceSlices", fields={"spec.driver": driver})
+        return [ResourceSlice.model_validate(s) for s in items], version
+
+    async def watch_slices(
+        self, resource_version: str, timeout_s: int | None, driver: str
+    ) -> AsyncIterator[tuple[str, ResourceSlice]]:
+        from lightkube.resources.resource_v1 import ResourceSlice as KSlice
+
+        fields = {"spec.driver": driver}
+        async for kind, obj in self.client.watch(
+            KSlice, resource_version, "watch ResourceSlices", timeout_s, None, fields
+        ):
+            yield kind, ResourceSlice.model_validate(obj)
+
+    async def list_claims(self) -> tuple[list[ResourceClaim], str]:
+        from lightkube.resources.resource_v1 import ResourceClaim as KClaim
+
+        items, version = await self.client.list(KClaim, "list ResourceClaims", namespace="*")
+        return [ResourceClaim.model_validate(c) for c in items], version
+
+    async def watch_claims(
+        self, resource_version: str, timeout_s: int | None = None
+    ) -> AsyncIterator[tuple[str, ResourceClaim]]:
+        from lightkube.resources.resource_v1 import ResourceClaim as KClaim
+
+        async for kind, obj in self.client.watch(KClaim, resource_version, "watch ResourceClaims", timeout_s, "*"):
+            yield kind, ResourceClaim.model_validate(obj)
 
     async def get_pod(self, namespace: str, name: str) -> Pod:
         from lightkube.resources.core_v1 import Pod as KPod

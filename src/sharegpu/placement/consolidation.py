@@ -23,7 +23,7 @@ import numpy.typing as npt
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.framework import CycleState, Decision, Policy, Scheduler
+from sharegpu.placement.framework import Decision, Policy, Scheduler
 from sharegpu.placement.preemption import copy_ledger, remove_minimal, restore, room_bound
 
 IntArray = npt.NDArray[np.int64]
@@ -169,7 +169,7 @@ def _try_target(
         nodes = np.flatnonzero(ok)
         if len(nodes) == 0:
             return None
-        state = CycleState(req, usable, sched.rng, memo=sched.memo)
+        state = sched.cycle(req, usable)
         chosen = sched.pick(nodes, sched.scores(state, nodes))
         a = sched.assignment_on(state, chosen)
         work.place(a)

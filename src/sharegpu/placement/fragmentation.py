@@ -41,6 +41,19 @@ class TaskShape:
     models: frozenset[str]  # allowed models; empty = any
 
 
+# A workload taken from the pods (or claims) seen is taken again once their number moved by this share since: the
+# policy's fragmentation measure follows the workload without rebuilding it for every pod.
+WORKLOAD_DRIFT = 0.1
+
+
+def workload_drifted(seen_then: int, seen_now: int) -> bool:
+    """Whether a workload taken from ``seen_then`` requests is stale now that ``seen_now`` are seen (one taken from
+    none is stale as soon as any is seen)."""
+    if seen_then <= 0:
+        return seen_now != seen_then
+    return abs(seen_now - seen_then) >= WORKLOAD_DRIFT * seen_then
+
+
 @dataclass(frozen=True)
 class Workload:
     """The typical task shapes and their probabilities, as arrays for vectorised use."""

@@ -269,10 +269,15 @@ class Scheduler:
             total += weight * s
         return total
 
+    def cycle(self, req: GpuRequest, usable: BoolArray) -> CycleState:
+        """The scratch state of one cycle for ``req`` (``usable``: its feasibility's GPUs), with this scheduler's
+        random generator and per-node memo: every caller that scores outside :meth:`decide` starts here."""
+        return CycleState(req, usable, self.rng, memo=self.memo)
+
     def decide(self, req: GpuRequest) -> Decision | Unschedulable:
         f = self._feasibility(req)
         nodes = np.flatnonzero(f.ok)
-        state = CycleState(req, f.usable, self.rng, memo=self.memo)
+        state = self.cycle(req, f.usable)
         if len(nodes) == 0:
             return self.explain(req, f.usable)
         scores = self.scores(state, nodes)
@@ -305,7 +310,7 @@ class Scheduler:
             reason = self.explain_nodes(req, f.usable, np.array([node], dtype=np.int64))[0]
             kinds = {reason.kind: 1} if reason.kind is not None else {}
             return Unschedulable(req, f"{self.ledger.nodes[node].name}: {reason.text}", kinds)
-        state = CycleState(req, f.usable, self.rng, memo=self.memo)
+        state = self.cycle(req, f.usable)
         nodes = np.array([node], dtype=np.int64)
         return Decision(self.assignment_on(state, node), node, int(self.scores(state, nodes)[0]), int(f.ok.sum()))
 

@@ -1,11 +1,15 @@
-"""The assume cache: placements this process made that the API server does not show yet.
+"""The assume cache: placements this process made that the API server does not show yet, and the room it keeps.
 
 Like the kube-scheduler's assumed pods, a placement is accounted before the API server confirms it: prioritize
 *holds* its pick for the pod's bind (the kube-scheduler binds asynchronously, and the pods filtered meanwhile must
 see the share taken), the bind *reserves* it while the Binding is written, and it stays until the watch shows the
-pod bound, gone, or changed past the lost Binding's precondition. Each entry is in one :class:`Phase`; this module
-holds the entries and their transitions and nothing else — the ledger view (:mod:`sharegpu.k8s.cache.ledger_view`)
-accounts an entry's assignment in the ledger and reconciles the pod after every transition.
+pod bound, gone, or changed past the lost Binding's precondition. Each entry is in one :class:`Phase`.
+
+Two more kinds of entry hold room that no pod holds yet, each typed and kept apart from the pods' placements:
+:class:`KeptRoom`, what preemption keeps for a preemptor while its victims leave, and :class:`SteerHold`, the node
+DRA steering chose for a pod whose claim the kube-scheduler has not allocated yet. This module holds the entries and
+their transitions and nothing else — the ledger view (:mod:`sharegpu.k8s.cache.ledger_view`) and the DRA ledger
+(:mod:`sharegpu.k8s.cache.dra_ledger`) account them in their ledgers.
 """
 
 from __future__ import annotations
@@ -54,11 +58,94 @@ class Assumed:
     deleted: bool = False  # a DELETED event came while the Binding was being written
 
 
+@dataclass(frozen=True, slots=True)
+class KeptRoom:
+    """Room preemption keeps on a node for ``preemptor`` (a pod key) while its victims leave: the share of a victim
+    already gone (``victim``: its key), so that no lower-priority pod takes it meanwhile, or the part of the
+    preemptor's room that is free already (``victim`` None: the victims' controllers recreate them at once, and a
+    replica would otherwise take that part beside its terminating original)."""
+
+    preemptor: str
+    victim: str | None
+    assignment: Assignment  # what is kept, on the preemptor's node
+    expires: float  # time.monotonic()
+
+    @property
+    def ledger_name(self) -> str:
+        return room_ledger_name(self.preemptor, self.victim)
+
+
+def room_ledger_name(preemptor: str, victim: str | None) -> str:
+    """The name the ledger accounts kept room under: never a pod's key ("#" is not allowed in a pod's name), so no
+    pod's filter, bind or relist can take it for its own."""
+    return f"{victim or 'free'}#kept-for-{preemptor}"
+
+
+@dataclass(frozen=True, slots=True)
+class SteerHold:
+    """DRA steering's choice for a pod (by UID) whose claims the kube-scheduler has not allocated yet: counted on
+    the DRA ledger until one of ``claims`` is seen allocated, or ``expires``."""
+
+    uid: str
+    assignment: Assignment
+    claims: tuple[str, ...]  # namespace/name of the pod's claims
+    expires: float  # time.monotonic()
+
+    @property
+    def ledger_name(self) -> str:
+        return f"hold:{self.uid}"
+
+
 class AssumeCache:
-    """The assumed placements by pod key. Every method only moves entries between phases; none touches a ledger."""
+    """The assumed placements by pod key, the room kept for preemptors and DRA steering's holds. Every method only
+    moves entries; none touches a ledger."""
 
     def __init__(self) -> None:
         self._entries: dict[str, Assumed] = {}
+        self._room: dict[tuple[str, str | None], KeptRoom] = {}  # (preemptor, victim) → what is kept
+        self._steered: dict[str, SteerHold] = {}  # pod UID → steering's hold
+
+    # ----- kept room (preemption) ------------------------------------------------------------------------------
+    def keep(self, room: KeptRoom) -> None:
+        self._room[(room.preemptor, room.victim)] = room
+
+    def kept(self, preemptor: str, victim: str | None) -> KeptRoom | None:
+        return self._room.get((preemptor, victim))
+
+    def room(self) -> list[KeptRoom]:
+        return list(self._room.values())
+
+    def unkeep(self, preemptor: str) -> list[KeptRoom]:
+        """Forget all the room kept for ``preemptor``; what was kept."""
+        gone = [r for k, r in self._room.items() if k[0] == preemptor]
+        for r in gone:
+            del self._room[(r.preemptor, r.victim)]
+        return gone
+
+    def lapsed_room(self, now: float) -> list[KeptRoom]:
+        gone = [r for r in self._room.values() if r.expires <= now]
+        for r in gone:
+            del self._room[(r.preemptor, r.victim)]
+        return gone
+
+    # ----- DRA steering's holds --------------------------------------------------------------------------------
+    def steer(self, hold: SteerHold) -> None:
+        self._steered[hold.uid] = hold
+
+    def steered(self) -> list[SteerHold]:
+        return list(self._steered.values())
+
+    def steered_for(self, uid: str) -> SteerHold | None:
+        return self._steered.get(uid)
+
+    def drop_steered(self, uid: str) -> SteerHold | None:
+        return self._steered.pop(uid, None)
+
+    def steered_by_claim(self, claim: str) -> list[SteerHold]:
+        return [h for h in self._steered.values() if claim in h.claims]
+
+    def lapsed_steered(self, now: float) -> list[SteerHold]:
+        return [h for h in self._steered.values() if h.expires <= now]
 
     # ----- reading ---------------------------------------------------------------------------------------------
     def get(self, key: str) -> Assumed | None:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from sharegpu.k8s.cache.assume import AssumeCache, Assumed, Outcome, Phase
+from sharegpu.k8s.cache.assume import AssumeCache, Assumed, KeptRoom, Outcome, Phase, room_ledger_name
 from sharegpu.k8s.dra_objects import is_dra_node
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.kube.api import DELETED
@@ -45,14 +45,13 @@ from sharegpu.model.contract import (
 )
 from sharegpu.model.inventory import InvalidInventory, NodeSpec
 from sharegpu.model.request import GpuRequest, InvalidRequest
-from sharegpu.placement.fragmentation import Workload
+from sharegpu.placement.fragmentation import Workload, workload_drifted
 from sharegpu.placement.framework import Policy, Scheduler
 from sharegpu.placement.policies import PolicyContext, UnknownPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
 FALLBACK_POLICY = "bestfit"  # needs no workload distribution
-WORKLOAD_DRIFT = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +72,7 @@ class LedgerView:
         catalog: Catalog = DEFAULT_CATALOG,
         seed: int = 0,
         workload: Workload | None = None,
+        assumed: AssumeCache | None = None,
     ) -> None:
         self.catalog = catalog
         self.policy_name = policy
@@ -90,7 +90,7 @@ class LedgerView:
         self._pods: dict[str, Pod] = {}
         self._requests: dict[str, GpuRequest] = {}
         self._pod_problems: dict[str, str] = {}
-        self._assumed = AssumeCache()
+        self._assumed = assumed if assumed is not None else AssumeCache()
         self._gone = Tombstones()  # deleted pods, so that a late copy of one (the binder's read) never brings it back
         self._ledger: Ledger | None = None
         self._scheduler: Scheduler | None = None
@@ -110,10 +110,7 @@ class LedgerView:
         """The scheduler over the current ledger, with the policy rebuilt when the workload seen drifted."""
         led = self.ledger
         n = len(self._requests)
-        stale = self._fixed_workload is None and (
-            self._workload_pods != n
-            and (self._workload_pods <= 0 or abs(n - self._workload_pods) >= WORKLOAD_DRIFT * self._workload_pods)
-        )
+        stale = self._fixed_workload is None and workload_drifted(self._workload_pods, n)
         if self._scheduler is None or self._scheduler.ledger is not led:
             self._scheduler = Scheduler(led, self._make_policy(), self.seed)
         elif stale:
@@ -241,7 +238,8 @@ class LedgerView:
         cannot be accounted: which pod wins a conflict must not depend on the order of the changes."""
         led = self._ledger
         assert led is not None
-        keys = set(self._assumed.keys()) | {k for k in led.assignments if k not in self._pods}
+        room = {r.ledger_name for r in self._assumed.room()}
+        keys = set(self._assumed.keys()) | {k for k in led.assignments if k not in self._pods and k not in room}
         keys.update(k for k, pod in self._pods.items() if _holds_differently(pods_before.get(k), pod))
         ordered = sorted(keys)
         for key in ordered:  # everything that may move is taken out first, so that no placement meets a stale one
@@ -433,6 +431,12 @@ class LedgerView:
                 led.place(desired, check_health=False)
             except LedgerError as e:
                 self._problem(key, str(e))
+        for r in self._assumed.room():
+            try:
+                led.place(r.assignment, check_health=False)
+            except LedgerError as e:  # the node changed under it: the room is lost, preemption decides again
+                log.info("room kept for %s no longer fits on %s: %s", r.preemptor, r.assignment.node, e)
+                self._assumed.unkeep(r.preemptor)
         self._ledger = led
         self.generation += 1
         log.debug("ledger rebuilt: %d node(s), %d assignment(s)", len(led.nodes), len(led))
@@ -487,10 +491,13 @@ class LedgerView:
         return True
 
     def expire_holds(self, now: float) -> int:
-        """Drop the holds whose bind never came (the scheduler chose another node, or gave up)."""
+        """Drop the holds whose bind never came (the scheduler chose another node, or gave up), and the room kept
+        past its time."""
         lapsed = self._assumed.lapsed(now)
         for key in lapsed:
             self.drop_hold(key)
+        for r in self._assumed.lapsed_room(now):
+            self._release_room(r)
         return len(lapsed)
 
     def unknown(self, key: str) -> tuple[Assignment | None, str, str]:
@@ -498,8 +505,40 @@ class LedgerView:
         return self._assumed.unknown(key)
 
     def drop_holds(self) -> None:
+        """Drop every hold and all kept room (this replica no longer leads)."""
         for key in self._assumed.held_keys():
             self.drop_hold(key)
+        for r in self._assumed.room():
+            self.unkeep_room(r.preemptor)
+
+    # ----- room kept for preemptors (the assume cache's KeptRoom entries) ------------------------------------------
+    def keep_room(self, preemptor: str, victim: str | None, a: Assignment, expires: float) -> None:
+        """Account ``a`` as room kept for pod ``preemptor`` (a victim's share, or with ``victim`` None the part of
+        its room free already) until ``expires``; raises :class:`LedgerConflict` (or ValueError) when it is taken."""
+        led = self.ledger
+        name = room_ledger_name(preemptor, victim)
+        if name in led.assignments:
+            raise LedgerConflict(f"room is already kept for {preemptor} ({name})")
+        kept = replace(a, pod=name)
+        led.place(kept)  # new room: only healthy GPUs
+        self._assumed.keep(KeptRoom(preemptor, victim, kept, expires))
+        self.generation += 1
+
+    def kept_room(self, preemptor: str, victim: str | None) -> KeptRoom | None:
+        return self._assumed.kept(preemptor, victim)
+
+    def room_for(self, preemptor: str) -> list[KeptRoom]:
+        """The room kept for pod ``preemptor`` now."""
+        return [r for r in self._assumed.room() if r.preemptor == preemptor]
+
+    def unkeep_room(self, preemptor: str) -> None:
+        for r in self._assumed.unkeep(preemptor):
+            self._release_room(r)
+
+    def _release_room(self, r: KeptRoom) -> None:
+        if self._ledger is not None and r.ledger_name in self._ledger.assignments:
+            self._ledger.release(r.ledger_name)
+            self.generation += 1
 
     def holds(self) -> int:
         return self._assumed.holds()

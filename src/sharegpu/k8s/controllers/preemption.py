@@ -46,7 +46,7 @@ from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.status.report import pending_pods
 from sharegpu.kube.api import DisruptionApi, DisruptionBudget, PodEvent
 from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
-from sharegpu.kube.schema import ExtenderArgs, Node, Pod
+from sharegpu.kube.schema import ExtenderArgs, Pod
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
@@ -131,21 +131,11 @@ class _Reservation:
     victims: frozenset[str]
     started: float
     freed_at: float | None = None  # when the last victim was seen gone
-    # The victims' assignments: a victim that is gone while others still terminate leaves its share held under a
-    # placeholder key (KEPT), so that a lower-priority pod cannot take the part of the room already freed.
+    # The victims' assignments: a victim that is gone while others still terminate leaves its share kept in the
+    # view's assume cache (a KeptRoom for the victim), so that a lower-priority pod cannot take the part of the room
+    # already freed. The part of the pod's room that is free already is kept too while the victims terminate (a
+    # KeptRoom without a victim): as the kube-scheduler counts a nominated pod on its node for pods of lower priority.
     kept: dict[str, Assignment] = field(default_factory=dict)
-    # The part of the pod's room that is free already is held too while the victims terminate (FREE placeholder):
-    # the victims' controllers recreate them at once, and a lower-priority replica would otherwise take that part
-    # beside its terminating original, so the room would never come together (as the kube-scheduler counts a
-    # nominated pod on its node for pods of lower priority).
-
-    def placeholder(self, victim: str) -> str:
-        # Never a pod's key ("#" is not allowed in names), so no pod's filter or relist can take it for its own.
-        return f"{victim}#kept-for-{self.pod}"
-
-    @property
-    def free_placeholder(self) -> str:
-        return f"free#kept-for-{self.pod}"
 
 
 @dataclass(frozen=True)
@@ -170,10 +160,6 @@ async def run_preemption(
     setup: Callable[[PreemptionController, CollectorRegistry], None] | None = None,
 ) -> None:
     """Preemption beside a running extender (its view, its metrics' registry, its leadership) until ``stop``."""
-    if not isinstance(view, ObservedView):
-        raise TypeError(
-            "preemption needs an ObservedView (sharegpu.k8s.controllers.preemption): it holds freed room on pod changes"
-        )
     ctrl = PreemptionController(view, api, PreemptionMetrics(registry), scheduler_name, is_leader, config)
     ctrl.attach()
     if setup is not None:  # e.g. consolidation (sharegpu.k8s.controllers.consolidation.enable_consolidation)
@@ -295,31 +281,10 @@ class Evicted:
     blocked: bool = False
 
 
-class ObservedView(ClusterView):
-    """The cluster view, calling ``pod_listeners`` after every pod change it applies (a watch event or a relist):
-    preemption must hold freed room in the same step that frees it, before any filter call can run."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.pod_listeners: list[Callable[[], None]] = []
-
-    def apply_pod(self, event: str, pod: Pod) -> None:
-        super().apply_pod(event, pod)
-        self._changed()
-
-    def reset(self, nodes: Iterable[Node], pods: Iterable[Pod]) -> None:
-        super().reset(nodes, pods)
-        self._changed()
-
-    def _changed(self) -> None:
-        for listener in self.pod_listeners:
-            listener()
-
-
 class PreemptionController:
     def __init__(
         self,
-        view: ObservedView,
+        view: ClusterView,
         api: DisruptionApi,
         metrics: PreemptionMetrics,
         scheduler_name: str = DEFAULT_SCHEDULER_NAME,
@@ -419,23 +384,19 @@ class PreemptionController:
 
     def _keep(self, r: _Reservation, victim: str, expires: float) -> None:
         a = r.kept.get(victim)
-        key = r.placeholder(victim)
-        if a is None or self.view.held(key) is not None:
+        if a is None or self.view.kept_room(r.pod, victim) is not None:
             return
         try:
-            self.view.hold(replace(a, pod=key), "", expires)
+            self.view.keep_room(r.pod, victim, a, expires)
         except LedgerError as e:  # its room was taken in the same step: the preemptor's hold will say so
             log.info("cannot keep the room of %s for %s: %s", victim, r.pod, e)
 
     def _unkeep(self, r: _Reservation) -> None:
-        for v in r.victims:
-            self.view.drop_hold(r.placeholder(v))
-        self.view.drop_hold(r.free_placeholder)
+        self.view.unkeep_room(r.pod)
 
     def _keep_free(self, r: _Reservation, expires: float) -> None:
         """Hold what ``r``'s pod needs on its GPUs beyond what its victims hold (see ``_Reservation.hold_free``)."""
-        key = r.free_placeholder
-        if r.assignment is None or self.view.held(key) is not None:
+        if r.assignment is None or self.view.kept_room(r.pod, None) is not None:
             return
         memory: dict[int, int] = {}
         milli: dict[int, int] = {}
@@ -457,7 +418,7 @@ class PreemptionController:
             return
         try:
             # The preemptor's user goes with the part it holds: an MPS unit serves one user (ledger).
-            self.view.hold(Assignment(key, r.node, tuple(shares), user=r.assignment.user), "", expires)
+            self.view.keep_room(r.pod, None, Assignment(r.pod, r.node, tuple(shares), user=r.assignment.user), expires)
         except (LedgerError, ValueError) as e:  # taken in the same step: the pod's own hold will say so
             log.info("cannot hold the free part of %s's room on %s: %s", r.pod, r.node, e)
 
@@ -617,11 +578,9 @@ class PreemptionController:
             if leaving or key in evicted:
                 led.release(key)
         for r in self._reservations.values():
-            if r.free_placeholder in led.assignments:
-                led.release(r.free_placeholder)  # part of the reservation's own room, placed just below
-            for v in r.victims:
-                if r.placeholder(v) in led.assignments:
-                    led.release(r.placeholder(v))  # the victim's room, kept for this very reservation
+            for room in view.room_for(r.pod):  # kept for this very reservation: its own room is placed just below
+                if room.ledger_name in led.assignments:
+                    led.release(room.ledger_name)
             if r.pod in led.assignments or r.assignment is None:
                 continue
             with contextlib.suppress(LedgerError):

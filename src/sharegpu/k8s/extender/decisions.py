@@ -31,7 +31,7 @@ import numpy as np
 
 from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
 from sharegpu.k8s.extender.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
-from sharegpu.k8s.extender.dra_steer import DraState
+from sharegpu.k8s.extender.dra_steer import DraSteering
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.kube.schema import (
     MAX_EXTENDER_PRIORITY,
@@ -46,7 +46,7 @@ from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.model.request import GpuRequest, InvalidRequest
-from sharegpu.placement.framework import BoolArray, CycleState, Decision, IntArray
+from sharegpu.placement.framework import BoolArray, Decision, IntArray
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,13 @@ class Decisions:
         may_hold: Callable[[], bool] = lambda: True,
         on_chosen: Callable[[Pod], None] = lambda pod: None,
         hold_s: float = HOLD_S,
-        dra: DraState | None = None,
         narrow: bool = True,
     ) -> None:
         self.view = view
         self.narrow = narrow  # filter leaves only the policy's pick (see _narrowed)
-        self.dra = dra  # DRA steering's state (None: steering off, /dra/filter passes every node)
+        # DRA steering over the view's DRA ledger (None: steering off, /dra/filter passes every node); it owns the
+        # scheduler of the DRA nodes.
+        self.steering = DraSteering(view.dra, view.seed) if view.dra is not None else None
         self.scheduler_name = scheduler_name  # only this scheduler's pods are placed
         # Only a replica that can bind holds (one with an API server connection, while it leads): a hold elsewhere
         # would only keep the share from the pods filtered meanwhile.
@@ -172,7 +173,7 @@ class Decisions:
         """The policy's scores of candidate nodes ``cand`` (ledger indices, each once) and its pick, which is held
         for the pod's bind."""
         sched = self.view.scheduler()
-        scores = sched.scores(CycleState(req, f.usable, sched.rng), cand)
+        scores = sched.scores(sched.cycle(req, f.usable), cand)
         best = sched.pick(cand, scores)
         self._hold(pod, req, best)
         self.on_chosen(pod)
@@ -218,10 +219,11 @@ class Decisions:
         """The candidates a DRA pod keeps: the ``dra-steered`` pick, or all of them when steering cannot judge it.
         Never binds or reserves: the kube-scheduler allocates the claims on the node left and its binder binds."""
         names = _node_names(args)
-        if self.dra is None:
+        if self.steering is None:
             return self._filtered(args, names, {}, {})
         # The DRA pods' own shapes (the claims seen), unless the operator fixed the workload.
-        s = self.dra.steer(args.Pod, names, self.view.fixed_workload)
+        synced = self.view.synced and self.view.dra_served
+        s = self.steering.steer(args.Pod, names, self.view.fixed_workload, synced)
         if s.assignment is not None:
             units = ", ".join(f"GPU {x.gpu_index}" for x in s.assignment.shares) or "no GPU"
             log.info("steered DRA pod %s to %s (%s, first fit: %s)", args.Pod.key, s.keep[0], s.why, units)

@@ -32,13 +32,11 @@ from sharegpu.k8s.controllers.preemption import PreemptionConfig, run_preemption
 from sharegpu.k8s.extender.answers import FilterAnswer
 from sharegpu.k8s.extender.binding import NOT_LEADER, Binder
 from sharegpu.k8s.extender.decisions import HOLD_S, Decisions
-from sharegpu.k8s.extender.dra_steer import DraState, follow_dra
 from sharegpu.k8s.extender.leader import LeaderElector
 from sharegpu.k8s.extender.metrics import ClusterMetrics  # issue 10
 from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.serving.tls import ServerTls
 from sharegpu.kube.api import ClusterApi, DisruptionApi
-from sharegpu.kube.client import KubeClient
 from sharegpu.kube.schema import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -64,7 +62,6 @@ class Extender:
         is_leader: Callable[[], bool] = lambda: True,
         hold_s: float = HOLD_S,
         metrics: ClusterMetrics | None = None,  # issue 10
-        dra: DraState | None = None,
         narrow: bool = True,
     ) -> None:
         self.view = view
@@ -81,7 +78,6 @@ class Extender:
             may_hold=lambda: api is not None and is_leader(),
             on_chosen=self.binder.remember,  # the pod as the scheduler sent it spares its bind a read
             hold_s=hold_s,
-            dra=dra,
             narrow=narrow,
         )
 
@@ -208,7 +204,6 @@ async def run_extender(
     health: tuple[str, int] | None = None,
     max_request_bytes: int = EXTENDER_MAX_BODY,
     metrics_listen: tuple[str, int] | None = None,  # issue 10
-    dra_client: KubeClient | None = None,
     preemption: tuple[PreemptionConfig, DisruptionApi] | None = None,  # issue 19
     consolidation: ConsolidationConfig | None = None,  # issue 19 item 2: off unless given (needs preemption)
 ) -> None:
@@ -218,8 +213,7 @@ async def run_extender(
     from sharegpu.k8s.serving.server import Listener, Site, probes_only, serve
 
     stop = stop or asyncio.Event()
-    dra = DraState(view.catalog, view.seed) if dra_client is not None else None
-    extender = Extender(view, api, scheduler_name, is_leader=elector.is_leader if elector else lambda: True, dra=dra)
+    extender = Extender(view, api, scheduler_name, is_leader=elector.is_leader if elector else lambda: True)
     app = make_app(extender, max_request_bytes)
     sites = [Site(app, Listener(host, port, tls), "scheduler extender")]
     if health is not None:
@@ -227,8 +221,6 @@ async def run_extender(
     if metrics_listen:  # issue 10: /metrics on its own port (a busy port fails the start with an OSError)
         sites.append(Site(extender.metrics.app(), Listener(*metrics_listen), "metrics"))
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
-    if dra is not None and dra_client is not None:
-        tasks.append(asyncio.ensure_future(follow_dra(dra, dra_client, stop)))
     if preemption is not None:  # issue 19: the leader preempts for GPU room (sharegpu.k8s.controllers.preemption)
         config, disruption = preemption
         registry = extender.metrics.registry
@@ -265,5 +257,3 @@ async def run_extender(
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await api.close()
-        if dra_client is not None:
-            await dra_client.close()
