@@ -293,7 +293,7 @@ def main() -> int:
     for req, a in placed:
         placed_pods.append(placed_pod_json(req, a, f"uid-placed-{len(placed_pods)}"))
     node_objs = [node_json(s) for s in specs]
-    view = ClusterView(policy=args.policy, workload=workload, seed=args.seed)
+    view = ClusterView()
     started = time.perf_counter()
     view.reset([Node.model_validate(n) for n in node_objs], [Pod.model_validate(p) for p in placed_pods])
     rebuild_s = time.perf_counter() - started
@@ -304,7 +304,8 @@ def main() -> int:
     relist_s = time.perf_counter() - started
     view.synced = True
     alloc = view.ledger.allocated_gpu_milli / capacity
-    view.scheduler()  # built before the fork, so that the report below names the active policy
+    ext = Extender(view, None, policy=args.policy, seed=args.seed, workload=workload)
+    ext.decisions.schedulers.placement()  # built before the fork, so that the report below names the active policy
     names = [s.name for s in specs]
     cycle_reqs = rest[: args.cycles + args.warmup]
     if len(cycle_reqs) < args.cycles + args.warmup:
@@ -321,7 +322,7 @@ def main() -> int:
         cold.append(r.shape_key() not in seen_shapes)
         seen_shapes.add(r.shape_key())
 
-    app = make_app(Extender(view, None))
+    app = make_app(ext)
     # The node names are the same every cycle: encoded once, as the kube-scheduler's own cost, not the extender's.
     names_bytes = json.dumps(names).encode()
     lat: list[float] = []
@@ -405,7 +406,7 @@ def main() -> int:
     figures = {
         "nodes": len(specs),
         "gpus": int(sum(len(s.gpus) for s in specs)),
-        "policy": view.active_policy,
+        "policy": ext.decisions.schedulers.active_policy,
         "node_cache": not args.no_node_cache,
         "pods_placed_before": len(placed_pods),
         "fill_by": args.fill_by,

@@ -63,7 +63,7 @@ def main() -> int:
             objs.append(placed_pod_json(req, d.assignment, f"uid-placed-{len(objs)}"))
     placed = len(objs)
     objs += [pod_json(r, f"uid-pending-{i}") for i, r in enumerate(rest[: args.pending])]
-    view = ClusterView(policy="sharegpu", seed=args.seed)
+    view = ClusterView()
     view.reset([Node.model_validate(node_json(s)) for s in specs], [Pod.model_validate(p) for p in objs])
     view.synced = True
     metrics = ClusterMetrics(view)

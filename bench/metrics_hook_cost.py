@@ -24,7 +24,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.calls < 1 or a.repeats < 1:
         ap.error("--calls and --repeats must be 1 or more")
-    m = ClusterMetrics(ClusterView(policy="bestfit"))
+    m = ClusterMetrics(ClusterView())
     args = ExtenderArgs.model_validate({"Pod": pod_obj("p", memory="5Gi"), "NodeNames": [f"n{i}" for i in range(1213)]})
     res = ExtenderFilterResult(NodeNames=[f"n{i}" for i in range(558)])
     for label, fn in (

@@ -66,7 +66,7 @@ class Steering:
     over it, fed the API objects as JSON, as the informer would."""
 
     def __init__(self) -> None:
-        self.view = ClusterView(policy="bestfit", dra_steering=True)
+        self.view = ClusterView(dra_steering=True)
         assert self.view.dra is not None
         self.dra = self.view.dra
         self.steering = DraSteering(self.dra)
@@ -195,14 +195,14 @@ def test_pods_bound_to_dra_nodes_count_their_cpu() -> None:
 
 def test_extender_dra_filter_returns_the_pick_and_passes_others_over() -> None:
     s = state(claims=[claim("x", allocated=("b", "gpu-0")), claim("p1")])
-    ext = Extender(s.view, None)
+    ext = Extender(s.view, None, policy="bestfit")
     args = ExtenderArgs.model_validate({"Pod": pod("p1", "p1").model_dump(mode="json", by_alias=True),
                                         "NodeNames": ["a", "b", "c"]})  # fmt: skip
     out = ext.dra_filter(args)
     assert out.NodeNames == ["b"]
     assert set(out.FailedNodes or {}) == {"a", "c"} and not out.FailedAndUnresolvableNodes
     # steering off: every node passes
-    off = Extender(ClusterView(policy="bestfit"), None).dra_filter(args)
+    off = Extender(ClusterView(), None, policy="bestfit").dra_filter(args)
     assert off.NodeNames == ["a", "b", "c"]
 
 

@@ -26,7 +26,7 @@ def node(name: str, labels: dict[str, str]) -> Node:
 
 
 def test_dra_nodes_are_left_out_of_the_ledger() -> None:
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset([node("plugin-node", {}), node("dra-node", {"sharegpu.io/device-path": "dra"})], [])
     assert [n.name for n in view.ledger.nodes] == ["plugin-node"]
 
@@ -62,7 +62,7 @@ def test_status_shows_dra_gpus_from_slices_and_claims() -> None:
     assert g["claims"] == ["ml/a", "ml/b"]
     mig = dra_status(slices, [claim("m", "gpu-0-mig-3g40gb-4")])[0]["gpus"][0]
     assert (mig["mechanism"], mig["mig"]) == ("mig", [{"profile": "3g.40gb", "start": 4, "claim": "ml/m"}])
-    report = status_report(ClusterView(policy="bestfit"), rows)
+    report = status_report(ClusterView(), rows)
     console = Console(record=True, width=200)
     print_status(console, report)
     text = console.export_text()

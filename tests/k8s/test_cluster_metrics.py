@@ -57,7 +57,7 @@ def cluster_view() -> ClusterView:
         pod_obj("too-big", "ml", gpu=4),
         pod_obj("plain", "ml", gpu=None),  # asks for no sharegpu resource: never pending here
     ]
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(
         nodes([node_obj(node_spec("node-h", gpus=2)), node_obj(mig), node_obj(node_spec("node-t", "T4", 2))]),
         pods(pod_list),
@@ -109,7 +109,7 @@ def test_pending_reasons_name_the_nearest_miss() -> None:
 
 
 def test_fragmentation_is_absent_until_a_pod_is_seen() -> None:
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes([node_obj(node_spec("node-h", gpus=2))]), [])
     data = samples(ClusterMetrics(view).render().decode())
     assert ("sharegpu_cluster_fragmentation_ratio", ()) not in data
@@ -126,11 +126,11 @@ def served() -> Iterator[tuple[LoopbackServer, MemoryClusterApi, ClusterView, Cl
     for s in NODE_SPECS:
         api.put_node(s.name, s)
     api.put_node("cpu-only")
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes(list(api.nodes.values())), [])
     view.synced = True
     metrics = ClusterMetrics(view)
-    with LoopbackServer(make_app(Extender(view, api, metrics=metrics))) as srv:
+    with LoopbackServer(make_app(Extender(view, api, metrics=metrics, policy="bestfit"))) as srv:
         yield srv, api, view, metrics
 
 
@@ -222,13 +222,15 @@ def test_run_extender_serves_metrics_on_its_own_port_and_counts_relists() -> Non
 
     api = MemoryClusterApi()
     api.put_node("node-a", node_spec("node-a", gpus=1))
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
 
     async def main() -> str:
         stop = asyncio.Event()
         api_port, metrics_port = _free_port(), _free_port()
         task = asyncio.ensure_future(
-            run_extender(view, api, "127.0.0.1", api_port, stop, metrics_listen=("127.0.0.1", metrics_port))
+            run_extender(
+                view, api, "127.0.0.1", api_port, stop, metrics_listen=("127.0.0.1", metrics_port), policy="bestfit"
+            )
         )
         for _ in range(200):
             if view.synced:

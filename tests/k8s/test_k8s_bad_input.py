@@ -118,10 +118,10 @@ def test_extender_reports_a_port_in_use(tmp_path: Path) -> None:
 
 # ----- request bodies -------------------------------------------------------------------------------------------
 def _extender(max_bytes: int | None = None) -> LoopbackServer:
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset([], [])
     view.synced = True
-    ext = Extender(view, None)
+    ext = Extender(view, None, policy="bestfit")
     return LoopbackServer(make_app(ext) if max_bytes is None else make_app(ext, max_bytes))
 
 

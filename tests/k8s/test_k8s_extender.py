@@ -18,8 +18,8 @@ from sharegpu.placement.framework import Decision
 
 
 class Cluster:
-    def __init__(self, srv: LoopbackServer, api: MemoryClusterApi, view: ClusterView) -> None:
-        self.srv, self.api, self.view = srv, api, view
+    def __init__(self, srv: LoopbackServer, api: MemoryClusterApi, view: ClusterView, ext: Extender) -> None:
+        self.srv, self.api, self.view, self.ext = srv, api, view, ext
 
     def add_pod(self, obj: dict) -> dict:
         return self.srv.call(lambda: self.api.put_pod(obj))
@@ -52,11 +52,12 @@ def cluster() -> Iterator[Cluster]:
     for s in NODE_SPECS:
         api.put_node(s.name, s)
     api.put_node("cpu-only")
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes(list(api.nodes.values())), [])
     view.synced = True
-    with LoopbackServer(make_app(Extender(view, api))) as srv:
-        yield Cluster(srv, api, view)
+    ext = Extender(view, api, policy="bestfit")
+    with LoopbackServer(make_app(ext)) as srv:
+        yield Cluster(srv, api, view, ext)
 
 
 def test_filter_node_names_mode_explains_each_rejected_node(cluster: Cluster) -> None:
@@ -99,7 +100,7 @@ def test_prioritize_gives_10_to_exactly_the_policy_choice(cluster: Cluster) -> N
     _, prio = cluster.srv.post("/prioritize", {"Pod": pod, "NodeNames": names})
     req = pod_request(Pod.model_validate(pod))
     assert req is not None
-    expected = cluster.srv.call(lambda: cluster.view.scheduler().decide(req))
+    expected = cluster.srv.call(lambda: cluster.ext.decisions.schedulers.placement().decide(req))
     assert isinstance(expected, Decision)
     tens = [h["Host"] for h in prio if h["Score"] == 10]
     assert tens == [expected.assignment.node]

@@ -22,7 +22,7 @@ from sharegpu.k8s.extender.server import Extender
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.kube.schema import MAX_EXTENDER_PRIORITY, ExtenderArgs, Pod
 from sharegpu.model.request import InvalidRequest
-from sharegpu.placement.framework import CycleState, Scheduler
+from sharegpu.placement.framework import CycleState, Policy, Scheduler
 from test_fast_paths import random_cluster
 
 
@@ -39,11 +39,11 @@ def random_pod(rnd: random.Random, i: int) -> dict:
     )
 
 
-def reference_filter(view: ClusterView, pod: Pod, names: list[str]) -> dict:
+def reference_filter(view: ClusterView, policy: Policy, pod: Pod, names: list[str]) -> dict:
     """Filter's answer from scratch, node by node (the synced path; the pod asks for sharegpu)."""
     req = pod_request(pod, view.catalog)
     assert req is not None
-    sched = Scheduler(view.ledger, view.scheduler().policy)  # nothing remembered
+    sched = Scheduler(view.ledger, policy)  # nothing remembered
     ok, usable = sched.feasible(req)
     passed, failed, unresolvable = [], {}, {}
     for name in names:
@@ -64,11 +64,11 @@ def reference_filter(view: ClusterView, pod: Pod, names: list[str]) -> dict:
     }
 
 
-def reference_priorities(view: ClusterView, pod: Pod, names: list[str]) -> list[dict]:
+def reference_priorities(view: ClusterView, policy: Policy, pod: Pod, names: list[str]) -> list[dict]:
     req = pod_request(pod, view.catalog)
     assert req is not None
     led = view.ledger
-    sched = Scheduler(led, view.scheduler().policy)
+    sched = Scheduler(led, policy)
     ok, usable = sched.feasible(req)
     cand = np.array(sorted({led.index[n] for n in names if n in led.index and ok[led.index[n]]}), dtype=np.int64)
     by_node: dict[int, int] = {}
@@ -88,11 +88,11 @@ def reference_priorities(view: ClusterView, pod: Pod, names: list[str]) -> list[
 def test_answers_equal_answers_from_scratch(seed: int, policy: str, tiny_caches: bool) -> None:
     rnd = random.Random(seed)
     specs = random_cluster(rnd, rnd.randint(1, 9))
-    view = ClusterView(policy=policy)
+    view = ClusterView()
     view.reset(nodes([node_obj(s) for s in specs] + [node_obj(None, "cpu-only")]), [])
     view.synced = True
     # With an API prioritize holds its choice, so the ledger moves; not narrowed: every passed node is answered.
-    ext = Extender(view, MemoryClusterApi(), narrow=False)
+    ext = Extender(view, MemoryClusterApi(), narrow=False, policy=policy)
     everyone = [s.name for s in specs] + ["cpu-only", "gone-node"]
     with pytest.MonkeyPatch.context() as mp:
         if tiny_caches:  # reasons forgotten and shapes evicted all the time: answers must not change
@@ -117,13 +117,13 @@ def test_answers_equal_answers_from_scratch(seed: int, policy: str, tiny_caches:
             assert ext.filter(args).model_dump() == got
             if not asks:
                 continue
-            expected = reference_filter(view, pod, names)
+            expected = reference_filter(view, ext.decisions.schedulers.placement().policy, pod, names)
             assert got == expected
             assert answer.passed == len(expected["NodeNames"]) and not answer.not_synced
             # Prioritize is sent the passed names (or, now and then, another list: the cached lookup must miss).
             prio_names = got["NodeNames"] if rnd.random() < 0.8 else rnd.sample(everyone, len(everyone))
             prio_args = ExtenderArgs.model_validate({"Pod": pod.model_dump(by_alias=True), "NodeNames": prio_names})
-            expected_prio = reference_priorities(view, pod, prio_names)
+            expected_prio = reference_priorities(view, ext.decisions.schedulers.placement().policy, pod, prio_names)
             assert json.loads(ext.prioritize_answer(prio_args)) == expected_prio
             if rnd.random() < 0.3:
                 view.drop_holds()
@@ -139,11 +139,14 @@ def test_a_narrowed_filter_leaves_the_node_prioritize_would_rank_first(seed: int
     (filter passes all that fit, prioritize gives 10 to one) would bind to, with the same share held."""
     rnd = random.Random(seed)
     specs = random_cluster(rnd, rnd.randint(1, 9))
-    views = [ClusterView(policy=policy) for _ in range(2)]
+    views = [ClusterView() for _ in range(2)]
     for v in views:
         v.reset(nodes([node_obj(s) for s in specs] + [node_obj(None, "cpu-only")]), [])
         v.synced = True
-    narrow, full = Extender(views[0], MemoryClusterApi()), Extender(views[1], MemoryClusterApi(), narrow=False)
+    narrow, full = (
+        Extender(views[0], MemoryClusterApi(), policy=policy),
+        Extender(views[1], MemoryClusterApi(), narrow=False, policy=policy),
+    )
     everyone = [s.name for s in specs] + ["cpu-only", "gone-node"]
     for i in range(30):
         obj = random_pod(rnd, rnd.randrange(12))
@@ -170,11 +173,11 @@ def test_a_narrowed_filter_leaves_the_node_prioritize_would_rank_first(seed: int
 def test_nodes_mode_answers_equal_node_name_mode_answers() -> None:
     rnd = random.Random(7)
     specs = random_cluster(rnd, 8)
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     objs = [node_obj(s) for s in specs] + [node_obj(None, "cpu-only")]
     view.reset(nodes(objs), [])
     view.synced = True
-    ext = Extender(view, None)
+    ext = Extender(view, None, policy="bestfit")
     for i in range(40):
         pod = random_pod(rnd, i)
         by_names = json.loads(

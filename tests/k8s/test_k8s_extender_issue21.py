@@ -28,10 +28,10 @@ def cluster() -> Iterator[Cluster]:
     api.put_node("node-a", node_spec("node-a", gpus=1))
     api.put_node("dra-node", labels={DEVICE_PATH_LABEL: DEVICE_PATH_DRA})
     api.put_node("cpu-only")
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes(list(api.nodes.values())), [])
     view.synced = True
-    with LoopbackServer(make_app(Extender(view, api))) as srv:
+    with LoopbackServer(make_app(Extender(view, api, policy="bestfit"))) as srv:
         yield Cluster(srv, api, view)
 
 

@@ -29,10 +29,10 @@ NODE = "node-a"
 def srv() -> Iterator[tuple[LoopbackServer, MemoryClusterApi]]:
     api = MemoryClusterApi()
     api.put_node(NODE, node_spec(NODE, gpus=2))
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes(list(api.nodes.values())), [])
     view.synced = True
-    with LoopbackServer(make_app(Extender(view, api))) as s:
+    with LoopbackServer(make_app(Extender(view, api, policy="bestfit"))) as s:
         yield s, api
 
 

@@ -64,7 +64,7 @@ def test_against_a_real_api_server() -> None:
         client = AsyncClient(config=KubeConfig.from_file(KUBECONFIG))
         api = LightkubeClusterApi(Path(KUBECONFIG))
         # Watches the server ends after 1-2 s (lightkube resumes them from the last resourceVersion seen).
-        view = ClusterView(policy="bestfit", watch_timeout_s=(1, 2), scheduler_name=scheduler)
+        view = ClusterView(watch_timeout_s=(1, 2), scheduler_name=scheduler)
         stop = asyncio.Event()
         follow = asyncio.ensure_future(view.follow(api, stop))
         try:
@@ -81,7 +81,7 @@ def test_against_a_real_api_server() -> None:
                     del obj["metadata"][server_set]
                 await client.create(KPod.from_dict(obj | {"status": {}}), namespace=ns)
             await until(lambda: view.pod(f"{ns}/b") is not None, "the pods")
-            ext = Extender(view, api, scheduler_name=scheduler)
+            ext = Extender(view, api, scheduler_name=scheduler, policy="bestfit")
 
             async def bind(name: str) -> str:
                 pod = await api.get_pod(ns, name)
@@ -104,7 +104,7 @@ def test_against_a_real_api_server() -> None:
             gpu = next(n for n in report["nodes"] if n["name"] == node_name)["gpus"][0]
             assert gpu["pods"] == [f"{ns}/{winner}"]
             # Restart equality against the real server.
-            fresh = ClusterView(policy="bestfit", scheduler_name=scheduler)
+            fresh = ClusterView(scheduler_name=scheduler)
             fresh.reset((await api.list_nodes())[0], (await api.list_pods(scheduler))[0])
             assert mine(fresh) == mine(view)
             view.resync()  # a relist (what a new leader does, and what a broken watch leads to)

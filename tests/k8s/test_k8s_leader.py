@@ -133,11 +133,11 @@ def test_a_replica_that_is_not_the_leader_is_not_ready_holds_nothing_and_binds_n
     api = MemoryClusterApi()
     spec = node_spec("node-a", gpus=1)
     api.put_node("node-a", spec)
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset([Node.model_validate(api.nodes["node-a"])], [])
     view.synced = True
     leader = False
-    client = TestClient(make_app(Extender(view, api, is_leader=lambda: leader)))
+    client = TestClient(make_app(Extender(view, api, is_leader=lambda: leader, policy="bestfit")))
     pod = api.put_pod(pod_obj("p", memory="10Gi"))
     assert client.get("/readyz").status_code == 503
     assert client.post("/prioritize", json={"Pod": pod, "NodeNames": ["node-a"]}).status_code == 200

@@ -45,11 +45,11 @@ def test_init_containers_count_as_the_kube_scheduler_counts_them(
 def test_a_pod_with_a_gpu_init_container_fits_a_one_gpu_node() -> None:
     api = MemoryClusterApi()
     api.put_node("node-a", node_spec("node-a", gpus=1))
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset([Node.model_validate(n) for n in api.nodes.values()], [])
     view.synced = True
     pod = with_init(pod_obj("p", gpu=1, memory="10Gi"), 1)
-    r = Extender(view, api).filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a"]}))
+    r = Extender(view, api, policy="bestfit").filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a"]}))
     assert r.NodeNames == ["node-a"]
 
 
@@ -57,7 +57,7 @@ def test_fewer_healthy_gpus_than_asked_is_unresolvable() -> None:
     spec = node_spec("node-a", gpus=2)
     sick = dataclasses.replace(spec, gpus=(dataclasses.replace(spec.gpus[0], healthy=False), spec.gpus[1]))
     small = node_spec("node-b", gpus=2)
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     nodes: list[NodeSpec] = [sick, small]
     api = MemoryClusterApi()
     for n in nodes:
@@ -65,7 +65,7 @@ def test_fewer_healthy_gpus_than_asked_is_unresolvable() -> None:
     view.reset([Node.model_validate(n) for n in api.nodes.values()], [])
     view.synced = True
     pod = pod_obj("p", gpu=2)
-    ext = Extender(view, api)
+    ext = Extender(view, api, policy="bestfit")
     assert ext.filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a", "node-b"]})).NodeNames == [
         "node-b"
     ]

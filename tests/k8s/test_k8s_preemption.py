@@ -51,10 +51,11 @@ class Harness:
     ) -> None:
         self.api, self.view = api, view
         self.leader = leader
-        self.ext = Extender(view, api, is_leader=lambda: self.leader)
+        self.ext = Extender(view, api, is_leader=lambda: self.leader, policy="bestfit")
         self.registry = CollectorRegistry()
         self.ctrl = PreemptionController(
             view,
+            self.ext.decisions.schedulers,
             api,
             PreemptionMetrics(self.registry),
             is_leader=lambda: self.leader,
@@ -135,7 +136,7 @@ class Harness:
 def run(body: Callable[[Harness], Awaitable[None]], leader: bool = True, **harness: Any) -> None:
     async def main() -> None:
         api = MemoryClusterApi()
-        view = ClusterView(policy="bestfit")
+        view = ClusterView()
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
         h = Harness(api, view, leader, **harness)

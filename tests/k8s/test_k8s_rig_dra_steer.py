@@ -271,7 +271,7 @@ def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
     ns = rig.namespace()
     # Wait until the extender follows the slices: its log says so once it listed them.
     ext = next(p for p in rig.procs if p.name == "extender")
-    wait_for(lambda: "DRA steering: following 3 DRA node(s)" in ext.text(), "the extender to follow the DRA nodes", 30)
+    wait_for(lambda: "DRA: 3 node(s)" in ext.text(), "the extender to follow the DRA nodes", 30)
 
     # One at a time: six quarter-GPU shares. LeastAllocated (cpu and memory only) would put each on the emptiest
     # node; sharegpu fills one GPU, then the node's next one.

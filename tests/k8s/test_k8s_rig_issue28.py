@@ -60,6 +60,7 @@ def test_names_that_are_no_kubernetes_names_never_reach_the_api_server(rig: Rig)
 
     from sharegpu.k8s.cache.view import ClusterView
     from sharegpu.k8s.extender.binding import Binder
+    from sharegpu.k8s.extender.schedulers import Schedulers
     from sharegpu.kube.api import LightkubeClusterApi
     from sharegpu.kube.names import InvalidName
     from sharegpu.kube.schema import ExtenderBindingArgs
@@ -71,12 +72,12 @@ def test_names_that_are_no_kubernetes_names_never_reach_the_api_server(rig: Rig)
 
     async def main() -> tuple[list[str], list[str]]:
         api = LightkubeClusterApi(rig.kubeconfig)
-        view = ClusterView(policy="bestfit")
+        view = ClusterView()
         nodes, _ = await api.list_nodes()
         pods, _ = await api.list_pods()
         view.reset(nodes, pods)
         view.synced = True
-        binder = Binder(view, api)
+        binder = Binder(view, api, Schedulers(view, "bestfit"))
         errors = []
         for name, namespace, target in (
             (f"../../../nodes/{node}", ns, node),

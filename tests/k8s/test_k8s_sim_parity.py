@@ -55,10 +55,10 @@ def test_extender_places_like_the_simulator() -> None:
         api = MemoryClusterApi()
         for s in specs:
             api.put_node(s.name, s)
-        view = ClusterView(policy="sharegpu", workload=workload)
+        view = ClusterView()
         view.reset(nodes(list(api.nodes.values())), [])
         view.synced = True
-        ext = Extender(view, api)
+        ext = Extender(view, api, policy="sharegpu", workload=workload)
         names = [s.name for s in specs]
         got: dict[str, Assignment | None] = {}
         for o in objs:

@@ -35,7 +35,7 @@ def build() -> ClusterView:
         with_assignment(pod_obj("iso", "ml", memory="40Gi"), a3.to_json(), "node-m"),
         with_assignment(pod_obj("broken", "ml", memory="1Gi"), "{oops", "node-h"),
     ]
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes([node_obj(h100), node_obj(mig)]), pods(pod_list))
     return view
 

@@ -28,7 +28,7 @@ def _view(annotation: str | None) -> ClusterView:
     a, b = node_obj(node_spec("node-a", gpus=1)), node_obj(node_spec("node-b", gpus=1))
     if annotation is not None:
         b["metadata"]["annotations"][BENCH_ANNOTATION] = annotation
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes([a, b]), pods([]))
     return view
 

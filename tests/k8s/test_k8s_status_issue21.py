@@ -40,7 +40,7 @@ def shared_view() -> ClusterView:
         with_assignment(pod_obj(name, ns, memory="10Gi"), a.to_json(), "gpu-node-1"),
         with_assignment(pod_obj("b", "ml", memory="10Gi"), b.to_json(), "gpu-node-1"),
     ]
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     from k8s_helpers import node_obj
 
     view.reset(nodes([node_obj(spec)]), pods(objs))
@@ -81,7 +81,7 @@ def test_a_mig_claim_counts_its_memory_and_compute_and_the_summary_names_dra() -
     g = rows[0]["gpus"][0]
     profile = DEFAULT_CATALOG.strict("A100-80GB").profile("3g.40gb")
     assert g["memory_mib_used"] == profile.memory_mib and g["compute_pct_used"] == round(300 / 7, 1)
-    report = status_report(ClusterView(policy="bestfit"), rows)
+    report = status_report(ClusterView(), rows)
     s = report["summary"]
     assert (s["dra_nodes"], s["dra_gpus_total"], s["dra_gpus_in_use"], s["dra_claims"]) == (1, 1, 1, 1)
     assert summary_line(report).endswith("· DRA: 1/1 GPUs claimed on 1 node(s), 1 claim(s)")

@@ -18,7 +18,7 @@ def test_an_idle_gpu_in_mig_mode_is_not_in_use() -> None:
     )
     h100 = node_spec("node-h", gpus=2)
     a = Assignment("ml/a", "node-h", (GpuShare(0, "GPU-node-h-0", Mechanism.MPS, 300, 10240),))
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(
         nodes([node_obj(h100), node_obj(mig)]), pods([with_assignment(pod_obj("a", "ml"), a.to_json(), "node-h")])
     )

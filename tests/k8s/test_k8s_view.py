@@ -29,11 +29,11 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> No
 def run(body: Callable[[MemoryClusterApi, ClusterView, Extender], Awaitable[None]], latency_s: float = 0.0) -> None:
     async def main() -> None:
         api = MemoryClusterApi(latency_s=latency_s)
-        view = ClusterView(policy="bestfit")
+        view = ClusterView()
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
         try:
-            await body(api, view, Extender(view, api))
+            await body(api, view, Extender(view, api, policy="bestfit"))
         finally:
             stop.set()
             await asyncio.wait_for(task, 5)
@@ -120,7 +120,7 @@ def test_rebuild_after_restart_equals_the_state_before() -> None:
         assert any(view.ledger.instances.values())  # MIG instances are part of what must be rebuilt
         before = view.ledger.state()
 
-        restarted = ClusterView(policy="bestfit")
+        restarted = ClusterView()
         nodes, _ = await api.list_nodes()
         pods, _ = await api.list_pods()
         restarted.reset(nodes, pods)

@@ -28,10 +28,10 @@ def make(specs: list[NodeSpec]) -> tuple[MemoryClusterApi, ClusterView, Extender
     api = MemoryClusterApi()
     for s in specs:
         api.put_node(s.name, s)
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     relist(api, view)
     view.synced = True
-    return api, view, Extender(view, api)
+    return api, view, Extender(view, api, policy="bestfit")
 
 
 def relist(api: MemoryClusterApi, view: ClusterView) -> None:
@@ -149,10 +149,10 @@ def test_a_leftover_assignment_on_an_unbound_pod_holds_nothing_after_a_restart()
         p = api.put_pod(pod_obj("train", gpu=1))
         other = json.dumps({"pod": "default/train", "node": "node-a"})
         stored = api.put_pod(p | {"metadata": p["metadata"] | {"annotations": {ASSIGNMENT_ANNOTATION: other}}})
-        view2 = ClusterView(policy="bestfit")
+        view2 = ClusterView()
         relist(api, view2)
         view2.synced = True
-        ext2 = Extender(view2, api)
+        ext2 = Extender(view2, api, policy="bestfit")
         assert held(view2) == {}
         assert passed(ext2, stored, ["node-a"]) == ["node-a"]
         assert await bind(ext2, api.pods["default/train"], "node-a") == ""
@@ -278,7 +278,7 @@ def test_one_unhealthy_gpu_keeps_the_whole_observed_assignment() -> None:
         assert passed(ext, new, ["node-a"]) == []
         assert await bind(ext, new, "node-a") != ""
         # A restart sees the same.
-        view2 = ClusterView(policy="bestfit")
+        view2 = ClusterView()
         relist(api, view2)
         assert held(view2) == {"default/big": ["GPU-node-a-0", "GPU-node-a-1"]}
         # New placements still avoid the unhealthy GPU.
@@ -309,7 +309,7 @@ def test_a_node_whose_inventory_cannot_be_accounted_is_left_out_and_reported(
     api = MemoryClusterApi()
     api.put_node("node-good", node_spec("node-good", gpus=1))
     api.put_node("node-bad", node_spec("node-bad", gpus=1))
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     relist(api, view)
     assert [n.name for n in view.ledger.nodes] == ["node-good"]
     assert [(p.kind, p.name) for p in view.problems] == [("node", "node-bad")]
@@ -326,7 +326,7 @@ def test_duplicate_static_mig_instances_are_an_invalid_inventory() -> None:
     api = MemoryClusterApi()
     api.put_node("node-good", node_spec("node-good", gpus=1))
     api.put_node("node-bad", json.dumps(d))
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     relist(api, view)
     assert [n.name for n in view.ledger.nodes] == ["node-good"]
     assert "node-bad" in view.problems[0].reason and "twice" in view.problems[0].reason

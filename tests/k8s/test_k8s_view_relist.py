@@ -14,6 +14,7 @@ from k8s_helpers import pod_obj, with_assignment
 from memory_api import MemoryClusterApi
 
 from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.schedulers import Schedulers
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger, LedgerError
@@ -55,7 +56,8 @@ def test_a_relist_that_keeps_the_ledger_equals_a_rebuild(seed: int) -> None:
     api = MemoryClusterApi()
     for s in specs:
         api.put_node(s.name, s)
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
+    schedulers = Schedulers(view, "bestfit")
     relist(api, view)
     serial = 0
     for _ in range(15):
@@ -71,7 +73,7 @@ def test_a_relist_that_keeps_the_ledger_equals_a_rebuild(seed: int) -> None:
                 except InvalidRequest:
                     continue
                 assert req is not None
-                d = view.scheduler().decide(req)
+                d = schedulers.placement().decide(req)
                 if isinstance(d, Decision):
                     obj = with_assignment(obj, d.assignment.to_json(), d.assignment.node)
                 api.put_pod(obj)
@@ -103,7 +105,7 @@ def test_a_relist_that_keeps_the_ledger_equals_a_rebuild(seed: int) -> None:
                         req = pod_request(Pod.model_validate(api.pods[pending[0]]), view.catalog)
                     except InvalidRequest:
                         req = None
-                    d = view.scheduler().decide(req) if req is not None else None
+                    d = schedulers.placement().decide(req) if req is not None else None
                     if isinstance(d, Decision):
                         with contextlib.suppress(LedgerError):  # the pod already holds one
                             view.hold(d.assignment, api.pods[pending[0]]["metadata"]["uid"], float("inf"))

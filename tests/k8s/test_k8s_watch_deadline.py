@@ -30,7 +30,7 @@ def test_a_silent_watch_is_given_up_and_the_view_goes_out_of_sync_until_the_api_
     async def main() -> None:
         api = MemoryClusterApi()
         api.put_node("node-a", node_spec("node-a", gpus=1))
-        view = ClusterView(policy="bestfit", watch_timeout_s=(40, 50), watch_idle_s=0.3)
+        view = ClusterView(watch_timeout_s=(40, 50), watch_idle_s=0.3)
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
         try:
@@ -54,7 +54,7 @@ def test_a_watch_the_server_ends_is_followed_by_a_relist_without_going_out_of_sy
     async def main() -> None:
         api = MemoryClusterApi()
         api.put_node("node-a", node_spec("node-a", gpus=1))
-        view = ClusterView(policy="bestfit", watch_timeout_s=(1, 1), watch_idle_s=5)
+        view = ClusterView(watch_timeout_s=(1, 1), watch_idle_s=5)
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
         seen: list[bool] = []
@@ -106,7 +106,7 @@ def test_lightkube_watches_ask_for_a_server_timeout_and_a_silent_one_is_relisted
         port = srv.sockets[0].getsockname()[1]
         kc = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
         api = LightkubeClusterApi(kc)
-        view = ClusterView(policy="bestfit", watch_timeout_s=(240, 300), watch_idle_s=0.4)
+        view = ClusterView(watch_timeout_s=(240, 300), watch_idle_s=0.4)
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop))
         try:
@@ -155,7 +155,7 @@ def test_a_watch_that_outlives_its_cancellation_does_not_keep_the_view_from_reli
     async def main() -> None:
         api = _StubbornWatchApi()
         api.put_node("node-a", node_spec("node-a", gpus=1))
-        view = ClusterView(policy="bestfit", watch_timeout_s=(40, 50), watch_idle_s=30, watch_close_s=0.2)
+        view = ClusterView(watch_timeout_s=(40, 50), watch_idle_s=30, watch_close_s=0.2)
         stop = asyncio.Event()
         task = asyncio.ensure_future(view.follow(api, stop, max_backoff_s=0.05))
         try:

@@ -63,7 +63,7 @@ def demo_view(extra: list[dict] | None = None) -> ClusterView:
         (GpuDevice(0, "GPU-a100-0", "A100-80GB", mig_enabled=True, mig_instances=(MigSlot("2g.20gb", 2),)),),
     )
     node_list = [node_obj(node_spec("gpu-h100", gpus=2)), node_obj(a100), node_obj(node_spec("gpu-t4", "T4", 2))]
-    view = ClusterView(policy="bestfit")
+    view = ClusterView()
     view.reset(nodes(node_list), pods(demo_pods() + (extra or [])))
     view.synced = True
     return view

@@ -179,6 +179,7 @@ def scheduler_extender(
     from sharegpu.k8s.controllers.consolidation import ConsolidationConfig
     from sharegpu.k8s.controllers.preemption import PreemptionConfig
     from sharegpu.k8s.extender.leader import LeaderElector
+    from sharegpu.k8s.extender.schedulers import check_policy
     from sharegpu.k8s.extender.server import run_extender
 
     _logging()
@@ -198,7 +199,8 @@ def scheduler_extender(
             raise SetupError(
                 f"--consolidation-moves-per-minute {consolidation_moves_per_minute} must be 1 or more, e.g. 4"
             )
-        view = ClusterView(policy=policy, seed=seed, scheduler_name=scheduler_name, dra_steering=dra_steering)
+        check_policy(policy)
+        view = ClusterView(scheduler_name=scheduler_name, dra_steering=dra_steering)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
     except (SetupError, UnknownPolicy, TlsError) as e:
@@ -229,6 +231,8 @@ def scheduler_extender(
                 consolidation=ConsolidationConfig(max_moves_per_minute=consolidation_moves_per_minute)
                 if consolidation
                 else None,
+                policy=policy,
+                seed=seed,
             )
         )
     except OSError as e:
@@ -340,7 +344,7 @@ def status(
             pods, _ = await api.list_pods()
         finally:
             await api.close()
-        view = ClusterView(policy="bestfit")
+        view = ClusterView()
         view.reset(nodes, pods)
         return status_report(view, await dra())
 

@@ -45,13 +45,9 @@ from sharegpu.model.contract import (
 )
 from sharegpu.model.inventory import InvalidInventory, NodeSpec
 from sharegpu.model.request import GpuRequest, InvalidRequest
-from sharegpu.placement.fragmentation import Workload, workload_drifted
-from sharegpu.placement.framework import Policy, Scheduler
-from sharegpu.placement.policies import PolicyContext, UnknownPolicy, make_policy
+from sharegpu.placement.fragmentation import Workload
 
 log = logging.getLogger(__name__)
-
-FALLBACK_POLICY = "bestfit"  # needs no workload distribution
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,19 +62,8 @@ class Problem:
 class LedgerView:
     """The ledger of the nodes' inventories and the pods' assignments, with this process's assumed placements."""
 
-    def __init__(
-        self,
-        policy: str = "sharegpu",
-        catalog: Catalog = DEFAULT_CATALOG,
-        seed: int = 0,
-        workload: Workload | None = None,
-        assumed: AssumeCache | None = None,
-    ) -> None:
+    def __init__(self, catalog: Catalog = DEFAULT_CATALOG, assumed: AssumeCache | None = None) -> None:
         self.catalog = catalog
-        self.policy_name = policy
-        self.seed = seed
-        self._fixed_workload = workload
-        make_policy(policy, PolicyContext(workload or _placeholder_workload()))  # fail early on a bad name
         self._specs: dict[str, NodeSpec] = {}
         self._parsed: dict[str, tuple[str, NodeSpec]] = {}  # node → (its inventory text, that text parsed)
         self._node_problems: dict[str, str] = {}
@@ -93,10 +78,7 @@ class LedgerView:
         self._assumed = assumed if assumed is not None else AssumeCache()
         self._gone = Tombstones()  # deleted pods, so that a late copy of one (the binder's read) never brings it back
         self._ledger: Ledger | None = None
-        self._scheduler: Scheduler | None = None
-        self._workload_pods = -1
         self.generation = 0  # bumped on every change of the ledger (cache key for per-cycle results)
-        self.active_policy = ""
 
     # ----- reading ---------------------------------------------------------------------------------------------
     @property
@@ -105,41 +87,6 @@ class LedgerView:
             self._rebuild()
         assert self._ledger is not None
         return self._ledger
-
-    def scheduler(self) -> Scheduler:
-        """The scheduler over the current ledger, with the policy rebuilt when the workload seen drifted."""
-        led = self.ledger
-        n = len(self._requests)
-        stale = self._fixed_workload is None and workload_drifted(self._workload_pods, n)
-        if self._scheduler is None or self._scheduler.ledger is not led:
-            self._scheduler = Scheduler(led, self._make_policy(), self.seed)
-        elif stale:
-            # Same ledger, new workload: the filter's per-shape results and reasons stay valid.
-            self._scheduler = self._scheduler.with_policy(self._make_policy(), self.seed)
-        return self._scheduler
-
-    def _make_policy(self) -> Policy:
-        workload = self._fixed_workload
-        if workload is None and self._requests:
-            workload = Workload.from_requests(self._requests.values())
-        self._workload_pods = len(self._requests)
-        try:
-            policy = make_policy(self.policy_name, PolicyContext(workload))
-        except UnknownPolicy:
-            # Only fragmentation-aware policies need a workload, and only until the first pod is seen.
-            if self.active_policy != FALLBACK_POLICY:
-                log.info(
-                    "policy %s needs the workload's typical pod shapes and no sharegpu pod has been seen yet; "
-                    "placing with %s until one is",
-                    self.policy_name,
-                    FALLBACK_POLICY,
-                )
-            policy = make_policy(FALLBACK_POLICY, PolicyContext())
-        else:
-            if workload is not None and self._fixed_workload is None:
-                log.info("policy %s: workload distribution rebuilt from %d pod(s)", policy.name, len(self._requests))
-        self.active_policy = policy.name
-        return policy
 
     def node_spec(self, name: str) -> NodeSpec | None:
         return self._specs.get(name)
@@ -179,16 +126,14 @@ class LedgerView:
         """The parsed sharegpu request of pod ``key`` (None: it asks for none, or it cannot be valid)."""
         return self._requests.get(key)
 
-    @property
-    def fixed_workload(self) -> Workload | None:
-        """The workload given at start (None: fragmentation is measured against the pods seen)."""
-        return self._fixed_workload
+    def requests(self) -> list[GpuRequest]:
+        """The parsed requests of every pod the view holds that asks for sharegpu (the workload seen)."""
+        return list(self._requests.values())
 
     def workload(self) -> Workload | None:
-        """The task shapes fragmentation is measured against (the policy's): the fixed one, else the pods seen."""
-        if self._fixed_workload is not None or not self._requests:
-            return self._fixed_workload
-        return Workload.from_requests(self._requests.values())
+        """The task shapes of the pods seen (None: none seen yet): what fragmentation is measured against where the
+        operator fixed no workload."""
+        return Workload.from_requests(self._requests.values()) if self._requests else None
 
     # ----- changing --------------------------------------------------------------------------------------------
     def reset(self, nodes: Iterable[Node], pods: Iterable[Pod]) -> None:
@@ -586,7 +531,3 @@ def _holds_differently(before: Pod | None, now: Pod) -> bool:
         or before.finished != now.finished
         or before.metadata.annotations.get(ASSIGNMENT_ANNOTATION) != now.metadata.annotations.get(ASSIGNMENT_ANNOTATION)
     )
-
-
-def _placeholder_workload() -> Workload:
-    return Workload.from_requests([GpuRequest("placeholder")])

@@ -26,7 +26,6 @@ from sharegpu.kube.informer import WATCH_CLOSE_S, WATCH_TIMEOUT_S, Informer, Sou
 from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import DRIVER
-from sharegpu.placement.fragmentation import Workload
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +36,14 @@ NOT_SYNCED = "sharegpu has lost the API server and is reconnecting; no new place
 class ClusterView(LedgerView):
     def __init__(
         self,
-        policy: str = "sharegpu",
         catalog: Catalog = DEFAULT_CATALOG,
-        seed: int = 0,
-        workload: Workload | None = None,
         watch_timeout_s: tuple[int, int] = WATCH_TIMEOUT_S,
         watch_idle_s: float | None = None,
         scheduler_name: str | None = None,
         watch_close_s: float = WATCH_CLOSE_S,
         dra_steering: bool = False,
     ) -> None:
-        super().__init__(policy, catalog, seed, workload)
+        super().__init__(catalog)
         # The DRA nodes' ledger, fed by the same informer (None: DRA steering off, no slice or claim is followed).
         self.dra: DraLedger | None = DraLedger(self._assumed, catalog) if dra_steering else None
         self.dra_served = True  # False: the API server does not serve resource.k8s.io/v1 (steering judges nothing)

@@ -148,7 +148,7 @@ class Consolidator:
                 plan = plan_consolidation(
                     future,
                     req,
-                    view.scheduler().policy,
+                    self.ctrl.schedulers.placement().policy,
                     movable,
                     max_moves=min(left, self.config.max_moves),
                     max_targets=self.config.max_targets,

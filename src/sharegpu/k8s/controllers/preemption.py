@@ -43,6 +43,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.extender.schedulers import Schedulers
 from sharegpu.k8s.status.report import pending_pods
 from sharegpu.kube.api import DisruptionApi, DisruptionBudget, PodEvent
 from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
@@ -150,6 +151,7 @@ class RoundReport:
 
 async def run_preemption(
     view: ClusterView,
+    schedulers: Schedulers,
     api: DisruptionApi,
     registry: CollectorRegistry,
     scheduler_name: str,
@@ -160,7 +162,7 @@ async def run_preemption(
     setup: Callable[[PreemptionController, CollectorRegistry], None] | None = None,
 ) -> None:
     """Preemption beside a running extender (its view, its metrics' registry, its leadership) until ``stop``."""
-    ctrl = PreemptionController(view, api, PreemptionMetrics(registry), scheduler_name, is_leader, config)
+    ctrl = PreemptionController(view, schedulers, api, PreemptionMetrics(registry), scheduler_name, is_leader, config)
     ctrl.attach()
     if setup is not None:  # e.g. consolidation (sharegpu.k8s.controllers.consolidation.enable_consolidation)
         setup(ctrl, registry)
@@ -285,6 +287,7 @@ class PreemptionController:
     def __init__(
         self,
         view: ClusterView,
+        schedulers: Schedulers,
         api: DisruptionApi,
         metrics: PreemptionMetrics,
         scheduler_name: str = DEFAULT_SCHEDULER_NAME,
@@ -293,6 +296,7 @@ class PreemptionController:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.view, self.api, self.metrics = view, api, metrics
+        self.schedulers = schedulers  # the extender's decisions' (preemption plans with the policy they place with)
         self.scheduler_name = scheduler_name
         self.is_leader = is_leader
         self.config = config or PreemptionConfig()
@@ -435,7 +439,7 @@ class PreemptionController:
         n = view.ledger.index.get(r.node)
         if req is None or n is None:
             return
-        decision = view.scheduler().decide_on(req, n)
+        decision = self.schedulers.placement().decide_on(req, n)
         if isinstance(decision, Decision):
             try:
                 view.hold(decision.assignment, r.uid, expires)
@@ -503,7 +507,7 @@ class PreemptionController:
         for gone in [k for k in self._passed if view.pod(k) is None]:
             del self._passed[gone]
         self.said.keep_only(lambda k: view.pod(k) is not None)
-        sched = view.scheduler()
+        sched = self.schedulers.placement()
         for p in pending_pods(view):
             if (
                 p.reason not in (ReasonKind.GPU_ROOM, ReasonKind.FITS)
@@ -600,7 +604,7 @@ class PreemptionController:
             plan = plan_preemption(
                 future,
                 Preemptor(req, prio, preemption_policy(pod)),
-                view.scheduler().policy,
+                self.schedulers.placement().policy,
                 self._facts(future, budgets, prio),
                 nodes=self.nodes_of(pod),
                 max_candidates=kube_candidate_limit(len(future.nodes)),

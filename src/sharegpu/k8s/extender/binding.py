@@ -19,6 +19,7 @@ from collections.abc import Callable
 from sharegpu.k8s.cache.assume import Outcome, Phase
 from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
 from sharegpu.k8s.extender.answers import event_safe
+from sharegpu.k8s.extender.schedulers import Schedulers
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.errors import Conflict, KubeError, NotFound, Unavailable
@@ -46,10 +47,12 @@ class Binder:
         self,
         view: ClusterView,
         api: ClusterApi | None,
+        schedulers: Schedulers,
         scheduler_name: str = DEFAULT_SCHEDULER_NAME,
         is_leader: Callable[[], bool] = lambda: True,
     ) -> None:
         self.view = view
+        self.schedulers = schedulers  # the decisions' (a bind on a node the filter did not pick decides there)
         self.api = api
         self.scheduler_name = scheduler_name  # binds only pods of this scheduler that ask for sharegpu
         self.is_leader = is_leader  # only the leader binds
@@ -135,7 +138,7 @@ class Binder:
             n = self.view.ledger.index.get(args.Node)
             if n is None:
                 return ExtenderBindingResult(Error=f"cannot bind {key}: {self.view.node_problem(args.Node)}")
-            d = self.view.scheduler().decide_on(req, n)
+            d = self.schedulers.placement().decide_on(req, n)
             if not isinstance(d, Decision):
                 return ExtenderBindingResult(Error=f"cannot bind {key}: {event_safe(d.reason)}")
             a = d.assignment

@@ -31,7 +31,7 @@ import numpy as np
 
 from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
 from sharegpu.k8s.extender.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
-from sharegpu.k8s.extender.dra_steer import DraSteering
+from sharegpu.k8s.extender.schedulers import Schedulers
 from sharegpu.k8s.pod_request import pod_request
 from sharegpu.kube.schema import (
     MAX_EXTENDER_PRIORITY,
@@ -46,6 +46,7 @@ from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.model.request import GpuRequest, InvalidRequest
+from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import BoolArray, Decision, IntArray
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,15 @@ class Decisions:
         on_chosen: Callable[[Pod], None] = lambda pod: None,
         hold_s: float = HOLD_S,
         narrow: bool = True,
+        policy: str = "sharegpu",
+        seed: int = 0,
+        workload: Workload | None = None,
     ) -> None:
         self.view = view
+        # The schedulers over the view's ledgers (the policy's, and DRA steering's when the view follows DRA nodes):
+        # the decisions own them; the binder, preemption and consolidation decide through them.
+        self.schedulers = Schedulers(view, policy, seed, workload)
         self.narrow = narrow  # filter leaves only the policy's pick (see _narrowed)
-        # DRA steering over the view's DRA ledger (None: steering off, /dra/filter passes every node); it owns the
-        # scheduler of the DRA nodes.
-        self.steering = DraSteering(view.dra, view.seed) if view.dra is not None else None
         self.scheduler_name = scheduler_name  # only this scheduler's pods are placed
         # Only a replica that can bind holds (one with an API server connection, while it leads): a hold elsewhere
         # would only keep the share from the pods filtered meanwhile.
@@ -135,7 +139,7 @@ class Decisions:
         self._passed = (self.view.ledger, passed, passed_idx)
         others = {names[i]: self.view.node_problem(names[i]) for i in np.flatnonzero(~known).tolist()}
         rejected = first_each(idx[known & ~fits], len(frags.names))  # a name given twice is answered once
-        ids = frags.reasons(self.view.scheduler(), req, f.usable, rejected)
+        ids = frags.reasons(self.schedulers.placement(), req, f.usable, rejected)
         never = frags.never(ids)  # no eviction can help these
         if args.NodeNames is not None:
             others = {n: event_safe(r) for n, r in others.items()}
@@ -172,7 +176,7 @@ class Decisions:
     def _choose(self, pod: Pod, req: GpuRequest, f: _Feasible, cand: IntArray) -> tuple[IntArray, int]:
         """The policy's scores of candidate nodes ``cand`` (ledger indices, each once) and its pick, which is held
         for the pod's bind."""
-        sched = self.view.scheduler()
+        sched = self.schedulers.placement()
         scores = sched.scores(sched.cycle(req, f.usable), cand)
         best = sched.pick(cand, scores)
         self._hold(pod, req, best)
@@ -202,7 +206,7 @@ class Decisions:
         hit = self._feasible.get(key)
         if hit is not None:
             return hit
-        ok, usable = view.scheduler().feasible(req)
+        ok, usable = self.schedulers.placement().feasible(req)
         f = _Feasible(req, ok, usable)
         assert led is view.ledger
         self._feasible[key] = f
@@ -219,11 +223,12 @@ class Decisions:
         """The candidates a DRA pod keeps: the ``dra-steered`` pick, or all of them when steering cannot judge it.
         Never binds or reserves: the kube-scheduler allocates the claims on the node left and its binder binds."""
         names = _node_names(args)
-        if self.steering is None:
+        steering = self.schedulers.steering
+        if steering is None:
             return self._filtered(args, names, {}, {})
         # The DRA pods' own shapes (the claims seen), unless the operator fixed the workload.
         synced = self.view.synced and self.view.dra_served
-        s = self.steering.steer(args.Pod, names, self.view.fixed_workload, synced)
+        s = steering.steer(args.Pod, names, self.schedulers.fixed_workload, synced)
         if s.assignment is not None:
             units = ", ".join(f"GPU {x.gpu_index}" for x in s.assignment.shares) or "no GPU"
             log.info("steered DRA pod %s to %s (%s, first fit: %s)", args.Pod.key, s.keep[0], s.why, units)
@@ -258,7 +263,7 @@ class Decisions:
         # What a narrowed filter held for the pod must not count against it: prioritize decides again.
         self.view.drop_hold(args.Pod.key)
         f = self._feasibility(args.Pod, req)
-        sched = self.view.scheduler()
+        sched = self.schedulers.placement()
         known = idx >= 0
         fits = np.zeros(len(names), dtype=bool)
         fits[known] = f.ok[idx[known]]
@@ -281,7 +286,7 @@ class Decisions:
         taken (the kube-scheduler binds asynchronously)."""
         if not self.may_hold():
             return
-        d = self.view.scheduler().decide_on(req, node)
+        d = self.schedulers.placement().decide_on(req, node)
         if not isinstance(d, Decision):
             return
         try:
@@ -325,7 +330,7 @@ class Decisions:
         led = self.view.ledger
         by_uid = self.view.pod_keys_by_uid()
         kept: dict[str, MetaVictims] = {}
-        sched = self.view.scheduler()
+        sched = self.schedulers.placement()
         for node, mv in victims.items():
             n = led.index.get(node)
             if n is None:

@@ -46,6 +46,7 @@ from sharegpu.kube.schema import (
     ExtenderPreemptionResult,
 )
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
+from sharegpu.placement.fragmentation import Workload
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class Extender:
         hold_s: float = HOLD_S,
         metrics: ClusterMetrics | None = None,  # issue 10
         narrow: bool = True,
+        policy: str = "sharegpu",
+        seed: int = 0,
+        workload: Workload | None = None,
     ) -> None:
         self.view = view
         self.api = api
@@ -71,15 +75,18 @@ class Extender:
         # Told of every filter call (issue 19: preemption plans only on the nodes the kube-scheduler's own filters
         # passed for the pod: its affinity, taints and the resources it counts).
         self.on_filter: list[Callable[[ExtenderArgs], None]] = []
-        self.binder = Binder(view, api, scheduler_name, is_leader)
         self.decisions = Decisions(
             view,
             scheduler_name,
             may_hold=lambda: api is not None and is_leader(),
-            on_chosen=self.binder.remember,  # the pod as the scheduler sent it spares its bind a read
+            on_chosen=lambda pod: self.binder.remember(pod),  # the pod as the scheduler sent it spares its bind a read
             hold_s=hold_s,
             narrow=narrow,
+            policy=policy,
+            seed=seed,
+            workload=workload,
         )
+        self.binder = Binder(view, api, self.decisions.schedulers, scheduler_name, is_leader)
 
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         return self.filter_answer(args).result()
@@ -206,6 +213,8 @@ async def run_extender(
     metrics_listen: tuple[str, int] | None = None,  # issue 10
     preemption: tuple[PreemptionConfig, DisruptionApi] | None = None,  # issue 19
     consolidation: ConsolidationConfig | None = None,  # issue 19 item 2: off unless given (needs preemption)
+    policy: str = "sharegpu",
+    seed: int = 0,
 ) -> None:
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
@@ -213,7 +222,8 @@ async def run_extender(
     from sharegpu.k8s.serving.server import Listener, Site, probes_only, serve
 
     stop = stop or asyncio.Event()
-    extender = Extender(view, api, scheduler_name, is_leader=elector.is_leader if elector else lambda: True)
+    leads = elector.is_leader if elector else lambda: True
+    extender = Extender(view, api, scheduler_name, is_leader=leads, policy=policy, seed=seed)
     app = make_app(extender, max_request_bytes)
     sites = [Site(app, Listener(host, port, tls), "scheduler extender")]
     if health is not None:
@@ -229,6 +239,7 @@ async def run_extender(
             asyncio.ensure_future(
                 run_preemption(
                     view,
+                    extender.decisions.schedulers,
                     disruption,
                     registry,
                     scheduler_name,

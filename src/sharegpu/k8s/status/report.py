@@ -391,7 +391,7 @@ class FollowedStatus:
         dra: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
         dra_every_s: float = 5.0,
     ) -> None:
-        self.view = view or ClusterView(policy="bestfit")
+        self.view = view or ClusterView()
         self.min_age_s = min_age_s
         # DRA nodes are read by listing their ResourceSlices and claims (the one-shot status does the same), every
         # ``dra_every_s``: the view follows only the device-plugin path.
