@@ -24,11 +24,11 @@ from sharegpu.kube.quantity import (
     parse_quantity,
     quantity_or_zero,
 )
-from sharegpu.kube.schema import Pod
+from sharegpu.kube.schema import Node, Pod
 from sharegpu.model.contract import DRIVER
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.claims import plan_claim
-from sharegpu.node.kube import node_info_from_dict, pod_info_from_dict
+from sharegpu.node.kube import node_info, pod_info
 
 TEN_G = "10G"  # 10^10 bytes = 9536.74 MiB
 ASKED = 9537
@@ -167,17 +167,19 @@ def test_a_device_or_node_of_10G_has_9536_MiB_everywhere() -> None:
     state.apply("node", "ADDED", {"metadata": {"name": "n1", "labels": {"sharegpu.io/device-path": "dra"}},
                                   "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}})  # fmt: skip
     assert state._nodes["n1"] == (1001, HAS)
-    info = node_info_from_dict(
-        {"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}}
+    info = node_info(
+        Node.model_validate({"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}})
     )
     assert (info.cpu_milli, info.memory_mib) == (1001, HAS)
 
 
 def test_the_node_reads_a_pods_gpu_count_through_the_same_parser() -> None:
-    pod = pod_info_from_dict(
-        {
-            "metadata": {"name": "p"},
-            "spec": {"containers": [{"name": "a", "resources": {"limits": {"sharegpu.io/gpu": "2"}}}]},
-        }
+    pod = pod_info(
+        Pod.model_validate(
+            {
+                "metadata": {"name": "p"},
+                "spec": {"containers": [{"name": "a", "resources": {"limits": {"sharegpu.io/gpu": "2"}}}]},
+            }
+        )
     )
     assert pod.gpu_demand == 2
