@@ -24,7 +24,7 @@ from sharegpu.kube.quantity import (
     parse_quantity,
     quantity_or_zero,
 )
-from sharegpu.kube.schema import Node, Pod
+from sharegpu.kube.schema import Node, Pod, ResourceClaim
 from sharegpu.model.contract import DRIVER
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.claims import plan_claim
@@ -112,7 +112,7 @@ def test_a_claim_asking_10G_is_9537_MiB_everywhere_its_ask_is_read() -> None:
     asked = {"memory": TEN_G, "compute": "30"}
     claim = allocated_claim(asked)
     # the node: what the driver enforces
-    plan = plan_claim(claim, "u1", "n1", (A100,)).devices[0]
+    plan = plan_claim(ResourceClaim.model_validate(claim), "u1", "n1", (A100,)).devices[0]
     assert plan.memory_mib == ASKED and plan.compute_percent == 30
     # the extender's DRA steering: the claim's ask, and its allocation
     req = claim_request("ns/p", [claim], 0, 0)
@@ -126,7 +126,7 @@ def test_a_claim_asking_10G_is_9537_MiB_everywhere_its_ask_is_read() -> None:
 
 def test_a_claim_compute_of_a_fraction_of_a_percent_is_rounded_up_alike() -> None:
     claim = allocated_claim({"memory": "1Gi", "compute": "33.4"})
-    assert plan_claim(claim, "u1", "n1", (A100,)).devices[0].compute_percent == 34
+    assert plan_claim(ResourceClaim.model_validate(claim), "u1", "n1", (A100,)).devices[0].compute_percent == 34
     assert claim_request("ns/p", [claim], 0, 0).compute_milli == 340
     use = _parse_use(claim)
     assert use is not None and use.devices[0][3] == 340
@@ -153,7 +153,7 @@ def test_the_dra_claim_path_and_the_extender_path_agree_on_a_10G_share() -> None
     assert extender is not None
     claim = allocated_claim({"memory": TEN_G})
     assert extender.memory_mib == claim_request("ns/p", [claim], 0, 0).memory_mib == ASKED
-    assert plan_claim(claim, "u1", "n1", (A100,)).devices[0].memory_mib == ASKED
+    assert plan_claim(ResourceClaim.model_validate(claim), "u1", "n1", (A100,)).devices[0].memory_mib == ASKED
     assert cpu_and_memory(pod) == (1, ASKED)  # the pod's own CPU and memory asks: rounded up too
 
 

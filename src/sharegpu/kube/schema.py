@@ -394,10 +394,14 @@ class DeviceRequestAllocationResult(K8sModel):
     pool: str = ""
     device: str = ""
     consumed_capacity: dict[str, str | int | float] = Field(default_factory=dict, alias="consumedCapacity")
+    share_id: str | None = Field(default=None, alias="shareID")  # set for a device allocated as one of its shares
 
 
 class DeviceAllocationResult(K8sModel):
     results: list[DeviceRequestAllocationResult] = Field(default_factory=list)
+    # The DeviceClass's and the claim's opaque configs, copied in at allocation; each driver reads its own entries
+    # (sharegpu.node.dra.config validates ours), so they stay JSON here.
+    config: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class AllocationResult(K8sModel):
