@@ -83,7 +83,8 @@ class LightkubeDraApi:
 
         body = KSlice.from_dict(dict(obj))
         assert isinstance(body, KSlice)
-        await self._client.apply(body, f"write ResourceSlice {obj['metadata']['name']}")
+        name = body.metadata.name if body.metadata else None
+        await self._client.apply(body, f"write ResourceSlice {name}")
 
     async def delete_slice(self, name: str) -> None:
         from lightkube.resources.resource_v1 import ResourceSlice as KSlice
