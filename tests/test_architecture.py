@@ -166,3 +166,61 @@ def test_byte_units_are_defined_once() -> None:
             if isinstance(n, ast.BinOp) and ast.unparse(n) == "1024 * 1024":
                 bad.append(f"{f.relative_to(SRC)}: {ast.unparse(n)}")
     assert not bad, "import the byte units from sharegpu.kube.quantity:\n" + "\n".join(bad)
+
+
+# ----- one shape per Kubernetes object (issue 27) -------------------------------------------------------------------
+NODE_READERS = [SRC / "node" / "kube.py", SRC / "node" / "dra" / "kube.py"]
+OBJECT_KEYS = {"metadata", "spec", "status", "items"}
+
+
+def _model_extra_reads(path: Path) -> list[int]:
+    """The lines where ``path`` reads ``model_extra``: a field the schema does not declare, read around it."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr == "model_extra"
+    ]
+
+
+def _raw_object_reads(path: Path) -> list[tuple[int, str]]:
+    """Where ``path`` indexes an API object as a dict: ``.get("spec")``, ``["metadata"]``, or any camelCase key
+    (``.get("nodeName")``), which only the API's JSON spells; a resource name (``"cpu"``) is a typed map's key."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        key = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key = node.args[0] if node.args else None
+        elif isinstance(node, ast.Subscript):
+            key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            camel = key.value[:1].islower() and any(c.isupper() for c in key.value)
+            if key.value in OBJECT_KEYS or camel:
+                out.append((node.lineno, key.value))
+    return sorted(out)
+
+
+def test_no_module_reads_fields_the_schema_does_not_declare() -> None:
+    """Every Kubernetes field sharegpu reads is declared in kube/schema.py (typed, with its API name as alias): a
+    ``model_extra`` read is a field read around the schema, untyped and undefaulted."""
+    bad = [f"{f.relative_to(SRC)}:{line}" for f in sorted(SRC.rglob("*.py")) for line in _model_extra_reads(f)]
+    assert not bad, "declare the field in sharegpu.kube.schema and read it typed:\n" + "\n".join(bad)
+
+
+def test_the_node_reads_the_schemas_objects_not_raw_dicts() -> None:
+    bad = [f"{f.relative_to(SRC)}:{line}: {key!r}" for f in NODE_READERS for line, key in _raw_object_reads(f)]
+    assert not bad, "parse the object into sharegpu.kube.schema and read its fields:\n" + "\n".join(bad)
+
+
+def test_the_shape_checks_find_what_they_look_for(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f(pod, d):\n"
+        "    a = pod.spec.model_extra\n"
+        "    b = d.get('metadata') or {}\n"
+        "    c = d['spec']\n"
+        "    e = d.get('nodeName')\n"
+        "    g = d.get('cpu'), d['memory'], pod.status.conditions\n",
+        encoding="utf-8",
+    )
+    assert _model_extra_reads(probe) == [2]
+    assert _raw_object_reads(probe) == [(3, "metadata"), (4, "spec"), (5, "nodeName")]

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
+from sharegpu.kube.schema import Node, ResourceClaim, ResourceSlice
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.node.backends.sim import SimBackend
@@ -82,9 +83,9 @@ class Claims:
         self.claims = claims
         self.asked: list[tuple[str, str]] = []
 
-    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
+    async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
         self.asked.append((namespace, name))
-        return self.claims[name]
+        return ResourceClaim.model_validate(self.claims[name])
 
 
 def make_driver(root: Path, claims: Claims, backend: SimBackend) -> DraDriver:
@@ -178,7 +179,7 @@ def test_an_explicit_null_is_refused_with_what_to_write_instead() -> None:
     # Through planning: the claim fails at Prepare, it is not prepared as MPS.
     with pytest.raises(ClaimError, match="sharing: null"):
         plan_claim(
-            claim("gpu-0", "u1", config={"sharing": None}, memory="10Gi", compute="30"),
+            ResourceClaim.model_validate(claim("gpu-0", "u1", config={"sharing": None}, memory="10Gi", compute="30")),
             "u1",
             "n1",
             sim(SimGpuGroup("H100-80GB")).devices(),
@@ -188,10 +189,17 @@ def test_an_explicit_null_is_refused_with_what_to_write_instead() -> None:
 def test_mig_devices_take_mps_or_nothing_never_time_slicing() -> None:
     gpus = sim(SimGpuGroup("H100-80GB")).devices()
     with pytest.raises(ClaimError, match="TimeSlicing does not apply to a MIG instance"):
-        plan_claim(claim("gpu-0-mig-3g40gb-4", "u1", config={"sharing": "TimeSlicing"}), "u1", "n1", gpus)
-    alone = plan_claim(claim("gpu-0-mig-3g40gb-4", "u1"), "u1", "n1", gpus).devices[0]
+        plan_claim(
+            ResourceClaim.model_validate(claim("gpu-0-mig-3g40gb-4", "u1", config={"sharing": "TimeSlicing"})),
+            "u1",
+            "n1",
+            gpus,
+        )
+    alone = plan_claim(ResourceClaim.model_validate(claim("gpu-0-mig-3g40gb-4", "u1")), "u1", "n1", gpus).devices[0]
     assert alone.mechanism is Mechanism.MIG
-    shared = plan_claim(claim("gpu-0-mig-1g10gb-6", "u1", config={"sharing": "MPS"}), "u1", "n1", gpus).devices[0]
+    shared = plan_claim(
+        ResourceClaim.model_validate(claim("gpu-0-mig-1g10gb-6", "u1", config={"sharing": "MPS"})), "u1", "n1", gpus
+    ).devices[0]
     assert (shared.mechanism, shared.mig_profile, shared.mig_start) == (Mechanism.MPS, "1g.10gb", 6)
     whole_instance = DEFAULT_CATALOG.get("H100-80GB").profile("1g.10gb").memory_mib
     assert (shared.compute_percent, shared.memory_mib) == (100, whole_instance)
@@ -342,17 +350,17 @@ class FakeKube:
         self.slices: dict[str, Mapping[str, Any]] = {}
         self.writes = 0
 
-    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
+    async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
         raise KeyError(name)
 
-    async def get_node(self, name: str) -> Mapping[str, Any]:
-        return {"metadata": {"name": name, "uid": "node-uid"}}
+    async def get_node(self, name: str) -> Node:
+        return Node.model_validate({"metadata": {"name": name, "uid": "node-uid"}})
 
     async def label_node(self, name: str, labels: Mapping[str, str | None]) -> None:
         pass
 
-    async def list_slices(self, node: str) -> list[Mapping[str, Any]]:
-        return list(self.slices.values())
+    async def list_slices(self, node: str) -> list[ResourceSlice]:
+        return [ResourceSlice.model_validate(s) for s in self.slices.values()]
 
     async def apply_slice(self, obj: Mapping[str, Any]) -> None:
         self.writes += 1

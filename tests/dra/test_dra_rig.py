@@ -208,7 +208,7 @@ async def _setup(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         await service.kube.close()
         await client.delete(Namespace, ns)
         for s in await LightkubeDraApi(Path(KUBECONFIG)).list_slices(node):
-            await client.delete(ResourceSlice, s["metadata"]["name"])
+            await client.delete(ResourceSlice, s.metadata.name)
         await client.delete(Node, node)
         await client.close()
 
@@ -236,10 +236,10 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
     assert await service.publisher.publish(backend.devices())
     slices = await service.kube.list_slices(rig.node)
     assert len(slices) == 2
-    assert {s["spec"]["pool"]["generation"] for s in slices} == {service.publisher.generation}
-    devices = [d for s in slices for d in s["spec"].get("devices") or []]
+    assert {s.spec.pool.generation for s in slices} == {service.publisher.generation}
+    devices = [d for s in slices for d in s.spec.devices]
     assert len(devices) == 1 + 7 + 4 + 3 + 2 + 1 + 1  # the GPU and every valid MIG placement of an A100-80GB
-    assert all(s["metadata"]["ownerReferences"][0]["kind"] == "Node" for s in slices)
+    assert all(s.metadata.owner_references[0].kind == "Node" for s in slices)
     assert not await service.publisher.publish(backend.devices())  # nothing changed: nothing written
     node = (await rig.c.get(Node, rig.node)).to_dict()
     assert node["metadata"]["labels"][DEVICE_PATH_LABEL] == "dra"

@@ -133,11 +133,11 @@ def test_claims_steering_cannot_judge_are_named(claims: list[dict[str, Any]], wh
 
 
 def test_claim_names_from_templates_come_from_the_pod_status() -> None:
-    p = {"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}}
+    p: dict[str, Any] = {"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}}
     with pytest.raises(NotSteered, match="not made from its template yet"):
-        claim_names(p)
+        claim_names(Pod.model_validate(p))
     p["status"] = {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x1"}]}
-    assert claim_names(p) == ["p-gpu-x1"]
+    assert claim_names(Pod.model_validate(p)) == ["p-gpu-x1"]
 
 
 def test_ledger_holds_the_dra_nodes_gpus_and_what_claims_consume() -> None:

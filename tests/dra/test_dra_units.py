@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
+from sharegpu.kube.schema import Pod, ResourceClaim
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.model.request import Isolation
@@ -157,18 +158,24 @@ def claim(
 
 
 def test_plans_follow_the_allocation_and_the_config() -> None:
-    mps = plan_claim(claim(consumed={"memory": "10Gi", "compute": "30"}), "u1", "n1", (A100,)).devices[0]
+    mps = plan_claim(
+        ResourceClaim.model_validate(claim(consumed={"memory": "10Gi", "compute": "30"})), "u1", "n1", (A100,)
+    ).devices[0]
     assert (mps.mechanism, mps.compute_percent, mps.memory_mib, mps.share_id) == (Mechanism.MPS, 30, 10240, "s-1")
-    whole = plan_claim(claim(consumed={"memory": "80Gi", "compute": "100"}), "u1", "n1", (A100,)).devices[0]
+    whole = plan_claim(
+        ResourceClaim.model_validate(claim(consumed={"memory": "80Gi", "compute": "100"})), "u1", "n1", (A100,)
+    ).devices[0]
     assert whole.mechanism is Mechanism.EXCLUSIVE
     ts = plan_claim(
-        claim(consumed={"memory": "8Gi", "compute": "50"}, config=[cfg("FromClaim", sharing="TimeSlicing")]),
+        ResourceClaim.model_validate(
+            claim(consumed={"memory": "8Gi", "compute": "50"}, config=[cfg("FromClaim", sharing="TimeSlicing")])
+        ),
         "u1",
         "n1",
         (A100,),
     ).devices[0]
     assert ts.mechanism is Mechanism.TIME_SLICING
-    mig = plan_claim(claim("gpu-0-mig-2g20gb-4"), "u1", "n1", (A100,)).devices[0]
+    mig = plan_claim(ResourceClaim.model_validate(claim("gpu-0-mig-2g20gb-4")), "u1", "n1", (A100,)).devices[0]
     assert (mig.mechanism, mig.mig_profile, mig.mig_start) == (Mechanism.MIG, "2g.20gb", 4)
 
 
@@ -202,23 +209,33 @@ def test_claims_that_cannot_be_prepared(
     c: dict[str, Any], uid: str, gpus: tuple[DeviceInfo, ...], message: str
 ) -> None:
     with pytest.raises(ClaimError, match=message):
-        plan_claim(c, uid, "n1", gpus)
+        plan_claim(ResourceClaim.model_validate(c), uid, "n1", gpus)
 
 
 def test_fault_isolation_is_time_slicing_and_never_mps() -> None:
     fault = [cfg("FromClaim", isolation="fault")]
-    plan = plan_claim(claim(consumed={"memory": "8Gi", "compute": "50"}, config=fault), "u1", "n1", (A100,)).devices[0]
+    plan = plan_claim(
+        ResourceClaim.model_validate(claim(consumed={"memory": "8Gi", "compute": "50"}, config=fault)),
+        "u1",
+        "n1",
+        (A100,),
+    ).devices[0]
     assert plan.mechanism is Mechanism.TIME_SLICING
     with pytest.raises(ClaimError, match="isolation: fault cannot be met by MPS"):
         both = [cfg("FromClaim", isolation="fault", sharing="MPS")]
-        plan_claim(claim(consumed={"memory": "8Gi", "compute": "50"}, config=both), "u1", "n1", (A100,))
+        plan_claim(
+            ResourceClaim.model_validate(claim(consumed={"memory": "8Gi", "compute": "50"}, config=both)),
+            "u1",
+            "n1",
+            (A100,),
+        )
 
 
 def test_a_foreign_claim_has_no_device_of_ours() -> None:
     c = claim()
     c["status"]["allocation"]["devices"]["results"][0]["driver"] = "gpu.nvidia.com"
     with pytest.raises(ClaimError, match="not this driver's"):
-        plan_claim(c, "u1", "n1", (A100,))
+        plan_claim(ResourceClaim.model_validate(c), "u1", "n1", (A100,))
 
 
 # ----- the driver on a simulated node, without an API server ---------------------------------------------------
@@ -227,11 +244,11 @@ class Claims:
         self.claims = claims
         self.pods = pods or {}
 
-    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
-        return self.claims[name]
+    async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
+        return ResourceClaim.model_validate(self.claims[name])
 
-    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
-        return self.pods[name]
+    async def get_pod(self, namespace: str, name: str) -> Pod:
+        return Pod.model_validate(self.pods[name])
 
 
 @pytest.fixture

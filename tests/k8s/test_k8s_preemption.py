@@ -112,7 +112,7 @@ class Harness:
             {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/1 nodes"}
         ]
         self.api.put_pod(obj)
-        await until(lambda: (p := self.view.pod(key)) is not None and bool(p.status.model_extra), f"{key} seen")
+        await until(lambda: (p := self.view.pod(key)) is not None and bool(p.status.conditions), f"{key} seen")
         assert self.filter(key, nodes) == [], f"{key} should fit nowhere"
         return key
 

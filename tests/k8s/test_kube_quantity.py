@@ -30,7 +30,7 @@ from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.model.contract import DRIVER
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.claims import plan_claim
-from sharegpu.node.kube import node_info_from_dict, pod_info_from_dict
+from sharegpu.node.kube import node_info, pod_info
 
 TEN_G = "10G"  # 10^10 bytes = 9536.74 MiB
 ASKED = 9537
@@ -114,7 +114,7 @@ def test_a_claim_asking_10G_is_9537_MiB_everywhere_its_ask_is_read() -> None:
     asked = {"memory": TEN_G, "compute": "30"}
     claim = allocated_claim(asked)
     # the node: what the driver enforces
-    plan = plan_claim(claim, "u1", "n1", (A100,)).devices[0]
+    plan = plan_claim(ResourceClaim.model_validate(claim), "u1", "n1", (A100,)).devices[0]
     assert plan.memory_mib == ASKED and plan.compute_percent == 30
     # the extender's DRA steering: the claim's ask, and its allocation
     req = claim_request("ns/p", [ResourceClaim.model_validate(claim)], 0, 0)
@@ -128,7 +128,7 @@ def test_a_claim_asking_10G_is_9537_MiB_everywhere_its_ask_is_read() -> None:
 
 def test_a_claim_compute_of_a_fraction_of_a_percent_is_rounded_up_alike() -> None:
     claim = allocated_claim({"memory": "1Gi", "compute": "33.4"})
-    assert plan_claim(claim, "u1", "n1", (A100,)).devices[0].compute_percent == 34
+    assert plan_claim(ResourceClaim.model_validate(claim), "u1", "n1", (A100,)).devices[0].compute_percent == 34
     assert claim_request("ns/p", [ResourceClaim.model_validate(claim)], 0, 0).compute_milli == 340
     use = parse_use(ResourceClaim.model_validate(claim))
     assert use is not None and use.devices[0][3] == 340
@@ -155,7 +155,7 @@ def test_the_dra_claim_path_and_the_extender_path_agree_on_a_10G_share() -> None
     assert extender is not None
     claim = allocated_claim({"memory": TEN_G})
     assert extender.memory_mib == claim_request("ns/p", [ResourceClaim.model_validate(claim)], 0, 0).memory_mib == ASKED
-    assert plan_claim(claim, "u1", "n1", (A100,)).devices[0].memory_mib == ASKED
+    assert plan_claim(ResourceClaim.model_validate(claim), "u1", "n1", (A100,)).devices[0].memory_mib == ASKED
     assert cpu_and_memory(pod) == (1, ASKED)  # the pod's own CPU and memory asks: rounded up too
 
 
@@ -169,17 +169,19 @@ def test_a_device_or_node_of_10G_has_9536_MiB_everywhere() -> None:
     state.apply_node("ADDED", Node.model_validate({"metadata": {"name": "n1", "labels": {"sharegpu.io/device-path": "dra"}},
                                   "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}}))  # fmt: skip
     assert state._nodes["n1"] == (1001, HAS)
-    info = node_info_from_dict(
-        {"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}}
+    info = node_info(
+        Node.model_validate({"metadata": {"name": "n1"}, "status": {"allocatable": {"cpu": "1.001", "memory": TEN_G}}})
     )
     assert (info.cpu_milli, info.memory_mib) == (1001, HAS)
 
 
 def test_the_node_reads_a_pods_gpu_count_through_the_same_parser() -> None:
-    pod = pod_info_from_dict(
-        {
-            "metadata": {"name": "p"},
-            "spec": {"containers": [{"name": "a", "resources": {"limits": {"sharegpu.io/gpu": "2"}}}]},
-        }
+    pod = pod_info(
+        Pod.model_validate(
+            {
+                "metadata": {"name": "p"},
+                "spec": {"containers": [{"name": "a", "resources": {"limits": {"sharegpu.io/gpu": "2"}}}]},
+            }
+        )
     )
     assert pod.gpu_demand == 2

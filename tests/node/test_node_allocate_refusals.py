@@ -25,13 +25,14 @@ from node_fakes import (
     start_container,
 )
 
+from sharegpu.kube.schema import Pod
 from sharegpu.model.assignment import GpuShare, Mechanism
 from sharegpu.model.contract import cdi_allocation_name
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.allocation import AllocationError
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
-from sharegpu.node.kube import ContainerInfo, NodeInfo, pod_info_from_dict
+from sharegpu.node.kube import ContainerInfo, NodeInfo, pod_info
 from sharegpu.node.mps import SimMpsDaemon
 
 
@@ -261,6 +262,6 @@ def test_a_refused_container_is_served_once_its_pod_is_fixed(tmp_path: Path, soc
 
 
 def test_status_reason_is_read_from_the_api() -> None:
-    p = pod_info_from_dict({"metadata": {"name": "x"}, "status": {"phase": "Pending", "reason": "OutOfcpu"}})
+    p = pod_info(Pod.model_validate({"metadata": {"name": "x"}, "status": {"phase": "Pending", "reason": "OutOfcpu"}}))
     assert p.reason == "OutOfcpu"
-    assert pod_info_from_dict({"metadata": {"name": "x"}, "status": {"phase": "Pending"}}).reason == ""
+    assert pod_info(Pod.model_validate({"metadata": {"name": "x"}, "status": {"phase": "Pending"}})).reason == ""

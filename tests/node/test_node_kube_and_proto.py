@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sharegpu.node.kube import LightkubeApi, node_info_from_dict, pod_info_from_dict
+from sharegpu.k8s.pod_request import pod_request
+from sharegpu.kube.schema import Node, Pod
+from sharegpu.node.kube import LightkubeApi, node_info, pod_info
 from sharegpu.node.proto.generate import PROTO, generate
 
 
@@ -24,41 +26,60 @@ def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
 
 
 def test_pod_and_node_from_api_json() -> None:
-    p = pod_info_from_dict(
-        {
-            "metadata": {
-                "namespace": "ml",
-                "name": "train",
-                "uid": "u1",
-                "creationTimestamp": "2024-05-01T10:00:00Z",
-                "annotations": {"sharegpu.io/assignment": "{}"},
-            },
-            "spec": {
-                "nodeName": "node-a",
-                "initContainers": [
-                    {"name": "init", "resources": {"limits": {"sharegpu.io/gpu": "2"}}},
-                    {"name": "proxy", "restartPolicy": "Always", "resources": {"limits": {"sharegpu.io/gpu": "1"}}},
-                ],
-                "containers": [
-                    {"name": "main", "resources": {"limits": {"sharegpu.io/gpu": "2", "cpu": "1"}}},
-                    {"name": "side"},
-                ],
-            },
-            "status": {"phase": "Pending"},
-        }
+    p = pod_info(
+        Pod.model_validate(
+            {
+                "metadata": {
+                    "namespace": "ml",
+                    "name": "train",
+                    "uid": "u1",
+                    "creationTimestamp": "2024-05-01T10:00:00Z",
+                    "annotations": {"sharegpu.io/assignment": "{}"},
+                },
+                "spec": {
+                    "nodeName": "node-a",
+                    "initContainers": [
+                        {"name": "init", "resources": {"limits": {"sharegpu.io/gpu": "2"}}},
+                        {"name": "proxy", "restartPolicy": "Always", "resources": {"limits": {"sharegpu.io/gpu": "1"}}},
+                    ],
+                    "containers": [
+                        {"name": "main", "resources": {"limits": {"sharegpu.io/gpu": "2", "cpu": "1"}}},
+                        {"name": "side"},
+                    ],
+                },
+                "status": {"phase": "Pending"},
+            }
+        )
     )
     assert p.key == "ml/train" and p.node_name == "node-a" and not p.deleting
     assert [(c.name, c.gpus, c.sidecar) for c in p.init_containers] == [("init", 2, False), ("proxy", 1, True)]
     assert [(c.name, c.gpus, c.sidecar) for c in p.containers] == [("main", 2, False), ("side", 0, False)]
     assert p.gpu_demand == 3  # the native sidecar runs beside main (1 + 2); init (2) ran before either
     assert p.container("proxy") == p.init_containers[1] and p.container("nope") is None
-    n = node_info_from_dict(
-        {
-            "metadata": {"name": "node-a", "labels": {"a": "b"}},
-            "status": {"allocatable": {"cpu": "15500m", "memory": "64Gi"}},
-        }
+    n = node_info(
+        Node.model_validate(
+            {
+                "metadata": {"name": "node-a", "labels": {"a": "b"}},
+                "status": {"allocatable": {"cpu": "15500m", "memory": "64Gi"}},
+            }
+        )
     )
     assert (n.cpu_milli, n.memory_mib, n.labels) == (15500, 65536, {"a": "b"})
+
+
+def test_the_node_counts_gpus_as_the_control_plane_does_limits_then_requests() -> None:
+    # A request without a limit (an object the API server has not validated: the webhook's, a fake's, the sim's)
+    # counts on the node as in pod_request: before, the node read limits only and saw 0 GPUs here.
+    def pod(resources: dict[str, dict[str, str]]) -> Pod:
+        return Pod.model_validate({"metadata": {"name": "p"}, "spec": {"containers": [{"resources": resources}]}})
+
+    def counts(p: Pod) -> tuple[int, int | None]:
+        req = pod_request(p)
+        return pod_info(p).gpu_demand, None if req is None else req.gpu_count
+
+    assert counts(pod({"requests": {"sharegpu.io/gpu": "2"}})) == (2, 2)
+    assert counts(pod({"limits": {"sharegpu.io/gpu": "3"}, "requests": {"sharegpu.io/gpu": "1"}})) == (3, 3)
+    assert counts(pod({})) == (0, None)
 
 
 @pytest.mark.skipif(

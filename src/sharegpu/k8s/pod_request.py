@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any
 
 from sharegpu.kube.echo import ECHO_CHARS, echo
 from sharegpu.kube.quantity import asked_mib, asked_milli, parse_quantity
@@ -59,8 +58,7 @@ class _ContainerAsk:
 
 def resource_text(c: Container, name: str) -> str | None:
     """The quantity a container asks for of one resource, as written (None when it names none)."""
-    # Extended resources are set as limits (requests default to them); a request alone is read the same way.
-    value = c.resources.limits.get(name, c.resources.requests.get(name))
+    value = c.resources.amount(name)
     return None if value is None else str(value)
 
 
@@ -157,11 +155,6 @@ def _cpu_memory_of(res: Mapping[str, str | int | float], where: str) -> tuple[in
     return cpu, mem
 
 
-def _pod_field(pod: Pod, name: str) -> Mapping[str, Any]:
-    value = (pod.spec.model_extra or {}).get(name)
-    return value if isinstance(value, Mapping) else {}
-
-
 def cpu_and_memory(pod: Pod) -> tuple[int, int]:
     """The pod's CPU (milli) and memory (MiB) requests as the kube-scheduler counts them (:func:`pod_demand`):
     its containers' peak (native sidecars beside the app containers, each init container beside the sidecars started
@@ -171,11 +164,11 @@ def cpu_and_memory(pod: Pod) -> tuple[int, int]:
         cpu, mem = _cpu_memory_of({**c.resources.limits, **c.resources.requests}, f"container {echo(c.name)}: ")
         return cpu or 0, mem or 0  # requests default to limits
 
-    pod_res = _pod_field(pod, "resources")
-    level_cpu, level_mem = _cpu_memory_of(
-        {**(pod_res.get("limits") or {}), **(pod_res.get("requests") or {})}, "spec.resources: "
+    pod_res = pod.spec.resources
+    level_cpu, level_mem = (
+        _cpu_memory_of({**pod_res.limits, **pod_res.requests}, "spec.resources: ") if pod_res else (None, None)
     )
-    over_cpu, over_mem = _cpu_memory_of(_pod_field(pod, "overhead"), "spec.overhead: ")
+    over_cpu, over_mem = _cpu_memory_of(pod.spec.overhead, "spec.overhead: ")
     return (
         pod_demand(_demands(pod, lambda c: one(c)[0]), over_cpu or 0, level_cpu),
         pod_demand(_demands(pod, lambda c: one(c)[1]), over_mem or 0, level_mem),

@@ -8,6 +8,7 @@ tags: their keys are the Go field names (``Pod``, ``NodeNames``, ``FailedNodes``
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +22,17 @@ class K8sModel(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
+class OwnerReference(K8sModel):
+    """Who owns an object; ``controller: true`` marks the one controller that recreates it when it goes."""
+
+    api_version: str = Field(default="", alias="apiVersion")
+    kind: str = ""
+    name: str = ""
+    uid: str = ""
+    controller: bool | None = None  # a *bool in Go: unset or null is not the controller
+    block_owner_deletion: bool | None = Field(default=None, alias="blockOwnerDeletion")
+
+
 class ObjectMeta(K8sModel):
     name: str = ""
     namespace: str = ""
@@ -30,16 +42,36 @@ class ObjectMeta(K8sModel):
     labels: dict[str, str] = Field(default_factory=dict)
     deletion_timestamp: str | None = Field(default=None, alias="deletionTimestamp")
     generate_name: str = Field(default="", alias="generateName")
+    # RFC 3339 in UTC with a Z ("2026-11-26T12:00:00Z"), as the API server writes it: string order is time order.
+    creation_timestamp: str = Field(default="", alias="creationTimestamp")
+    owner_references: list[OwnerReference] = Field(default_factory=list, alias="ownerReferences")
 
 
 class ResourceRequirements(K8sModel):
     limits: dict[str, str | int | float] = Field(default_factory=dict)
     requests: dict[str, str | int | float] = Field(default_factory=dict)
 
+    def amount(self, name: str) -> str | int | float | None:
+        """The quantity of resource ``name`` as written, None when neither list names it: its limit, else its
+        request. The limit first because it is what the kubelet's device manager hands out for an extended resource
+        (``sharegpu.io/gpu``), and the API server requires that limit and copies it into a missing request; the
+        request where no limit is written, as the kube-scheduler counts it, for a pod read before the API server
+        defaulted it (the webhook's admission request). One reader for the control plane and the node alike."""
+        value = self.limits.get(name)
+        return self.requests.get(name) if value is None else value
+
 
 class EnvVar(K8sModel):
     name: str
     value: str | None = None
+
+
+class EnvFromSource(K8sModel):
+    """A ConfigMap or Secret whose every key becomes a variable (what it sets is known only at the pod's start)."""
+
+    prefix: str = ""
+    config_map_ref: dict[str, Any] | None = Field(default=None, alias="configMapRef")
+    secret_ref: dict[str, Any] | None = Field(default=None, alias="secretRef")
 
 
 class SecurityContext(K8sModel):
@@ -52,21 +84,62 @@ class Container(K8sModel):
     name: str = ""
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     env: list[EnvVar] = Field(default_factory=list)
+    env_from: list[EnvFromSource] = Field(default_factory=list, alias="envFrom")
     security_context: SecurityContext | None = Field(default=None, alias="securityContext")
     # "Always" on an init container makes it a native sidecar: it runs beside the app containers.
     restart_policy: str = Field(default="", alias="restartPolicy")
 
 
+class PodResourceClaim(K8sModel):
+    """One entry of ``spec.resourceClaims``: a claim by name, or a template the claim controller makes one from."""
+
+    name: str = ""
+    resource_claim_name: str | None = Field(default=None, alias="resourceClaimName")
+    resource_claim_template_name: str | None = Field(default=None, alias="resourceClaimTemplateName")
+
+
 class PodSpec(K8sModel):
     containers: list[Container] = Field(default_factory=list)
     init_containers: list[Container] = Field(default_factory=list, alias="initContainers")
+    # An EphemeralContainer has a Container's fields (and a targetContainerName, kept as an unknown field).
+    ephemeral_containers: list[Container] = Field(default_factory=list, alias="ephemeralContainers")
     node_name: str = Field(default="", alias="nodeName")
     scheduler_name: str = Field(default="", alias="schedulerName")
     security_context: SecurityContext | None = Field(default=None, alias="securityContext")
+    # Set by the Priority admission plugin from the pod's PriorityClass; unset counts as 0, as the scheduler reads it.
+    priority: int = 0
+    # "PreemptLowerPriority" (the API server's default) or "Never".
+    preemption_policy: str = Field(default="PreemptLowerPriority", alias="preemptionPolicy")
+    resource_claims: list[PodResourceClaim] = Field(default_factory=list, alias="resourceClaims")
+    # Pod-level requests and limits (PodLevelResources) and the RuntimeClass's overhead: both count towards the
+    # pod's CPU and memory as the kube-scheduler sums them.
+    resources: ResourceRequirements | None = None
+    overhead: dict[str, str | int | float] = Field(default_factory=dict)
+
+
+class PodCondition(K8sModel):
+    type: str = ""
+    status: str = ""  # "True", "False" or "Unknown"
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = Field(default=None, alias="lastTransitionTime")
+    last_probe_time: str | None = Field(default=None, alias="lastProbeTime")
+
+
+class PodResourceClaimStatus(K8sModel):
+    """The claim the resource claim controller made for a ``spec.resourceClaims`` entry from its template."""
+
+    name: str = ""
+    resource_claim_name: str | None = Field(default=None, alias="resourceClaimName")
 
 
 class PodStatus(K8sModel):
     phase: str = ""
+    reason: str = ""  # set when the kubelet rejected or evicted the pod ("OutOfcpu", "Evicted")
+    nominated_node_name: str = Field(default="", alias="nominatedNodeName")
+    conditions: list[PodCondition] = Field(default_factory=list)
+    start_time: str | None = Field(default=None, alias="startTime")
+    resource_claim_statuses: list[PodResourceClaimStatus] = Field(default_factory=list, alias="resourceClaimStatuses")
 
 
 class Pod(K8sModel):
@@ -89,6 +162,33 @@ class Pod(K8sModel):
     @property
     def finished(self) -> bool:
         return self.status.phase in ("Succeeded", "Failed")
+
+    @property
+    def unschedulable(self) -> bool:
+        """Whether the scheduler tried the pod and found no node (``PodScheduled=False``, reason ``Unschedulable``)."""
+        for c in self.status.conditions:
+            if c.type == "PodScheduled":
+                return c.status == "False" and c.reason == "Unschedulable"
+        return False
+
+    @property
+    def started_at(self) -> float | None:
+        """``status.startTime`` as a POSIX timestamp; None when the kubelet has not started the pod (or wrote a time
+        that cannot be read)."""
+        if not self.status.start_time:
+            return None
+        try:
+            return datetime.fromisoformat(self.status.start_time.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+
+    def claim_name(self, claim: PodResourceClaim) -> str | None:
+        """The ResourceClaim a ``spec.resourceClaims`` entry stands for: the one it names, else the one the claim
+        controller made from its template and recorded in ``status.resourceClaimStatuses``; None while none is."""
+        if claim.resource_claim_name:
+            return claim.resource_claim_name
+        made = (s.resource_claim_name for s in self.status.resource_claim_statuses if s.name == claim.name)
+        return next((n for n in made if n), None)
 
 
 class NodeStatus(K8sModel):
@@ -294,10 +394,14 @@ class DeviceRequestAllocationResult(K8sModel):
     pool: str = ""
     device: str = ""
     consumed_capacity: dict[str, str | int | float] = Field(default_factory=dict, alias="consumedCapacity")
+    share_id: str | None = Field(default=None, alias="shareID")  # set for a device allocated as one of its shares
 
 
 class DeviceAllocationResult(K8sModel):
     results: list[DeviceRequestAllocationResult] = Field(default_factory=list)
+    # The DeviceClass's and the claim's opaque configs, copied in at allocation; each driver reads its own entries
+    # (sharegpu.node.dra.config validates ours), so they stay JSON here.
+    config: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class AllocationResult(K8sModel):

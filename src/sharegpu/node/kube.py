@@ -2,32 +2,40 @@
 
 :class:`LightkubeApi` talks to a real API server through ``lightkube.AsyncClient``; tests use an in-memory fake.
 Only the pods bound to this node are ever listed (a field selector on ``spec.nodeName``), so the agent cannot
-act on another node's pods.
+act on another node's pods. What it reads is parsed into :mod:`sharegpu.kube.schema`'s Pod and Node, the objects
+the control plane reads too; :class:`PodInfo` and :class:`NodeInfo` are frozen projections of them (:func:`pod_info`,
+:func:`node_info`) that the agent keeps in its state and compares between rounds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sharegpu.kube.errors import ConfigError
 from sharegpu.kube.quantity import asked_whole, capacity_mib, capacity_milli, quantity_or_zero
 from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.model.demand import ContainerDemand, pod_demand
 
+if TYPE_CHECKING:
+    # Imported where an object is parsed (LightkubeApi): the GPU check (bench/gpu_node_check.py) imports the node
+    # code that uses PodInfo on a bare GPU machine, which has no pydantic.
+    from sharegpu.kube.schema import Container, Node, Pod
+
 
 @dataclass(frozen=True, slots=True)
 class ContainerInfo:
     name: str
-    gpus: int  # the container's sharegpu.io/gpu limit
+    gpus: int  # the container's sharegpu.io/gpu (ResourceRequirements.amount: its limit, else its request)
     sidecar: bool = False  # an init container with restartPolicy: Always
 
 
 @dataclass(frozen=True, slots=True)
 class PodInfo:
+    """The part of a :class:`~sharegpu.kube.schema.Pod` the agent acts on (built by :func:`pod_info` only)."""
+
     namespace: str
     name: str
     uid: str
@@ -64,6 +72,8 @@ class PodInfo:
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
+    """The part of a :class:`~sharegpu.kube.schema.Node` the agent reads (built by :func:`node_info` only)."""
+
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
@@ -85,49 +95,40 @@ class KubeApi(Protocol):
     async def close(self) -> None: ...
 
 
-def pod_info_from_dict(d: Mapping[str, Any]) -> PodInfo:
-    """A pod as the API server returns it (JSON) → :class:`PodInfo`."""
-    meta = d.get("metadata") or {}
-    spec = d.get("spec") or {}
-    status = d.get("status") or {}
+def pod_info(pod: Pod) -> PodInfo:
+    """The agent's projection of a pod."""
     return PodInfo(
-        namespace=str(meta.get("namespace", "")),
-        name=str(meta.get("name", "")),
-        uid=str(meta.get("uid", "")),
-        node_name=str(spec.get("nodeName") or ""),
-        phase=str(status.get("phase") or "Pending"),
-        created=_time(meta.get("creationTimestamp")),
-        annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
-        containers=tuple(_container(c) for c in spec.get("containers") or ()),
-        init_containers=tuple(_container(c, init=True) for c in spec.get("initContainers") or ()),
-        deleting=meta.get("deletionTimestamp") is not None,
-        reason=str(status.get("reason") or ""),
+        namespace=pod.metadata.namespace,
+        name=pod.metadata.name,
+        uid=pod.metadata.uid,
+        node_name=pod.spec.node_name,
+        phase=pod.status.phase or "Pending",
+        created=pod.metadata.creation_timestamp,
+        annotations=dict(pod.metadata.annotations),
+        containers=tuple(_container(c) for c in pod.spec.containers),
+        init_containers=tuple(_container(c, init=True) for c in pod.spec.init_containers),
+        deleting=pod.metadata.deletion_timestamp is not None,
+        reason=pod.status.reason,
     )
 
 
-def node_info_from_dict(d: Mapping[str, Any]) -> NodeInfo:
-    meta = d.get("metadata") or {}
-    alloc = (d.get("status") or {}).get("allocatable") or {}
+def node_info(node: Node) -> NodeInfo:
+    """The agent's projection of its Node."""
+    alloc = node.status.allocatable
     return NodeInfo(
-        name=str(meta.get("name", "")),
-        labels={str(k): str(v) for k, v in (meta.get("labels") or {}).items()},
-        annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
+        name=node.metadata.name,
+        labels=dict(node.metadata.labels),
+        annotations=dict(node.metadata.annotations),
         # What the node has: rounded down (through Decimal: a float would lose a milli-CPU of "1.001").
         cpu_milli=capacity_milli(quantity_or_zero(alloc.get("cpu"))),
         memory_mib=capacity_mib(quantity_or_zero(alloc.get("memory"))),
     )
 
 
-def _container(c: Mapping[str, Any], init: bool = False) -> ContainerInfo:
-    limits = (c.get("resources") or {}).get("limits") or {}
-    sidecar = init and c.get("restartPolicy") == "Always"
-    return ContainerInfo(str(c.get("name", "")), asked_whole(quantity_or_zero(limits.get(GPU_RESOURCE))), sidecar)
-
-
-def _time(t: Any) -> str:
-    if isinstance(t, datetime):
-        return t.isoformat()
-    return str(t) if t else ""
+def _container(c: Container, init: bool = False) -> ContainerInfo:
+    # The count the control plane reads too (kube.schema.ResourceRequirements.amount: the limit, else the request).
+    gpus = asked_whole(quantity_or_zero(c.resources.amount(GPU_RESOURCE)))
+    return ContainerInfo(c.name, gpus, sidecar=init and c.restart_policy == "Always")
 
 
 class LightkubeApi:
@@ -143,24 +144,28 @@ class LightkubeApi:
         self.server = self._client.server
 
     async def get_node(self, name: str) -> NodeInfo:
-        from lightkube.resources.core_v1 import Node
+        from lightkube.resources.core_v1 import Node as KNode
 
-        return node_info_from_dict(await self._client.get(Node, name, f"read node {name}"))
+        from sharegpu.kube.schema import Node
+
+        return node_info(Node.model_validate(await self._client.get(KNode, name, f"read node {name}")))
 
     async def patch_node_metadata(
         self, name: str, labels: Mapping[str, str | None], annotations: Mapping[str, str | None]
     ) -> None:
-        from lightkube.resources.core_v1 import Node
+        from lightkube.resources.core_v1 import Node as KNode
 
         body = {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}}
-        await self._client.merge_patch(Node, name, body, f"update node {name}")
+        await self._client.merge_patch(KNode, name, body, f"update node {name}")
 
     async def pods_on_node(self, node: str) -> list[PodInfo]:
-        from lightkube.resources.core_v1 import Pod
+        from lightkube.resources.core_v1 import Pod as KPod
+
+        from sharegpu.kube.schema import Pod
 
         what = f"list the pods of node {node}"
-        pods, _ = await self._client.list(Pod, what, namespace="*", fields={"spec.nodeName": node})
-        return [pod_info_from_dict(p) for p in pods]
+        pods, _ = await self._client.list(KPod, what, namespace="*", fields={"spec.nodeName": node})
+        return [pod_info(Pod.model_validate(p)) for p in pods]
 
     async def close(self) -> None:
         await self._client.close()

@@ -27,7 +27,7 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter
 
-from sharegpu.k8s.controllers.preemption import PreemptionController, budget_protects, budget_violations, pod_priority
+from sharegpu.k8s.controllers.preemption import PreemptionController, budget_protects, budget_violations
 from sharegpu.kube.api import DisruptionBudget, PodEvent
 from sharegpu.kube.schema import Pod
 from sharegpu.model.contract import MOVABLE_ANNOTATION
@@ -87,8 +87,7 @@ def is_movable(pod: Pod) -> bool:
     """Opted in with ``sharegpu.io/movable: "true"`` and owned by a controller that will recreate it."""
     if pod.metadata.annotations.get(MOVABLE_ANNOTATION, "").lower() != "true":
         return False
-    owners = (pod.metadata.model_extra or {}).get("ownerReferences") or ()
-    return any(isinstance(o, dict) and o.get("controller") is True for o in owners)
+    return any(o.controller is True for o in pod.metadata.owner_references)
 
 
 class Consolidator:
@@ -118,13 +117,13 @@ class Consolidator:
     def movable(self, pod: Pod, budgets: Sequence[DisruptionBudget], placed: Sequence[str]) -> dict[str, GpuRequest]:
         """The pods of ``placed`` that may move for ``pod``, with the requests they were placed with."""
         view = self.ctrl.view
-        prio = pod_priority(pod)
+        prio = pod.spec.priority
         out: dict[str, GpuRequest] = {}
         for key in placed:
             p = view.pod(key)
             if p is None or not p.spec.node_name or p.metadata.deletion_timestamp or view.in_flight(key):
                 continue  # not a running pod: a hold, a bind in progress, one already leaving
-            if not is_movable(p) or pod_priority(p) > prio or budget_protects(budgets, p):
+            if not is_movable(p) or p.spec.priority > prio or budget_protects(budgets, p):
                 continue
             if (req := view.request(key)) is not None:
                 out[key] = req
@@ -185,7 +184,7 @@ class Consolidator:
         # gone, the part of the room free already is held at once, then the room is the waiting pod's until it binds
         # or the reservation lapses): the moved pods' controllers recreate them the moment they are evicted, and a
         # replica must not take that part beside its terminating original.
-        ctrl.reserve(pod, pod_priority(pod), plan.node, plan.assignment, moved)
+        ctrl.reserve(pod, pod.spec.priority, plan.node, plan.assignment, moved)
         ctrl.settle()
         evicted = await ctrl.evict(moved)
         now = self.clock()

@@ -36,9 +36,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from enum import StrEnum
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -172,44 +170,10 @@ async def run_preemption(
 
 
 # ----- reading pods -----------------------------------------------------------------------------------------------
-def _extra(part: Any, name: str) -> Any:
-    return (part.model_extra or {}).get(name)
-
-
-def pod_priority(pod: Pod) -> int:
-    value = _extra(pod.spec, "priority")
-    return int(value) if isinstance(value, int | float) else 0  # no PriorityClass: 0, as the API server defaults
-
-
 def preemption_policy(pod: Pod) -> PreemptionPolicy:
-    value = _extra(pod.spec, "preemptionPolicy")
-    return PreemptionPolicy.NEVER if value == PreemptionPolicy.NEVER.value else PreemptionPolicy.PREEMPT_LOWER_PRIORITY
-
-
-def nominated_node(pod: Pod) -> str:
-    return str(_extra(pod.status, "nominatedNodeName") or "")
-
-
-def unschedulable(pod: Pod) -> bool:
-    """Whether the scheduler tried the pod and found no node (``PodScheduled=False``, reason ``Unschedulable``)."""
-    for c in _extra(pod.status, "conditions") or ():
-        if isinstance(c, dict) and c.get("type") == "PodScheduled":
-            return c.get("status") == "False" and c.get("reason") == "Unschedulable"
-    return False
-
-
-def start_time(pod: Pod) -> float | None:
-    text = _extra(pod.status, "startTime")
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-def _created(pod: Pod) -> str:
-    return str(_extra(pod.metadata, "creationTimestamp") or "")
+    """The pod's ``spec.preemptionPolicy`` as placement's type (anything but ``Never`` preempts, the default)."""
+    never = pod.spec.preemption_policy == PreemptionPolicy.NEVER.value
+    return PreemptionPolicy.NEVER if never else PreemptionPolicy.PREEMPT_LOWER_PRIORITY
 
 
 def budget_protects(budgets: Sequence[DisruptionBudget], pod: Pod) -> bool:
@@ -248,8 +212,8 @@ def spend_budgets(budgets: Sequence[DisruptionBudget], pods: Iterable[Pod]) -> l
 def _importance(pod: Pod) -> tuple[int, float, str]:
     # The kube-scheduler's MoreImportantPod (as sharegpu.placement.preemption orders victims): higher priority first,
     # then the pod that started earlier (unknown: now, the latest).
-    t = start_time(pod)
-    return (-pod_priority(pod), float("inf") if t is None else t, pod.key)
+    t = pod.started_at
+    return (-pod.spec.priority, float("inf") if t is None else t, pod.key)
 
 
 class SaidOnce:
@@ -516,7 +480,7 @@ class PreemptionController:
             ):
                 continue
             pod = view.pod(p.pod)
-            if pod is None or pod.spec.scheduler_name != self.scheduler_name or not unschedulable(pod):
+            if pod is None or pod.spec.scheduler_name != self.scheduler_name or not pod.unschedulable:
                 continue
             idx = self.nodes_of(pod)
             req = view.request(p.pod)
@@ -531,7 +495,7 @@ class PreemptionController:
                     self.metrics.count(Outcome.NEVER)
                 continue
             out.append(pod)
-        out.sort(key=lambda pod: (-pod_priority(pod), _created(pod), pod.key))
+        out.sort(key=lambda pod: (-pod.spec.priority, pod.metadata.creation_timestamp, pod.key))
         return out
 
     def nodes_of(self, pod: Pod) -> list[int]:
@@ -560,8 +524,8 @@ class PreemptionController:
                 # Not a running pod (a hold or bind of this process, or one already leaving): never a victim.
                 priority[key] = EXEMPT
                 continue
-            priority[key] = pod_priority(pod)
-            if (t := start_time(pod)) is not None:
+            priority[key] = pod.spec.priority
+            if (t := pod.started_at) is not None:
                 start[key] = t
             if priority[key] < below:
                 victims.setdefault(led.assignments[key].node, []).append(pod)
@@ -598,7 +562,7 @@ class PreemptionController:
         req = view.request(key)
         if req is None:
             return "its request cannot be read", ()
-        prio = pod_priority(pod)
+        prio = pod.spec.priority
         future = self.future_ledger()
         try:
             plan = plan_preemption(
@@ -683,7 +647,7 @@ class PreemptionController:
             prio,
             len(leaving),
         )
-        if nominated_node(pod) != plan.node:
+        if pod.status.nominated_node_name != plan.node:
             await self.nominate(pod, plan.node)
         self.settle()
         return "", ()

@@ -232,7 +232,7 @@ class Decisions:
         if s.assignment is not None:
             units = ", ".join(f"GPU {x.gpu_index}" for x in s.assignment.shares) or "no GPU"
             log.info("steered DRA pod %s to %s (%s, first fit: %s)", args.Pod.key, s.keep[0], s.why, units)
-        elif args.Pod.spec.model_extra and args.Pod.spec.model_extra.get("resourceClaims"):
+        elif args.Pod.spec.resource_claims:
             log.info("DRA pod %s not steered: %s", args.Pod.key, s.why)
         keep = set(s.keep)
         # Passed over, not failed: the scheduler's own filters found them able to host the pod.

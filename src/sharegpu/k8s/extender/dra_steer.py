@@ -28,9 +28,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -58,21 +57,17 @@ class NotSteered(Exception):
 
 
 # ----- reading the objects ---------------------------------------------------------------------------------------
-def claim_names(pod: Mapping[str, Any]) -> list[str]:
-    """The ResourceClaims a pod uses, by name: its own claims and those made from its templates (which the resource
-    claim controller names in ``status.resourceClaimStatuses``). Raises :class:`NotSteered` while one is unnamed."""
-    spec = pod.get("spec") or {}
-    made = {
-        s.get("name"): s.get("resourceClaimName") for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []
-    }
+def claim_names(pod: Pod) -> list[str]:
+    """The ResourceClaims a pod uses, by name (:meth:`Pod.claim_name`). Raises :class:`NotSteered` while one made
+    from a template is not made yet."""
     out = []
-    for rc in spec.get("resourceClaims") or []:
-        name = rc.get("resourceClaimName") or made.get(rc.get("name"))
+    for rc in pod.spec.resource_claims:
+        name = pod.claim_name(rc)
         if not name:
-            if rc.get("resourceClaimTemplateName"):
-                raise NotSteered(f"the claim of {rc.get('name')!r} is not made from its template yet")
+            if rc.resource_claim_template_name:
+                raise NotSteered(f"the claim of {rc.name!r} is not made from its template yet")
             continue
-        out.append(str(name))
+        out.append(name)
     return out
 
 
@@ -161,13 +156,12 @@ class DraSteering:
     def steer(self, pod: Pod, candidates: list[str], workload: Workload | None = None, synced: bool = True) -> Steer:
         """The candidates to keep for ``pod``: the ``dra-steered`` pick, or all of them (and why) when steering
         cannot judge the pod (``synced`` False: the cluster cache lost the API server)."""
-        raw = pod.model_dump(mode="json", by_alias=True)
-        if not (raw.get("spec") or {}).get("resourceClaims"):
+        if not pod.spec.resource_claims:
             return Steer(candidates, "no resource claims")
         if not synced:
             return Steer(candidates, "DRA state not synced")
         try:
-            names = claim_names(raw)
+            names = claim_names(pod)
             ns = pod.metadata.namespace
             claims = []
             for name in names:

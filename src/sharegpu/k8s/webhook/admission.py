@@ -108,18 +108,12 @@ def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def _ephemeral(spec: dict[str, Any] | None) -> list[Container]:
-    """The ephemeral containers of a pod spec (raw JSON, or the fields the Pod model does not name)."""
-    items = (spec or {}).get("ephemeralContainers") or []
-    return [Container.model_validate(c) for c in items if isinstance(c, dict)]
-
-
 def _env_offenders(pod: Pod, only: Sequence[Container] | None = None) -> list[str]:
     """What in the pod's containers (init and ephemeral ones too), or in ``only``, could set the variables
     sharegpu owns."""
     found = []
     containers = (
-        (*pod.spec.init_containers, *pod.spec.containers, *_ephemeral(pod.spec.model_extra)) if only is None else only
+        (*pod.spec.init_containers, *pod.spec.containers, *pod.spec.ephemeral_containers) if only is None else only
     )
     for c in containers:
         for e in c.env:  # a value or a valueFrom: refused by name either way
@@ -128,7 +122,7 @@ def _env_offenders(pod: Pod, only: Sequence[Container] | None = None) -> list[st
                     f"container {echo(c.name)} sets {e.name}: remove it — sharegpu sets the visible devices and the "
                     "MPS limits from the pod's assignment, and a pod may not set them itself"
                 )
-        if (c.model_extra or {}).get("envFrom"):
+        if c.env_from:
             # The webhook cannot see what a ConfigMap or Secret holds (now or after an edit), so none is allowed.
             found.append(
                 f"container {echo(c.name)} uses envFrom: set its variables with env instead — a ConfigMap or Secret "
@@ -163,8 +157,6 @@ def admit_pod(
         pod = Pod.model_validate(raw)
     except ValidationError as e:
         return Verdict(False, _unreadable(e))
-    if problem := _shape_problem(raw):
-        return Verdict(False, problem)
     if operation == "UPDATE":
         return _admit_update(pod, old, username, cfg)
     if problems := [
@@ -237,8 +229,9 @@ def _user_warnings(req: GpuRequest | None) -> tuple[str, ...]:
 def _admit_update(pod: Pod, old: dict[str, Any] | None, username: str, cfg: WebhookConfig) -> Verdict:
     if asks_for_sharegpu(pod):
         # Ephemeral containers are the only ones an UPDATE (pods/ephemeralcontainers) can add.
-        had = {c.name for c in _ephemeral((old or {}).get("spec") or {})}
-        problems = _env_offenders(pod, [c for c in _ephemeral(pod.spec.model_extra) if c.name not in had])
+        before_pod = _pod_or_none(old)
+        had = {c.name for c in before_pod.spec.ephemeral_containers} if before_pod else set()
+        problems = _env_offenders(pod, [c for c in pod.spec.ephemeral_containers if c.name not in had])
         if problems:
             return Verdict(False, "; ".join(problems))
     raw_before = ((old or {}).get("metadata") or {}).get("annotations") or {}
@@ -336,7 +329,7 @@ def _resource_problems(pod: Pod) -> list[str]:
     """Container resources named ``sharegpu.io/…`` that are not sharegpu's: no node offers them, so the pod would be
     Pending for ever (``sharegpu.io/gpu-mem`` for ``sharegpu.io/gpu-memory``)."""
     out = []
-    for c in (*pod.spec.init_containers, *pod.spec.containers, *_ephemeral(pod.spec.model_extra)):
+    for c in (*pod.spec.init_containers, *pod.spec.containers, *pod.spec.ephemeral_containers):
         for kind, names in (("limits", c.resources.limits), ("requests", c.resources.requests)):
             for name in sorted(names):
                 if not name.startswith(ANNOTATION_PREFIX) or name in RESOURCES:
@@ -365,25 +358,6 @@ def _unreadable(e: ValidationError) -> str:
         f"sharegpu cannot read this pod: {where}: {err['msg']} (it is {echo(err.get('input'))}); write it as the Pod "
         "API defines it"
     )
-
-
-def _shape_problem(raw: dict[str, Any]) -> str:
-    """A field the Pod model keeps as it came (``spec.ephemeralContainers``) that does not have the Pod API's shape:
-    a list of containers. Read item by item, an object there would be skipped unchecked."""
-    spec = raw.get("spec")
-    items = spec.get("ephemeralContainers") if isinstance(spec, dict) else None
-    if items is None:
-        return ""
-    if not isinstance(items, list) or not all(isinstance(c, dict) for c in items):
-        return (
-            f"sharegpu cannot read this pod: spec.ephemeralContainers must be a list of containers (it is "
-            f"{echo(items)}); write it as the Pod API defines it"
-        )
-    try:
-        _ephemeral(spec)
-    except ValidationError as e:
-        return _unreadable(e).replace("this pod: ", "this pod: spec.ephemeralContainers.", 1)
-    return ""
 
 
 _EXAMPLES = {GPU_RESOURCE: "1", MEMORY_RESOURCE: "10Gi", COMPUTE_RESOURCE: "30"}

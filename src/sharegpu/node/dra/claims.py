@@ -1,4 +1,4 @@
-"""A ResourceClaim as the API server returns it → what this node must prepare for it, or why it cannot.
+"""A ResourceClaim (:class:`sharegpu.kube.schema.ResourceClaim`) → what this node must prepare for it, or why it cannot.
 
 Everything is checked before anything is touched: the claim's UID is the one the kubelet named (a claim deleted and
 re-created under the same name is another claim), it is allocated, every result of our driver lies in this node's
@@ -7,12 +7,12 @@ pool and names a device this node publishes, and its config is valid for what wa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
 from sharegpu.kube.quantity import asked_mib, asked_whole, parse_quantity
+from sharegpu.kube.schema import DeviceRequestAllocationResult, ResourceClaim
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import CAPACITY_COMPUTE, CAPACITY_MEMORY, COMPUTE_FULL, DRIVER
@@ -73,63 +73,62 @@ def _quantity(q: Any) -> Decimal:
 
 
 def plan_claim(
-    claim: Mapping[str, Any],
+    claim: ResourceClaim,
     uid: str,
     node: str,
     gpus: tuple[DeviceInfo, ...],
     catalog: Catalog = DEFAULT_CATALOG,
 ) -> ClaimPlan:
-    meta = claim.get("metadata") or {}
-    key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-    if meta.get("uid") != uid:
+    meta = claim.metadata
+    key = claim.key
+    if meta.uid != uid:
         raise ClaimError(
-            f"claim {key} has UID {meta.get('uid')}, not {uid} as the kubelet asked: it was deleted and re-created; "
+            f"claim {key} has UID {meta.uid or None}, not {uid} as the kubelet asked: it was deleted and re-created; "
             "the pod must be re-created too"
         )
-    allocation = (claim.get("status") or {}).get("allocation")
-    if not allocation:
+    allocation = claim.status.allocation
+    if allocation is None:
         raise ClaimError(f"claim {key} is not allocated; the scheduler allocates it before the pod reaches a node")
-    alloc_devices = allocation.get("devices") or {}
-    results = [r for r in alloc_devices.get("results") or [] if r.get("driver") == DRIVER]
+    results = [r for r in allocation.devices.results if r.driver == DRIVER]
     if not results:
         raise ClaimError(f"claim {key} has no device of driver {DRIVER}; it is not this driver's to prepare")
     published = node_devices(gpus, catalog)
     devices = {d.index: d for d in gpus}
     plans: list[DevicePlan] = []
     for r in results:
-        device, pool, request = str(r.get("device", "")), str(r.get("pool", "")), str(r.get("request", ""))
-        if pool != node:
-            raise ClaimError(f"claim {key}: device {device} was allocated from pool {pool}, not from this node {node}")
-        pub = published.get(device)
+        if r.pool != node:
+            raise ClaimError(
+                f"claim {key}: device {r.device} was allocated from pool {r.pool}, not from this node {node}"
+            )
+        pub = published.get(r.device)
         if pub is None:
             raise ClaimError(
-                f"claim {key}: device {device} is not a healthy device of node {node}; "
+                f"claim {key}: device {r.device} is not a healthy device of node {node}; "
                 f"its devices are {', '.join(sorted(published)) or 'none'}"
             )
         try:
-            config = configs_for_request(alloc_devices.get("config") or [], request, key)
+            config = configs_for_request(allocation.devices.config, r.request, key)
         except ConfigError as e:
             raise ClaimError(str(e)) from None
-        plans.append(_plan_device(key, r, request, pub, devices[pub.gpu_index], config, catalog))
-    return ClaimPlan(uid, str(meta.get("namespace", "")), str(meta.get("name", "")), tuple(plans))
+        plans.append(_plan_device(key, r, pub, devices[pub.gpu_index], config, catalog))
+    return ClaimPlan(uid, meta.namespace, meta.name, tuple(plans))
 
 
 def _plan_device(
     key: str,
-    result: Mapping[str, Any],
-    request: str,
+    result: DeviceRequestAllocationResult,
     pub: PublishedDevice,
     gpu: DeviceInfo,
     config: EffectiveConfig,
     catalog: Catalog,
 ) -> DevicePlan:
-    share_id = result.get("shareID")
+    request = result.request
     # The whole unit, exclusive: what a MIG device or an unshared GPU gets; shares narrow it below.
     whole = DevicePlan(
         request=request,
         device=pub.name,
-        pool=str(result.get("pool")),
-        share_id=str(share_id) if share_id else None,
+        pool=result.pool,
+        share_id=result.share_id or None,
         gpu_index=pub.gpu_index,
         gpu_uuid=pub.gpu_uuid,
         mechanism=Mechanism.EXCLUSIVE,
@@ -151,7 +150,7 @@ def _plan_device(
             # instance's memory (the instance itself is the hardware limit towards other claims).
             return replace(mig, mechanism=Mechanism.MPS)
         return mig
-    consumed = result.get("consumedCapacity") or {}
+    consumed = result.consumed_capacity
     try:
         # What the claim consumes is what it asked (the scheduler's grant of it): rounded up, as the control plane
         # counts it, so that the node enforces no less than the extender and DRA steering model.

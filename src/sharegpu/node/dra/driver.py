@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
-from sharegpu.kube.schema import Pod
+from sharegpu.kube.schema import Pod, ResourceClaim
 from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
@@ -41,12 +41,12 @@ log = logging.getLogger(__name__)
 
 
 class ClaimSource(Protocol):
-    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
-        """The ResourceClaim as the API server returns it (JSON); raises on any failure with a readable message."""
+    async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
+        """The ResourceClaim; raises on any failure (one the schema cannot read too) with a readable message."""
         ...
 
-    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
-        """A Pod as the API server returns it (JSON); raises on any failure with a readable message."""
+    async def get_pod(self, namespace: str, name: str) -> Pod:
+        """A Pod; raises on any failure (one the schema cannot read too) with a readable message."""
         ...
 
 
@@ -247,18 +247,17 @@ class DraDriver:
         )
         return self._answer(plan, units)
 
-    async def _claim_user(self, plan: ClaimPlan, claim: Mapping[str, Any]) -> int | None:
+    async def _claim_user(self, plan: ClaimPlan, claim: ResourceClaim) -> int | None:
         """The one Unix UID the pods the claim is reserved for declare for all their containers, or None."""
         users: set[int | None] = set()
-        reserved = (claim.get("status") or {}).get("reservedFor") or []
-        for r in reserved:
-            if not isinstance(r, Mapping) or r.get("resource") != "pods":
+        for r in claim.status.reserved_for:
+            if r.resource != "pods":
                 users.add(None)
                 continue
             try:
-                pod = Pod.model_validate(await self._claims.get_pod(plan.namespace, str(r.get("name", ""))))
+                pod = await self._claims.get_pod(plan.namespace, r.name)
             except Exception as e:
-                raise ClaimError(f"claim {plan.key}: cannot read its pod {r.get('name')!r}: {e}") from None
+                raise ClaimError(f"claim {plan.key}: cannot read its pod {r.name!r}: {e}") from None
             users |= {pod.run_as_user(c) for c in (*pod.spec.init_containers, *pod.spec.containers)}
         known = {u for u in users if u is not None}
         if len(known) > 1:

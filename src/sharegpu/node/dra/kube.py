@@ -1,7 +1,8 @@
 """What the DRA driver asks of the API server, behind a small interface (``lightkube.AsyncClient`` underneath).
 
-It reads the claims the kubelet names, its Node (for the owner reference and the device-path label) and writes
-its ResourceSlices, listed by field selector (``spec.nodeName``, ``spec.driver``) so it never sees another node's.
+It reads the claims the kubelet names, their pods, its Node (for the owner reference) and its ResourceSlices, listed
+by field selector (``spec.nodeName``, ``spec.driver``) so it never sees another node's, as :mod:`sharegpu.kube.schema`
+objects (the ones the control plane reads); it labels its Node and writes its slices as JSON.
 """
 
 from __future__ import annotations
@@ -12,21 +13,22 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sharegpu.kube.errors import ConfigError, NotFound
+from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.model.contract import DRIVER
 
 FIELD_MANAGER = "sharegpu-dra-driver"
 
 
 class DraKube(Protocol):
-    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]: ...
+    async def get_claim(self, namespace: str, name: str) -> ResourceClaim: ...
 
-    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]: ...
+    async def get_pod(self, namespace: str, name: str) -> Pod: ...
 
-    async def get_node(self, name: str) -> Mapping[str, Any]: ...
+    async def get_node(self, name: str) -> Node: ...
 
     async def label_node(self, name: str, labels: Mapping[str, str | None]) -> None: ...
 
-    async def list_slices(self, node: str) -> list[Mapping[str, Any]]: ...
+    async def list_slices(self, node: str) -> list[ResourceSlice]: ...
 
     async def apply_slice(self, obj: Mapping[str, Any]) -> None:
         """Create or update the slice (server-side apply, our fields only)."""
@@ -48,45 +50,47 @@ class LightkubeDraApi:
         except ConfigError as e:
             raise ConfigError(f"cannot load Kubernetes credentials: {e}") from None
 
-    async def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
-        from lightkube.resources.resource_v1 import ResourceClaim
+    async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
+        from lightkube.resources.resource_v1 import ResourceClaim as KClaim
 
-        return await self._client.get(ResourceClaim, name, f"read ResourceClaim {namespace}/{name}", namespace)
+        what = f"read ResourceClaim {namespace}/{name}"
+        return ResourceClaim.model_validate(await self._client.get(KClaim, name, what, namespace))
 
-    async def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
-        from lightkube.resources.core_v1 import Pod
+    async def get_pod(self, namespace: str, name: str) -> Pod:
+        from lightkube.resources.core_v1 import Pod as KPod
 
-        return await self._client.get(Pod, name, f"read pod {namespace}/{name}", namespace)
+        return Pod.model_validate(await self._client.get(KPod, name, f"read pod {namespace}/{name}", namespace))
 
-    async def get_node(self, name: str) -> Mapping[str, Any]:
-        from lightkube.resources.core_v1 import Node
+    async def get_node(self, name: str) -> Node:
+        from lightkube.resources.core_v1 import Node as KNode
 
-        return await self._client.get(Node, name, f"read node {name}")
+        return Node.model_validate(await self._client.get(KNode, name, f"read node {name}"))
 
     async def label_node(self, name: str, labels: Mapping[str, str | None]) -> None:
         from lightkube.resources.core_v1 import Node
 
         await self._client.merge_patch(Node, name, {"metadata": {"labels": dict(labels)}}, f"label node {name}")
 
-    async def list_slices(self, node: str) -> list[Mapping[str, Any]]:
-        from lightkube.resources.resource_v1 import ResourceSlice
+    async def list_slices(self, node: str) -> list[ResourceSlice]:
+        from lightkube.resources.resource_v1 import ResourceSlice as KSlice
 
         fields = {"spec.nodeName": node, "spec.driver": DRIVER}
-        slices, _ = await self._client.list(ResourceSlice, f"list the ResourceSlices of node {node}", fields=fields)
-        return list(slices)
+        slices, _ = await self._client.list(KSlice, f"list the ResourceSlices of node {node}", fields=fields)
+        return [ResourceSlice.model_validate(s) for s in slices]
 
     async def apply_slice(self, obj: Mapping[str, Any]) -> None:
-        from lightkube.resources.resource_v1 import ResourceSlice
+        from lightkube.resources.resource_v1 import ResourceSlice as KSlice
 
-        body = ResourceSlice.from_dict(dict(obj))
-        assert isinstance(body, ResourceSlice)
-        await self._client.apply(body, f"write ResourceSlice {obj['metadata']['name']}")
+        body = KSlice.from_dict(dict(obj))
+        assert isinstance(body, KSlice)
+        name = body.metadata.name if body.metadata else None
+        await self._client.apply(body, f"write ResourceSlice {name}")
 
     async def delete_slice(self, name: str) -> None:
-        from lightkube.resources.resource_v1 import ResourceSlice
+        from lightkube.resources.resource_v1 import ResourceSlice as KSlice
 
         with contextlib.suppress(NotFound):  # already gone: what deleting it was for
-            await self._client.delete(ResourceSlice, name, f"delete ResourceSlice {name}")
+            await self._client.delete(KSlice, name, f"delete ResourceSlice {name}")
 
     async def close(self) -> None:
         await self._client.close()

@@ -33,17 +33,14 @@ class SlicePublisher:
         """Write the slices if anything changed; True when it wrote."""
         wanted = build_slices(self.node, devices, self._catalog)
         existing = await self._kube.list_slices(self.node)
-        names = {str(s["metadata"]["name"]) for s in existing}
+        names = {s.metadata.name for s in existing}
         fingerprint = _fingerprint(wanted)
         if fingerprint == self._published and names == {s.name for s in wanted}:
             return False
         if self._owner is None:
-            node = await self._kube.get_node(self.node)
-            meta = node.get("metadata") or {}
-            self._owner = {"name": str(meta.get("name", self.node)), "uid": str(meta.get("uid", ""))}
-        found = max(
-            (int(((s.get("spec") or {}).get("pool") or {}).get("generation") or 0) for s in existing), default=0
-        )
+            meta = (await self._kube.get_node(self.node)).metadata
+            self._owner = {"name": meta.name or self.node, "uid": meta.uid}
+        found = max((s.spec.pool.generation for s in existing), default=0)
         self.generation = max(self.generation, found) + 1
         for s in wanted:
             await self._kube.apply_slice(resource_slice(s, self.node, self.generation, len(wanted), self._owner))
