@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=50)
     args = ap.parse_args()
     rng = random.Random(1)
-    view = ClusterView(dra_steering=True)
+    view = ClusterView(follow_dra=True)
     assert view.dra is not None
     s = DraSteering(view.dra)
     names = [f"n{i:04d}" for i in range(args.nodes)]

@@ -224,3 +224,48 @@ def test_the_shape_checks_find_what_they_look_for(tmp_path: Path) -> None:
     )
     assert _model_extra_reads(probe) == [2]
     assert _raw_object_reads(probe) == [(3, "metadata"), (4, "spec"), (5, "nodeName")]
+
+
+# ----- issue 27: one cluster cache ---------------------------------------------------------------------------------
+def _assigned_names(tree: ast.AST) -> set[str]:
+    return {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+
+
+def _calls(tree: ast.AST, name: str) -> int:
+    return sum(
+        1
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name | ast.Attribute)
+        and (n.func.id if isinstance(n.func, ast.Name) else n.func.attr) == name
+    )  # fmt: skip
+
+
+def _modules() -> list[tuple[str, ast.AST, str]]:
+    return [(str(p.relative_to(SRC)), ast.parse(p.read_text()), p.read_text()) for p in sorted(SRC.rglob("*.py"))]
+
+
+def test_one_cache_one_drift_rule_one_cycle_builder() -> None:
+    """One home each: the workload drift rule (placement.fragmentation), the cycle state a scheduler scores with
+    (Scheduler.cycle), and the ledger name of room kept for a preemptor (the assume cache's KeptRoom); no second
+    informer over the cluster outside the cluster view (kube.informer's own module aside)."""
+    drift, cycles, kept, informers = [], [], [], []
+    for rel, tree, text in _modules():
+        if "WORKLOAD_DRIFT" in _assigned_names(tree):
+            drift.append(rel)
+        if _calls(tree, "CycleState"):
+            cycles.append(rel)
+        if "kept-for" in text:
+            kept.append(rel)
+        if _calls(tree, "Informer"):
+            informers.append(rel)
+    assert drift == ["placement/fragmentation.py"]
+    assert cycles == ["placement/framework.py"]
+    assert kept == ["k8s/cache/assume.py"]
+    # The node agent and the DRA driver follow their own node's objects; the control plane has one informer.
+    assert [m for m in informers if m.startswith("k8s/")] == ["k8s/cache/view.py"], informers
+
+
+def test_the_cache_builds_no_scheduler() -> None:
+    for rel, tree, _ in _modules():
+        if rel.startswith("k8s/cache/"):
+            assert not _calls(tree, "Scheduler") and not _calls(tree, "make_policy"), rel

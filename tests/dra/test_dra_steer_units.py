@@ -66,7 +66,7 @@ class Steering:
     over it, fed the API objects as JSON, as the informer would."""
 
     def __init__(self) -> None:
-        self.view = ClusterView(dra_steering=True)
+        self.view = ClusterView(follow_dra=True)
         assert self.view.dra is not None
         self.dra = self.view.dra
         self.steering = DraSteering(self.dra)

@@ -9,7 +9,7 @@ from rich.console import Console
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.status.dra import dra_status
 from sharegpu.k8s.status.report import print_status, status_report
-from sharegpu.kube.schema import Node
+from sharegpu.kube.schema import Node, ResourceClaim, ResourceSlice
 from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec, sim_gpus
 from sharegpu.node.backends.base import DeviceInfo
@@ -41,16 +41,20 @@ def claim(name: str, device: str, consumed: dict[str, str] | None = None) -> dic
     }
 
 
+def rows_of(slices: list[dict[str, Any]], claims: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return dra_status(
+        [ResourceSlice.model_validate(s) for s in slices], [ResourceClaim.model_validate(c) for c in claims]
+    )
+
+
 def test_status_shows_dra_gpus_from_slices_and_claims() -> None:
     slices = [resource_slice(s, "n1", 3, 2, {"name": "n1", "uid": "u"}) for s in build_slices("n1", (A100,))]
-    rows = dra_status(
-        slices,
-        [
-            claim("a", "gpu-0", {"memory": "10Gi", "compute": "30"}),
-            claim("b", "gpu-0", {"memory": "20Gi", "compute": "50"}),
-            claim("other-driver", "gpu-0") | {"status": {"allocation": {"devices": {"results": [{"driver": "x"}]}}}},
-        ],
-    )
+    claims = [
+        claim("a", "gpu-0", {"memory": "10Gi", "compute": "30"}),
+        claim("b", "gpu-0", {"memory": "20Gi", "compute": "50"}),
+        claim("other-driver", "gpu-0") | {"status": {"allocation": {"devices": {"results": [{"driver": "x"}]}}}},
+    ]
+    rows = rows_of(slices, claims)
     assert rows[0]["name"] == "n1"
     g = rows[0]["gpus"][0]
     assert (g["model"], g["mechanism"], g["memory_mib_used"], g["compute_pct_used"]) == (
@@ -60,9 +64,15 @@ def test_status_shows_dra_gpus_from_slices_and_claims() -> None:
         80,
     )
     assert g["claims"] == ["ml/a", "ml/b"]
-    mig = dra_status(slices, [claim("m", "gpu-0-mig-3g40gb-4")])[0]["gpus"][0]
+    mig = rows_of(slices, [claim("m", "gpu-0-mig-3g40gb-4")])[0]["gpus"][0]
     assert (mig["mechanism"], mig["mig"]) == ("mig", [{"profile": "3g.40gb", "start": 4, "claim": "ml/m"}])
-    report = status_report(ClusterView(), rows)
+    # The report takes them from the view, which follows the slices and claims with everything else.
+    view = ClusterView(follow_dra=True)
+    view.relisted(
+        [], [], [ResourceSlice.model_validate(s) for s in slices], [ResourceClaim.model_validate(c) for c in claims]
+    )
+    report = status_report(view)
+    assert report["dra_nodes"] == rows
     console = Console(record=True, width=200)
     print_status(console, report)
     text = console.export_text()

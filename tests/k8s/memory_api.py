@@ -18,7 +18,7 @@ from typing import Any
 from sharegpu.kube.api import ADDED, DELETED, MODIFIED, DisruptionBudget, PodEvent
 from sharegpu.kube.errors import Conflict, EvictionBlocked, KubeError, NotFound, Unavailable
 from sharegpu.kube.lease import LeaseRecord
-from sharegpu.kube.schema import Node, Pod
+from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec
 
@@ -45,6 +45,11 @@ class MemoryClusterApi:
         self.events: list[PodEvent] = []
         self.evictions: list[str] = []
         self.evict_deletes = False  # True: an evicted pod is deleted at once (no grace period), else it terminates
+        # resource.k8s.io/v1: ResourceSlices by name, ResourceClaims by namespace/name; dra_refused: what a list or
+        # watch of them raises (None: served; NotFound: not served; Forbidden: RBAC refuses these credentials).
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.claims: dict[str, dict[str, Any]] = {}
+        self.dra_refused: KubeError | None = None
 
     # ----- test helpers --------------------------------------------------------------------------------------
     def _bump(self, obj: dict[str, Any]) -> None:
@@ -100,6 +105,23 @@ class MemoryClusterApi:
         obj = self.pods.pop(key)
         self._bump(obj)
         self._emit("pod", DELETED, obj)
+
+    def put_slice(self, obj: Mapping[str, Any]) -> None:
+        o = copy.deepcopy(dict(obj))
+        name = o["metadata"]["name"]
+        type_ = MODIFIED if name in self.slices else ADDED
+        self._bump(o)
+        self.slices[name] = o
+        self._emit("slice", type_, o)
+
+    def put_claim(self, obj: Mapping[str, Any]) -> None:
+        o = copy.deepcopy(dict(obj))
+        meta = o["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        type_ = MODIFIED if key in self.claims else ADDED
+        self._bump(o)
+        self.claims[key] = o
+        self._emit("claim", type_, o)
 
     def break_watches(self) -> None:
         """End every open watch with a connection error, as a dropped connection would."""
@@ -163,6 +185,35 @@ class MemoryClusterApi:
         async for type_, obj in self._watch("pod", resource_version, timeout_s):
             if _of(obj, scheduler_name):
                 yield type_, Pod.model_validate(obj)
+
+    def _check_dra(self, call: str) -> None:
+        self._check(call)
+        if self.dra_refused is not None:
+            raise self.dra_refused
+
+    async def list_slices(self, driver: str) -> tuple[list[ResourceSlice], str]:
+        self._check_dra("list ResourceSlices")
+        mine = [s for s in self.slices.values() if (s.get("spec") or {}).get("driver") == driver]
+        return [ResourceSlice.model_validate(s) for s in mine], str(self.rv)
+
+    async def watch_slices(
+        self, resource_version: str, timeout_s: int | None, driver: str
+    ) -> AsyncIterator[tuple[str, ResourceSlice]]:
+        self._check_dra("watch ResourceSlices")
+        async for type_, obj in self._watch("slice", resource_version, timeout_s):
+            if (obj.get("spec") or {}).get("driver") == driver:
+                yield type_, ResourceSlice.model_validate(obj)
+
+    async def list_claims(self) -> tuple[list[ResourceClaim], str]:
+        self._check_dra("list ResourceClaims")
+        return [ResourceClaim.model_validate(c) for c in self.claims.values()], str(self.rv)
+
+    async def watch_claims(
+        self, resource_version: str, timeout_s: int | None = None
+    ) -> AsyncIterator[tuple[str, ResourceClaim]]:
+        self._check_dra("watch ResourceClaims")
+        async for type_, obj in self._watch("claim", resource_version, timeout_s):
+            yield type_, ResourceClaim.model_validate(obj)
 
     async def get_pod(self, namespace: str, name: str) -> Pod:
         self._check(f"get pod {namespace}/{name}")

@@ -20,8 +20,9 @@ from typer.testing import CliRunner
 from proc_helpers import Proc, free_port, kubeconfig
 from sharegpu.cli import app
 from sharegpu.k8s.cache.view import ClusterView
-from sharegpu.k8s.status.dra import dra_status
 from sharegpu.k8s.status.report import FollowedStatus, print_status, status_report, summary_line, watch_status
+from sharegpu.kube.errors import Forbidden
+from sharegpu.kube.schema import ResourceClaim, ResourceSlice
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.node.backends.base import DeviceInfo
@@ -77,11 +78,17 @@ def claim(name: str, device: str) -> dict[str, Any]:
 
 def test_a_mig_claim_counts_its_memory_and_compute_and_the_summary_names_dra() -> None:
     slices = [resource_slice(s, "n1", 3, 2, {"name": "n1", "uid": "u"}) for s in build_slices("n1", (A100,))]
-    rows = dra_status(slices, [claim("m", "gpu-0-mig-3g40gb-4")])
-    g = rows[0]["gpus"][0]
+    view = ClusterView(follow_dra=True)
+    view.relisted(
+        [],
+        [],
+        [ResourceSlice.model_validate(s) for s in slices],
+        [ResourceClaim.model_validate(claim("m", "gpu-0-mig-3g40gb-4"))],
+    )
+    report = status_report(view)
+    g = report["dra_nodes"][0]["gpus"][0]
     profile = DEFAULT_CATALOG.strict("A100-80GB").profile("3g.40gb")
     assert g["memory_mib_used"] == profile.memory_mib and g["compute_pct_used"] == round(300 / 7, 1)
-    report = status_report(ClusterView(), rows)
     s = report["summary"]
     assert (s["dra_nodes"], s["dra_gpus_total"], s["dra_gpus_in_use"], s["dra_claims"]) == (1, 1, 1, 1)
     assert summary_line(report).endswith("· DRA: 1/1 GPUs claimed on 1 node(s), 1 claim(s)")
@@ -139,7 +146,8 @@ def test_no_command_logs_each_http_request(
 
 
 def test_watch_and_serve_follow_dra_nodes_too() -> None:
-    """`status --watch` and `--serve` list the DRA nodes again every few seconds (they once showed only the ledger)."""
+    """`status --watch` and `--serve` follow the DRA nodes with everything else: the view's one informer watches the
+    driver's slices and the claims (they once showed only the ledger, then listed the DRA objects apart)."""
     a100 = DeviceInfo(0, "GPU-a100", "NVIDIA A100-SXM4-80GB", "A100-80GB", 81920, 108, False)
 
     def claim(name: str, device: str, consumed: dict[str, str]) -> dict[str, Any]:
@@ -155,19 +163,14 @@ def test_watch_and_serve_follow_dra_nodes_too() -> None:
             "status": {"allocation": {"devices": {"results": [result]}}},
         }
 
-    slices = [resource_slice(s, "n1", 3, 2, {"name": "n1", "uid": "u"}) for s in build_slices("n1", (a100,))]
-    claims: list[dict[str, Any]] = []
-    loads = 0
-
-    async def load() -> list[dict[str, Any]]:
-        nonlocal loads
-        loads += 1
-        return dra_status(slices, claims)
+    api = MemoryClusterApi()
+    for s in build_slices("n1", (a100,)):
+        api.put_slice(resource_slice(s, "n1", 3, 2, {"name": "n1", "uid": "u"}))
 
     async def main() -> None:
-        followed = FollowedStatus(min_age_s=0, dra=load, dra_every_s=0.05)
+        followed = FollowedStatus(min_age_s=0)
         stop = asyncio.Event()
-        task = asyncio.ensure_future(followed.run(MemoryClusterApi(), stop))
+        task = asyncio.ensure_future(followed.run(api, stop))
 
         async def until(cond: Callable[[], bool], what: str) -> None:
             # Polls the snapshot rather than sleeping a fixed time: on a loaded machine a refresh may come late.
@@ -179,14 +182,37 @@ def test_watch_and_serve_follow_dra_nodes_too() -> None:
             raise AssertionError(f"timed out after 5s waiting for {what}: {followed.snapshot().report}")
 
         await until(lambda: followed.snapshot().report["summary"].get("dra_nodes") == 1, "the DRA node listed")
-        loads_before = loads
-        claims.append(claim("a", "gpu-0", {"memory": "10Gi", "compute": "30"}))
-        # The claim can show only once the follower has listed the DRA state again.
-        await until(lambda: loads > loads_before, "a new DRA listing")
+        lists = api.calls.count("list ResourceClaims")
+        api.put_claim(claim("a", "gpu-0", {"memory": "10Gi", "compute": "30"}))
+        # The claim comes through the watch, not another listing.
         await until(lambda: bool(followed.snapshot().report["dra_nodes"][0]["gpus"][0]["claims"]), "the claim shown")
         assert followed.snapshot().report["dra_nodes"][0]["gpus"][0]["claims"] == ["ml/a"]
+        assert api.calls.count("list ResourceClaims") == lists
         stop.set()
         await asyncio.wait_for(task, 2)
 
     asyncio.run(main())
-    assert loads >= 2  # listed again, not once only
+
+
+def test_status_follows_without_dra_when_the_credentials_may_not_read_it() -> None:
+    """A Forbidden on the DRA objects leaves the rest of the status live, and the report says why DRA is missing."""
+    api = MemoryClusterApi()
+    api.put_node("node-h", node_spec("node-h", gpus=1))
+    api.dra_refused = Forbidden("resourceclaims.resource.k8s.io is forbidden: User cannot list resource", 403)
+
+    async def main() -> None:
+        followed = FollowedStatus(min_age_s=0)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(followed.run(api, stop))
+        for _ in range(500):
+            if followed.view.synced:
+                break
+            await asyncio.sleep(0.01)
+        report = followed.snapshot().report
+        assert followed.view.synced and [n["name"] for n in report["nodes"]] == ["node-h"]
+        (problem,) = [p for p in report["problems"] if p["kind"] == "dra"]
+        assert "grant list on resourceslices and resourceclaims" in problem["reason"]
+        stop.set()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(main())

@@ -196,7 +196,7 @@ def test_the_cluster_view_follows_slices_and_claims_over_http_with_dra_steering(
         port = srv.sockets[0].getsockname()[1]
         kc = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{port}")
         api = LightkubeClusterApi(kc)
-        view = ClusterView(dra_steering=True, scheduler_name="sharegpu-scheduler")
+        view = ClusterView(follow_dra=True, scheduler_name="sharegpu-scheduler")
         assert view.dra is not None
         dra = view.dra
         stop = asyncio.Event()

@@ -122,7 +122,7 @@ def test_a_claim_asking_10G_is_9537_MiB_everywhere_its_ask_is_read() -> None:
     use = parse_use(ResourceClaim.model_validate(claim))
     assert use is not None and use.devices[0][2:4] == (ASKED, 300)
     # sharegpu status
-    (node,) = dra_status([gpu_slice("80Gi")], [claim])
+    (node,) = dra_status([ResourceSlice.model_validate(gpu_slice("80Gi"))], [ResourceClaim.model_validate(claim)])
     assert node["gpus"][0]["memory_mib_used"] == ASKED
 
 
@@ -161,7 +161,7 @@ def test_the_dra_claim_path_and_the_extender_path_agree_on_a_10G_share() -> None
 
 # ----- every reader of what a device or node has agrees --------------------------------------------------------------
 def test_a_device_or_node_of_10G_has_9536_MiB_everywhere() -> None:
-    (node,) = dra_status([gpu_slice(TEN_G)], [])
+    (node,) = dra_status([ResourceSlice.model_validate(gpu_slice(TEN_G))], [])
     assert node["gpus"][0]["memory_mib_total"] == HAS
     state = DraLedger(AssumeCache())
     parsed = state._parse_slice(ResourceSlice.model_validate(gpu_slice(TEN_G)))

@@ -10,7 +10,6 @@ import re
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
 
 import typer
 import uvloop
@@ -20,7 +19,7 @@ from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY
 from sharegpu.k8s.serving.tls import ServerTls, TlsError
 from sharegpu.k8s.webhook.admission import WebhookConfig, serve_webhook, trusted
 from sharegpu.kube.api import LightkubeClusterApi
-from sharegpu.kube.errors import ConfigError, Forbidden, KubeError
+from sharegpu.kube.errors import ConfigError, KubeError
 from sharegpu.kube.kubeconfig import KUBECONFIG_HELP, quiet_http_logging
 from sharegpu.kube.quantity import MIB
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
@@ -200,7 +199,7 @@ def scheduler_extender(
                 f"--consolidation-moves-per-minute {consolidation_moves_per_minute} must be 1 or more, e.g. 4"
             )
         check_policy(policy)
-        view = ClusterView(scheduler_name=scheduler_name, dra_steering=dra_steering)
+        view = ClusterView(scheduler_name=scheduler_name, follow_dra=dra_steering)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
     except (SetupError, UnknownPolicy, TlsError) as e:
@@ -297,7 +296,6 @@ def status(
 ) -> None:
     """Show every sharegpu GPU: model, mechanism, used memory and compute, MIG layout and the pods sharing it."""
     from sharegpu.k8s.cache.view import ClusterView
-    from sharegpu.k8s.status.dra import load_dra_status
     from sharegpu.k8s.status.report import FollowedStatus, print_status, status_report, watch_status
 
     if serve is not None:
@@ -318,40 +316,21 @@ def status(
         api = LightkubeClusterApi(kubeconfig)
     except ConfigError as e:
         raise _fail(f"cannot load Kubernetes credentials: {e}") from None
-    dra_warned: list[str] = []
-
-    async def dra() -> list[dict[str, Any]]:
-        """The DRA nodes, or none when the credentials may not read ResourceSlices or ResourceClaims: the rest of
-        the report does not need them (said once, on stderr or in the log)."""
-        try:
-            return await load_dra_status(kubeconfig)
-        except Forbidden as e:
-            if not dra_warned:
-                dra_warned.append(str(e))
-                message = (
-                    f"not showing DRA GPUs: {e}; to see them, grant list on resourceslices and resourceclaims "
-                    "(resource.k8s.io) to these credentials"
-                )
-                if serve is not None:  # a server: its log
-                    log.warning("%s", message)
-                else:
-                    typer.echo(f"sharegpu: warning: {message}", err=True)
-            return []
 
     async def load() -> dict[str, object]:
+        view = ClusterView(follow_dra=True)
         try:
-            nodes, _ = await api.list_nodes()
-            pods, _ = await api.list_pods()
+            await view.load(api)
         finally:
             await api.close()
-        view = ClusterView()
-        view.reset(nodes, pods)
-        return status_report(view, await dra())
+        if view.dra_forbidden:  # the rest of the report does not need them: said once, on stderr
+            typer.echo(f"sharegpu: warning: not showing DRA GPUs: {view.dra_unavailable}", err=True)
+        return status_report(view)
 
     async def follow() -> None:
         from sharegpu.k8s.status.page import serve_page
 
-        followed = FollowedStatus(dra=dra, dra_every_s=max(interval, 2.0))
+        followed = FollowedStatus()
 
         try:
             if addr is not None:

@@ -52,6 +52,9 @@ class DraLedger:
         self.catalog = catalog
         self._assumed = assumed
         self.claims: dict[str, ResourceClaim] = {}  # ns/name → claim (its spec is read when its pod is steered)
+        self.slices: dict[
+            str, ResourceSlice
+        ] = {}  # name → the driver's slice, as listed (status shows its MIG devices)
         self._nodes: dict[str, tuple[int, int]] = {}  # DRA node → allocatable (cpu milli, memory MiB)
         self._slices: dict[str, tuple[str, tuple[GpuDevice, ...]]] = {}  # slice → (node, its GPUs)
         self._uses: dict[str, ClaimUse] = {}  # claim key → what its allocation holds
@@ -73,6 +76,7 @@ class DraLedger:
         """Replace everything with a fresh list."""
         self._nodes.clear()
         self._slices.clear()
+        self.slices.clear()
         self.claims.clear()
         self._uses.clear()
         self._pods.clear()
@@ -103,6 +107,7 @@ class DraLedger:
     def apply_slice(self, event: str, obj: ResourceSlice) -> None:
         parsed = None if event == DELETED else self._parse_slice(obj)
         name = obj.metadata.name
+        _set(self.slices, name, obj if parsed is not None else None)
         if self._slices.get(name) != parsed:
             _set(self._slices, name, parsed)
             self._ledger = None

@@ -21,7 +21,7 @@ from typing import Any
 from sharegpu.k8s.cache.dra_ledger import DraLedger
 from sharegpu.k8s.cache.ledger_view import LedgerView
 from sharegpu.kube.api import ClusterApi, DraApi
-from sharegpu.kube.errors import NotFound
+from sharegpu.kube.errors import Forbidden, NotFound
 from sharegpu.kube.informer import WATCH_CLOSE_S, WATCH_TIMEOUT_S, Informer, Source, Timing
 from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
@@ -41,12 +41,16 @@ class ClusterView(LedgerView):
         watch_idle_s: float | None = None,
         scheduler_name: str | None = None,
         watch_close_s: float = WATCH_CLOSE_S,
-        dra_steering: bool = False,
+        follow_dra: bool = False,
     ) -> None:
         super().__init__(catalog)
-        # The DRA nodes' ledger, fed by the same informer (None: DRA steering off, no slice or claim is followed).
-        self.dra: DraLedger | None = DraLedger(self._assumed, catalog) if dra_steering else None
-        self.dra_served = True  # False: the API server does not serve resource.k8s.io/v1 (steering judges nothing)
+        # The DRA nodes' ledger, fed by the same informer (None: no slice or claim is followed; the extender follows
+        # them for DRA steering, ``sharegpu status`` to show the DRA nodes).
+        self.dra: DraLedger | None = DraLedger(self._assumed, catalog) if follow_dra else None
+        # Why the DRA objects cannot be followed ("": they can): resource.k8s.io/v1 not served, or not readable with
+        # these credentials. The view then follows Nodes and Pods alone.
+        self.dra_unavailable = ""
+        self.dra_forbidden = False  # the credentials may not read them (a cluster without DRA is not an error)
         self.pod_listeners: list[Callable[[], None]] = []  # told after every pod change applied (watch or relist)
         # Only this scheduler's pods are accounted: it is the only one that binds sharegpu pods (the webhook gives them
         # its name). Without DRA steering only they are listed and watched (a busy cluster's other pods would cost an
@@ -105,6 +109,21 @@ class ClusterView(LedgerView):
         name = self.scheduler_name
         self.reset(nodes, [p for p in pods if name is None or p.spec.scheduler_name == name])
 
+    async def load(self, api: ClusterApi) -> None:
+        """List everything the view follows once, as the informer's first list does (``sharegpu status``)."""
+        nodes, _ = await api.list_nodes()
+        pods, _ = await api.list_pods(self._pods_of())
+        slices: list[ResourceSlice] = []
+        claims: list[ResourceClaim] = []
+        if self.dra is not None and isinstance(api, DraApi) and await self._dra_readable(api):
+            slices, _ = await api.list_slices(DRIVER)
+            claims, _ = await api.list_claims()
+        self.relisted(nodes, pods, slices, claims)
+
+    def _pods_of(self) -> str | None:
+        """The scheduler whose pods are listed and watched (None: every pod; the DRA ledger counts them all)."""
+        return self.scheduler_name if self.dra is None else None
+
     def _pods_changed(self) -> None:
         for listener in self.pod_listeners:
             listener()
@@ -140,8 +159,7 @@ class ClusterView(LedgerView):
             meta = obj.metadata
             return (f"{meta.namespace}/{meta.name}" if meta.namespace else meta.name), meta.resource_version
 
-        # With DRA steering every pod is followed (those bound to DRA nodes take their cpu and memory).
-        pods_of = self.scheduler_name if self.dra is None else None
+        pods_of = self._pods_of()
         sources: list[Source[Any]] = [
             Source("node", api.list_nodes, api.watch_nodes, self.apply_node, identity),
             Source(
@@ -155,7 +173,7 @@ class ClusterView(LedgerView):
         if self.dra is not None:
             if not isinstance(api, DraApi):
                 raise TypeError("DRA steering needs a ClusterApi that also lists ResourceSlices and ResourceClaims")
-            if await self._dra_served(api):
+            if await self._dra_readable(api):
                 dra_api = api
                 sources += [
                     Source(
@@ -175,15 +193,23 @@ class ClusterView(LedgerView):
             self._informer = None
             self.synced = False
 
-    async def _dra_served(self, api: DraApi) -> bool:
-        """Whether the API server serves resource.k8s.io/v1: where it does not, the view follows Nodes and Pods
-        alone and steering judges nothing (the stock placement applies), rather than never syncing."""
+    async def _dra_readable(self, api: DraApi) -> bool:
+        """Whether the DRA objects can be followed: where the API server does not serve resource.k8s.io/v1, or the
+        credentials may not list them, the view follows Nodes and Pods alone (DRA steering judges nothing, status
+        shows no DRA node) rather than never syncing. Said once, in :attr:`dra_unavailable` and the log."""
         try:
             await api.list_claims()
         except NotFound:
-            self.dra_served = False
-            log.warning("DRA steering is on but the API server does not serve resource.k8s.io/v1: it steers nothing")
-            return False
+            self.dra_unavailable = "the API server does not serve resource.k8s.io/v1 (no DRA)"
+        except Forbidden as e:
+            self.dra_forbidden = True
+            self.dra_unavailable = (
+                f"{e}; grant list on resourceslices and resourceclaims (resource.k8s.io) to these credentials "
+                "(and watch, to follow them)"
+            )
         except Exception:  # any other error: the informer's own retries report it
             return True
-        return True
+        else:
+            return True
+        log.warning("not following DRA ResourceSlices and ResourceClaims: %s", self.dra_unavailable)
+        return False

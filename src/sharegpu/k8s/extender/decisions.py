@@ -227,7 +227,7 @@ class Decisions:
         if steering is None:
             return self._filtered(args, names, {}, {})
         # The DRA pods' own shapes (the claims seen), unless the operator fixed the workload.
-        synced = self.view.synced and self.view.dra_served
+        synced = self.view.synced and not self.view.dra_unavailable
         s = steering.steer(args.Pod, names, self.schedulers.fixed_workload, synced)
         if s.assignment is not None:
             units = ", ".join(f"GPU {x.gpu_index}" for x in s.assignment.shares) or "no GPU"

@@ -8,12 +8,12 @@ the claims allocated on them instead of from the node agent's inventory.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent
 from sharegpu.kube.quantity import capacity_mib, quantity_or_zero
+from sharegpu.kube.schema import ResourceClaim, ResourceSlice
 from sharegpu.model.contract import (
     COMPUTE_FULL,
     DEVICE_TYPE_GPU,
@@ -36,18 +36,17 @@ def _mig_compute_pct(model: str, profile: str) -> float:
         return 0.0
 
 
-def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def dra_status(slices: Iterable[ResourceSlice], claims: Iterable[ResourceClaim]) -> list[dict[str, Any]]:
     """Per DRA node and GPU: model, memory, what the allocated claims consume, the MIG partitions and the claims."""
     gpus: dict[tuple[str, str], dict[str, Any]] = {}  # (pool, gpu device name) → row
     # (pool, mig device) → (gpu device, profile, start, memory MiB, compute percent)
     mig_parent: dict[tuple[str, str], tuple[str, str, int, int, float]] = {}
     for s in slices:
-        spec = s.get("spec") or {}
-        if spec.get("driver") != DRIVER:
+        if s.spec.driver != DRIVER:
             continue
-        pool = str((spec.get("pool") or {}).get("name", ""))
-        for raw in spec.get("devices") or []:
-            d = read_slice_device(raw)
+        pool = s.spec.pool.name
+        for raw in s.spec.devices:
+            d = read_slice_device(raw.model_dump(by_alias=True, exclude_none=True))
             if d.type == DEVICE_TYPE_GPU:
                 gpus[(pool, d.name)] = {
                     "index": d.index,
@@ -69,13 +68,12 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
                     _mig_compute_pct(d.model, d.profile),
                 )
     for c in claims:
-        meta = c.get("metadata") or {}
-        key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-        allocation = (c.get("status") or {}).get("allocation") or {}
-        for r in (allocation.get("devices") or {}).get("results") or []:
-            if r.get("driver") != DRIVER:
+        key = c.key
+        allocation = c.status.allocation
+        for r in allocation.devices.results if allocation is not None else ():
+            if r.driver != DRIVER:
                 continue
-            pool, device = str(r.get("pool", "")), str(r.get("device", ""))
+            pool, device = r.pool, r.device
             if (pool, device) in mig_parent:
                 parent, profile, start, memory, compute = mig_parent[(pool, device)]
                 row = gpus.get((pool, parent))
@@ -90,7 +88,7 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
             row = gpus.get((pool, device))
             if row is None:
                 continue
-            consumed = r.get("consumedCapacity") or {}
+            consumed = r.consumed_capacity
             claimed = claimed_mib(consumed)
             used = row["memory_mib_total"] if claimed is None else claimed
             compute = claimed_percent(consumed)
@@ -104,22 +102,3 @@ def dra_status(slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str
         row["mig"].sort(key=lambda m: m["start"])
         nodes.setdefault(pool, []).append(row)
     return [{"name": name, "path": "dra", "gpus": rows} for name, rows in nodes.items()]
-
-
-async def load_dra_status(kubeconfig: Path | None) -> list[dict[str, Any]]:
-    """Read the driver's ResourceSlices and every ResourceClaim; a cluster without DRA shows nothing."""
-    from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
-
-    from sharegpu.kube.client import KubeClient
-    from sharegpu.kube.errors import NotFound
-
-    client = KubeClient(kubeconfig, "sharegpu-status")
-    what = "list DRA ResourceSlices and ResourceClaims"
-    try:
-        slices, _ = await client.list(ResourceSlice, what, fields={"spec.driver": DRIVER})
-        claims, _ = await client.list(ResourceClaim, what, namespace="*")
-    except NotFound:  # resource.k8s.io/v1 not served: no DRA nodes
-        return []
-    finally:
-        await client.close()
-    return dra_status(slices, claims)

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +28,8 @@ from rich.text import Text
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.k8s.status.bench_note import InvalidBenchNote, parse_note
+from sharegpu.k8s.status.dra import dra_status
 from sharegpu.kube.api import ClusterApi
-from sharegpu.kube.errors import KubeError
 from sharegpu.ledger import GpuMode, Ledger
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 from sharegpu.placement.fragmentation import FragmentationModel, Workload, fragmentation_of
@@ -150,7 +150,9 @@ def cluster_summary(view: ClusterView, pending: list[PendingPod]) -> dict[str, A
     }
 
 
-def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def status_report(view: ClusterView) -> dict[str, Any]:
+    """The report of everything the view follows: the device-plugin nodes from its ledger, the DRA nodes (when it
+    follows them) from the driver's slices and the claims allocated on them."""
     led = view.ledger
     users: dict[tuple[int, int], list[str]] = {}
     inst_users: dict[tuple[int, int, int], list[str]] = {}
@@ -201,7 +203,7 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
             )
         nodes.append({"name": spec.name, "gpus": gpus, "bench": bench_of(view.bench_note(spec.name))})
     pending = pending_pods(view)
-    dra = dra_nodes or []
+    dra = [] if view.dra is None else dra_status(view.dra.slices.values(), view.dra.claims.values())
     dra_gpus = [g for n in dra for g in n["gpus"]]
     summary = cluster_summary(view, pending) | {
         # The DRA path's GPUs are outside the ledger (allocation and fragmentation above are the device plugin's).
@@ -214,8 +216,9 @@ def status_report(view: ClusterView, dra_nodes: list[dict[str, Any]] | None = No
         "summary": summary,
         "nodes": nodes,
         "pending": [{"pod": p.pod, "reason": p.reason.value, "detail": p.detail} for p in pending],
-        "dra_nodes": dra_nodes or [],  # nodes on the DRA path, from sharegpu.k8s.status.dra.dra_status
-        "problems": [{"kind": p.kind, "name": p.name, "reason": p.reason} for p in view.problems],
+        "dra_nodes": dra,  # nodes on the DRA path, from sharegpu.k8s.status.dra.dra_status
+        "problems": [{"kind": p.kind, "name": p.name, "reason": p.reason} for p in view.problems]
+        + ([{"kind": "dra", "name": "resource.k8s.io", "reason": view.dra_unavailable}] if view.dra_forbidden else []),
     }
 
 
@@ -384,50 +387,22 @@ class FollowedStatus:
     A report is computed at most once per ``min_age_s`` however many readers ask (each page viewer refreshes).
     """
 
-    def __init__(
-        self,
-        view: ClusterView | None = None,
-        min_age_s: float = 1.0,
-        dra: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
-        dra_every_s: float = 5.0,
-    ) -> None:
-        self.view = view or ClusterView()
+    def __init__(self, view: ClusterView | None = None, min_age_s: float = 1.0) -> None:
+        # The DRA nodes come through the same view (its informer follows the driver's slices and the claims).
+        self.view = view or ClusterView(follow_dra=True)
         self.min_age_s = min_age_s
-        # DRA nodes are read by listing their ResourceSlices and claims (the one-shot status does the same), every
-        # ``dra_every_s``: the view follows only the device-plugin path.
-        self._dra = dra
-        self._dra_every_s = dra_every_s
-        self._dra_nodes: list[dict[str, Any]] = []
         self._last: StatusSnapshot | None = None
 
     def snapshot(self) -> StatusSnapshot:
         now = time.time()
         last = self._last
         if last is None or now - last.taken_at >= self.min_age_s or last.synced != self.view.synced:
-            last = self._last = StatusSnapshot(status_report(self.view, self._dra_nodes), self.view.synced, now)
+            last = self._last = StatusSnapshot(status_report(self.view), self.view.synced, now)
         return last
 
     async def run(self, api: ClusterApi, stop: asyncio.Event) -> None:
         """Follow the API server until ``stop`` (relisting after any error, as the extender does)."""
-        if self._dra is None:
-            await self.view.follow(api, stop)
-            return
-        dra = asyncio.ensure_future(self._follow_dra(self._dra, stop))
-        try:
-            await self.view.follow(api, stop)
-        finally:
-            dra.cancel()
-            await asyncio.gather(dra, return_exceptions=True)
-
-    async def _follow_dra(self, load: Callable[[], Awaitable[list[dict[str, Any]]]], stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                self._dra_nodes = await load()
-                self._last = None  # the next reader sees the new DRA nodes at once
-            except KubeError as e:  # shown as before until the next try; the ledger part stays live
-                log.warning("cannot read the DRA nodes: %s", e)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._dra_every_s)
+        await self.view.follow(api, stop)
 
 
 def snapshot_renderable(snap: StatusSnapshot, width: int | None = None) -> RenderableType:
