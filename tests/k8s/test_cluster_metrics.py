@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.extender.metrics import BindOutcome, ClusterMetrics
 from sharegpu.k8s.extender.server import Extender, make_app
-from sharegpu.k8s.status.report import REASON_CLASSES, fragmentation_milli, status_report
+from sharegpu.k8s.pending import REASON_CLASSES
+from sharegpu.k8s.status.report import fragmentation_milli, status_report
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 

@@ -13,8 +13,9 @@ from k8s_helpers import pod_obj
 from test_k8s_consolidation import ON, events, share
 from test_k8s_preemption import HIGH, Harness, run
 
+from sharegpu.k8s.controllers.budgets import budget_violations, spend_budgets
 from sharegpu.k8s.controllers.consolidation import PlanOutcome
-from sharegpu.k8s.controllers.preemption import Outcome, budget_violations, spend_budgets
+from sharegpu.k8s.controllers.preemption import Outcome
 from sharegpu.kube.api import DisruptionBudget
 from sharegpu.kube.schema import Pod
 

@@ -130,6 +130,11 @@ class LedgerView:
         """The parsed requests of every pod the view holds that asks for sharegpu (the workload seen)."""
         return list(self._requests.values())
 
+    def request_count(self) -> int:
+        """How many pods the view holds with a sharegpu request (read every cycle: a workload's drift is counted in
+        it)."""
+        return len(self._requests)
+
     def workload(self) -> Workload | None:
         """The task shapes of the pods seen (None: none seen yet): what fragmentation is measured against where the
         operator fixed no workload."""

@@ -27,7 +27,8 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter
 
-from sharegpu.k8s.controllers.preemption import PreemptionController, budget_protects, budget_violations
+from sharegpu.k8s.controllers.budgets import budget_protects, budget_violations
+from sharegpu.k8s.controllers.preemption import PreemptionController
 from sharegpu.kube.api import DisruptionBudget, PodEvent
 from sharegpu.kube.schema import Pod
 from sharegpu.model.contract import MOVABLE_ANNOTATION

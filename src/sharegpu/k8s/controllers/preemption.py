@@ -7,7 +7,7 @@ extender, on its ledger, every ``interval_s`` while its replica is the leader:
 
 1. candidates: pods of this scheduler that ask for sharegpu, are unbound, were refused by the scheduler
    (``PodScheduled=False``, reason ``Unschedulable``) and fit on no node for GPU room now (the ``gpu-busy`` class of
-   :func:`sharegpu.k8s.status.report.pending_pods`, the same judgement ``sharegpu status`` shows); highest
+   :func:`sharegpu.k8s.pending.pending_pods`, the same judgement ``sharegpu status`` shows); highest
    ``spec.priority`` first; ``preemptionPolicy: Never`` waits instead;
 2. plan with :func:`sharegpu.placement.preemption.plan_preemption` on the ledger as it will be once what is already
    leaving has left (terminating pods gone, earlier reservations placed), so that two preemptors never count on the
@@ -41,8 +41,9 @@ from enum import StrEnum
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sharegpu.k8s.cache.view import ClusterView
+from sharegpu.k8s.controllers.budgets import budget_violations, more_important_first, spend_budgets
 from sharegpu.k8s.extender.schedulers import Schedulers
-from sharegpu.k8s.status.report import pending_pods
+from sharegpu.k8s.pending import pending_pods
 from sharegpu.kube.api import DisruptionApi, DisruptionBudget, PodEvent
 from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
 from sharegpu.kube.schema import ExtenderArgs, Pod
@@ -174,46 +175,6 @@ def preemption_policy(pod: Pod) -> PreemptionPolicy:
     """The pod's ``spec.preemptionPolicy`` as placement's type (anything but ``Never`` preempts, the default)."""
     never = pod.spec.preemption_policy == PreemptionPolicy.NEVER.value
     return PreemptionPolicy.NEVER if never else PreemptionPolicy.PREEMPT_LOWER_PRIORITY
-
-
-def budget_protects(budgets: Sequence[DisruptionBudget], pod: Pod) -> bool:
-    """Whether a PodDisruptionBudget covering ``pod`` allows no disruption now (its eviction would get a 429)."""
-    ns, labels = pod.metadata.namespace, pod.metadata.labels
-    return any(b.disruptions_allowed <= 0 and b.covers(ns, labels) for b in budgets)
-
-
-def budget_violations(budgets: Sequence[DisruptionBudget], pods: Iterable[Pod]) -> set[str]:
-    """The keys of ``pods`` whose eviction would break a PodDisruptionBudget if all of ``pods`` were evicted in this
-    order: each budget's ``disruptionsAllowed`` is counted down pod by pod (as the kube-scheduler's
-    filterPodsWithPDBViolation does over one node's victims), and a pod that takes a budget below zero violates it.
-    Two pods under a budget that allows one disruption: the first may go, the second would get a 429."""
-    left = [b.disruptions_allowed for b in budgets]
-    out: set[str] = set()
-    for pod in pods:
-        ns, labels = pod.metadata.namespace, pod.metadata.labels
-        for i, b in enumerate(budgets):
-            if b.covers(ns, labels):
-                left[i] -= 1
-                if left[i] < 0:
-                    out.add(pod.key)
-    return out
-
-
-def spend_budgets(budgets: Sequence[DisruptionBudget], pods: Iterable[Pod]) -> list[DisruptionBudget]:
-    """``budgets`` once ``pods`` are evicted: each covering budget allows one disruption fewer (the API server's own
-    count, which the kube-controller-manager publishes only later)."""
-    out = list(budgets)
-    for pod in pods:
-        ns, labels = pod.metadata.namespace, pod.metadata.labels
-        out = [replace(b, disruptions_allowed=b.disruptions_allowed - 1) if b.covers(ns, labels) else b for b in out]
-    return out
-
-
-def _importance(pod: Pod) -> tuple[int, float, str]:
-    # The kube-scheduler's MoreImportantPod (as sharegpu.placement.preemption orders victims): higher priority first,
-    # then the pod that started earlier (unknown: now, the latest).
-    t = pod.started_at
-    return (-pod.spec.priority, float("inf") if t is None else t, pod.key)
 
 
 class SaidOnce:
@@ -531,7 +492,7 @@ class PreemptionController:
                 victims.setdefault(led.assignments[key].node, []).append(pod)
         protected: set[str] = set()
         for pods in victims.values():
-            protected |= budget_violations(budgets, sorted(pods, key=_importance))
+            protected |= budget_violations(budgets, sorted(pods, key=more_important_first))
         return PodFacts(priority, start, protected.__contains__, default_priority=EXEMPT)
 
     def future_ledger(self) -> Ledger:

@@ -32,8 +32,9 @@ from starlette.routing import Route
 
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.extender.answers import FilterAnswer
+from sharegpu.k8s.pending import REASON_CLASSES, pending_pods
 from sharegpu.k8s.pod_request import asks_for_sharegpu
-from sharegpu.k8s.status.report import MODE_NAMES, REASON_CLASSES, cluster_summary, pending_pods
+from sharegpu.k8s.status.report import MODE_NAMES, cluster_summary
 from sharegpu.kube.quantity import MIB
 from sharegpu.kube.schema import ExtenderArgs, ExtenderBindingResult, ExtenderPreemptionResult
 from sharegpu.ledger import GpuMode

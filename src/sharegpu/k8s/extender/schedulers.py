@@ -42,7 +42,7 @@ class Schedulers:
     def placement(self) -> Scheduler:
         """The scheduler over the view's ledger now, with the policy rebuilt when the workload seen drifted."""
         led = self.view.ledger
-        n = len(self.view.requests())
+        n = self.view.request_count()
         stale = self.fixed_workload is None and workload_drifted(self._workload_pods, n)
         if self._scheduler is None or self._scheduler.ledger is not led:
             self._scheduler = Scheduler(led, self._make_policy(), self.seed)
