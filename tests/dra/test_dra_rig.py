@@ -268,10 +268,20 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
     assert ra["shareID"] and rb["shareID"] and ra["shareID"] != rb["shareID"]
     assert (await rig.c.get(Pod, "infer-a", namespace=rig.ns)).spec.nodeName == rig.node
 
-    # `sharegpu status` shows the DRA node from its slices and claims (and the extender's view leaves it out).
-    from sharegpu.k8s.status.dra import load_dra_status
+    # `sharegpu status` shows the DRA node from its slices and claims, listed by its cluster view (the extender's
+    # device-plugin ledger leaves the node out).
+    from sharegpu.k8s.cache.view import ClusterView
+    from sharegpu.k8s.status.report import status_report
+    from sharegpu.kube.api import LightkubeClusterApi
 
-    shown = [n for n in await load_dra_status(Path(str(KUBECONFIG))) if n["name"] == rig.node]
+    view = ClusterView(follow_dra=True)
+    api = LightkubeClusterApi(Path(str(KUBECONFIG)))
+    try:
+        await view.load(api)
+    finally:
+        await api.close()
+    assert rig.node not in view.ledger.index and not view.dra_unavailable
+    shown = [n for n in status_report(view)["dra_nodes"] if n["name"] == rig.node]
     assert len(shown) == 1 and len(shown[0]["gpus"]) == 1
     row = shown[0]["gpus"][0]
     assert (row["uuid"], row["mechanism"], row["memory_mib_used"], row["compute_pct_used"]) == (
