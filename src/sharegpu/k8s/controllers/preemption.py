@@ -22,7 +22,8 @@ extender, on its ledger, every ``interval_s`` while its replica is the leader:
    gone (:meth:`PreemptionController.settle`, called by the view on every pod change, before any later filter can
    run) the room is held for the preemptor in the view (a HELD reservation, as filter's own), until it binds or
    ``reserve_s`` passes. The preemptor's own filter drops its hold first and so sees the room; any other pod's does
-   not.
+   not. The reservations themselves are kept by :mod:`sharegpu.k8s.controllers.reservations`; this module plans, evicts,
+   nominates, tells (Events, metrics) and adopts.
 
 Only the leader acts; reservations live in this process, and a new leader adopts a preemption in progress from the
 API server's objects alone (a pending pod nominated to a node where lower-priority pods terminate).
@@ -35,29 +36,28 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.controllers.budgets import budget_violations, more_important_first, spend_budgets
+from sharegpu.k8s.controllers.reservations import Reservation, Reservations, Settled
 from sharegpu.k8s.extender.schedulers import Schedulers
 from sharegpu.k8s.pending import pending_pods
 from sharegpu.kube.api import DisruptionApi, DisruptionBudget, PodEvent
 from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
 from sharegpu.kube.schema import ExtenderArgs, Pod
-from sharegpu.ledger import Ledger, LedgerError
+from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
-from sharegpu.placement.framework import Decision
 from sharegpu.placement.preemption import (
     PodFacts,
     PreemptionError,
     PreemptionPlan,
     PreemptionPolicy,
     Preemptor,
-    copy_ledger,
     kube_candidate_limit,
     plan_preemption,
 )
@@ -117,25 +117,6 @@ class PreemptionMetrics:
 
     def count(self, outcome: Outcome) -> None:
         self.preemptions.labels(outcome.value).inc()
-
-
-@dataclass(slots=True)
-class _Reservation:
-    """Room being freed on ``node`` for pod ``pod``: its ``victims`` must leave the ledger first."""
-
-    pod: str
-    uid: str
-    priority: int
-    node: str
-    assignment: Assignment | None  # the planner's choice; decided afresh when it no longer fits
-    victims: frozenset[str]
-    started: float
-    freed_at: float | None = None  # when the last victim was seen gone
-    # The victims' assignments: a victim that is gone while others still terminate leaves its share kept in the
-    # view's assume cache (a KeptRoom for the victim), so that a lower-priority pod cannot take the part of the room
-    # already freed. The part of the pod's room that is free already is kept too while the victims terminate (a
-    # KeptRoom without a victim): as the kube-scheduler counts a nominated pod on its node for pods of lower priority.
-    kept: dict[str, Assignment] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -226,7 +207,8 @@ class PreemptionController:
         self.is_leader = is_leader
         self.config = config or PreemptionConfig()
         self.clock = clock
-        self._reservations: dict[str, _Reservation] = {}
+        # The room being freed for preemptors and held for them as it frees (sharegpu.k8s.controllers.reservations).
+        self._reserved = Reservations(view, schedulers, self.config.victims_timeout_s, self.config.reserve_s)
         self._backoff: dict[str, float] = {}  # preemptor → not before (clock)
         self._never_seen: set[str] = set()  # Never pods counted once each (by UID)
         self._events: set[asyncio.Future[None]] = set()
@@ -255,128 +237,37 @@ class PreemptionController:
 
     def reservations(self) -> dict[str, str]:
         """Preemptor → nominated node, of the reservations in progress."""
-        return {k: r.node for k, r in self._reservations.items()}
+        return self._reserved.nodes()
 
     def drop_all(self) -> None:
         """This replica is no longer the leader: forget the reservations and the room they kept."""
-        for r in self._reservations.values():
-            self._unkeep(r)
-        self._reservations.clear()
+        self._reserved.clear()
         self._backoff.clear()
         self.metrics.reservations.set(0)
 
     def settle(self) -> None:
         """Hold the room for each preemptor whose victims are all gone; end reservations that are done."""
-        if not self._reservations:
+        if not len(self._reserved) or not self.view.synced:
             return
-        view = self.view
-        if not view.synced:
-            return
-        now = self.clock()
-        for key, r in list(self._reservations.items()):
-            pod = view.pod(key)
-            if pod is None or (r.uid and pod.metadata.uid != r.uid) or pod.finished or pod.metadata.deletion_timestamp:
-                self._end(key, None)
-                continue
-            if pod.spec.node_name:
-                self._end(key, Outcome.BOUND)
-                self.metrics.time_to_bind.observe(max(now - r.started, 0.0))
-                log.info("preemptor %s bound %.1fs after its preemption", key, now - r.started)
-                continue
-            if view.in_flight(key):
-                continue  # held (by this reservation or its own filter) or being bound
-            leaving = [v for v in r.victims if self._present(v)]
-            if leaving:
-                if now - r.started > self.config.victims_timeout_s:
-                    self._end(key, Outcome.EXPIRED)
-                    log.warning("preemption for %s given up: its victims did not leave in time", key)
-                    continue
-                for v in r.victims:
-                    if v not in leaving:
-                        self._keep(r, v, r.started + self.config.victims_timeout_s)
-                self._keep_free(r, r.started + self.config.victims_timeout_s)
-                continue
-            self._unkeep(r)
-            if r.freed_at is None:
-                r.freed_at = now
-            if now - r.freed_at > self.config.reserve_s:
-                self._end(key, Outcome.EXPIRED)
+        for s in self._reserved.settle(self.clock()):
+            r = s.reservation
+            self.metrics.reservations.set(len(self._reserved))
+            if s.how is Settled.BOUND:
+                self.metrics.count(Outcome.BOUND)
+                self.metrics.time_to_bind.observe(max(s.at - r.started, 0.0))
+                log.info("preemptor %s bound %.1fs after its preemption", r.pod, s.at - r.started)
+            elif s.how is Settled.VICTIMS_STAYED:
+                self.metrics.count(Outcome.EXPIRED)
+                log.warning("preemption for %s given up: its victims did not leave in time", r.pod)
+            elif s.how is Settled.NOT_BOUND:
+                self.metrics.count(Outcome.EXPIRED)
                 log.info(
-                    "room held for %s on %s released: it did not bind in %.0fs", key, r.node, self.config.reserve_s
+                    "room held for %s on %s released: it did not bind in %.0fs", r.pod, r.node, self.config.reserve_s
                 )
-                continue
-            self._hold(r, r.freed_at + self.config.reserve_s)
-
-    def _present(self, key: str) -> bool:
-        pod = self.view.pod(key)
-        return pod is not None and not pod.finished and key in self.view.ledger.assignments
-
-    def _keep(self, r: _Reservation, victim: str, expires: float) -> None:
-        a = r.kept.get(victim)
-        if a is None or self.view.kept_room(r.pod, victim) is not None:
-            return
-        try:
-            self.view.keep_room(r.pod, victim, a, expires)
-        except LedgerError as e:  # its room was taken in the same step: the preemptor's hold will say so
-            log.info("cannot keep the room of %s for %s: %s", victim, r.pod, e)
-
-    def _unkeep(self, r: _Reservation) -> None:
-        self.view.unkeep_room(r.pod)
-
-    def _keep_free(self, r: _Reservation, expires: float) -> None:
-        """Hold what ``r``'s pod needs on its GPUs beyond what its victims hold (see ``_Reservation.hold_free``)."""
-        if r.assignment is None or self.view.kept_room(r.pod, None) is not None:
-            return
-        memory: dict[int, int] = {}
-        milli: dict[int, int] = {}
-        for a in r.kept.values():
-            if a.node != r.node:
-                continue
-            for s in a.shares:
-                memory[s.gpu_index] = memory.get(s.gpu_index, 0) + s.memory_mib
-                milli[s.gpu_index] = milli.get(s.gpu_index, 0) + s.compute_milli
-        shares = []
-        for s in r.assignment.shares:
-            if s.mig is not None:
-                return  # a MIG instance is had whole or not at all: nothing partial to hold
-            mem = s.memory_mib - memory.get(s.gpu_index, 0)
-            compute = s.compute_milli - milli.get(s.gpu_index, 0)
-            if mem > 0 or compute > 0:
-                shares.append(replace(s, memory_mib=max(mem, 0), compute_milli=max(compute, 1)))
-        if not shares:
-            return
-        try:
-            # The preemptor's user goes with the part it holds: an MPS unit serves one user (ledger).
-            self.view.keep_room(r.pod, None, Assignment(r.pod, r.node, tuple(shares), user=r.assignment.user), expires)
-        except (LedgerError, ValueError) as e:  # taken in the same step: the pod's own hold will say so
-            log.info("cannot hold the free part of %s's room on %s: %s", r.pod, r.node, e)
-
-    def _hold(self, r: _Reservation, expires: float) -> None:
-        view = self.view
-        a = r.assignment
-        if a is not None:
-            try:
-                view.hold(a, r.uid, expires)
-                return
-            except LedgerError:
-                pass  # something changed on the node since the plan (e.g. a GPU's mechanism): decide afresh
-        req = view.request(r.pod)
-        n = view.ledger.index.get(r.node)
-        if req is None or n is None:
-            return
-        decision = self.schedulers.placement().decide_on(req, n)
-        if isinstance(decision, Decision):
-            try:
-                view.hold(decision.assignment, r.uid, expires)
-                r.assignment = decision.assignment
-            except LedgerError as e:
-                log.info("cannot hold room for %s on %s yet: %s", r.pod, r.node, e)
 
     def _end(self, key: str, outcome: Outcome | None) -> None:
-        r = self._reservations.pop(key, None)
-        if r is not None:
-            self._unkeep(r)
-        self.metrics.reservations.set(len(self._reservations))
+        self._reserved.end(key)
+        self.metrics.reservations.set(len(self._reserved))
         if outcome is not None:
             self.metrics.count(outcome)
 
@@ -390,7 +281,7 @@ class PreemptionController:
                         await self.round()
                     except Exception:  # a bug must not end preemption for the life of the process
                         log.exception("preemption round failed")
-                elif self._reservations:
+                elif len(self._reserved):
                     self.drop_all()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.interval_s)
@@ -436,7 +327,7 @@ class PreemptionController:
         for p in pending_pods(view):
             if (
                 p.reason not in (ReasonKind.GPU_ROOM, ReasonKind.FITS)
-                or p.pod in self._reservations
+                or p.pod in self._reserved
                 or self._backoff.get(p.pod, 0.0) > now
             ):
                 continue
@@ -497,24 +388,7 @@ class PreemptionController:
 
     def future_ledger(self) -> Ledger:
         """The ledger once what is leaving has left: terminating pods gone, every reservation's room taken."""
-        view = self.view
-        led = copy_ledger(view.ledger)
-        # Our own victims count as leaving even before the watch shows them terminating.
-        evicted = {v for r in self._reservations.values() for v in r.victims}
-        for key in list(led.assignments):
-            pod = view.pod(key)
-            leaving = pod is not None and bool(pod.metadata.deletion_timestamp) and bool(pod.spec.node_name)
-            if leaving or key in evicted:
-                led.release(key)
-        for r in self._reservations.values():
-            for room in view.room_for(r.pod):  # kept for this very reservation: its own room is placed just below
-                if room.ledger_name in led.assignments:
-                    led.release(room.ledger_name)
-            if r.pod in led.assignments or r.assignment is None:
-                continue
-            with contextlib.suppress(LedgerError):
-                led.place(r.assignment, check_health=False)
-        return led
+        return self._reserved.future_ledger()
 
     async def _preempt(self, pod: Pod, budgets: Sequence[DisruptionBudget]) -> tuple[str, tuple[str, ...]]:
         """Preempt for ``pod``: ("", victims) when done, (why not, ()) otherwise."""
@@ -643,17 +517,19 @@ class PreemptionController:
         keep their share until then, and the part of the room free already is held from now on. Call before
         evicting (and :meth:`cancel` if the evictions fail), so that no filter runs between the two."""
         leaving = frozenset(leaving)
-        self._reservations[pod.key] = _Reservation(
-            pod.key,
-            pod.metadata.uid,
-            prio,
-            node,
-            assignment,
-            leaving,
-            self.clock(),
-            kept=self._assignments(leaving),
+        self._reserved.add(
+            Reservation(
+                pod.key,
+                pod.metadata.uid,
+                prio,
+                node,
+                assignment,
+                leaving,
+                self.clock(),
+                kept=self._assignments(leaving),
+            )
         )
-        self.metrics.reservations.set(len(self._reservations))
+        self.metrics.reservations.set(len(self._reserved))
 
     def cancel(self, key: str) -> None:
         """Forget pod ``key``'s reservation (its evictions failed) and release the room it kept."""
