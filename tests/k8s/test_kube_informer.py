@@ -134,7 +134,7 @@ class StubbornKind(FakeKind):
 
 
 def test_stopping_does_not_wait_beyond_the_bound_for_a_watch_that_ignores_its_cancellation() -> None:
-    # follow_dra awaited its cancelled watches without a bound: a watch like this one kept it (and the extender's
+    # The DRA follower (before the one cluster view) awaited its cancelled watches without a bound: a watch like this one kept it (and the extender's
     # shutdown) waiting for ever.
     async def main() -> None:
         kind = StubbornKind()

@@ -13,10 +13,11 @@ Verified on the rig (Kubernetes v1.36.2): the binding extender (the first entry,
 called at all for such a pod, so the default binder binds it; the kube-scheduler's DRA plugin allocates the claim
 on the node the filter left (and has written the allocation before any bind). Nothing here binds or reserves.
 
-What the filter knows is rebuilt from the API server's ResourceSlices (the GPUs of every DRA node), allocated
-ResourceClaims (what their devices hold), Nodes (allocatable cpu and memory) and the pods bound to DRA nodes (their
-cpu and memory). A pod steered but whose claim is not yet seen allocated is *held* on its node for a few seconds,
-so that the next pods' filters count it (the scheduler allocates on its own, asynchronously).
+What the filter knows is the cluster view's DRA ledger (:mod:`sharegpu.k8s.cache.dra_ledger`), derived by the view's
+one informer from the driver's ResourceSlices (the GPUs of every DRA node), allocated ResourceClaims (what their
+devices hold), Nodes (allocatable cpu and memory) and the pods bound to DRA nodes (their cpu and memory). A pod
+steered but whose claim is not yet seen allocated is *held* on its node for a few seconds (a typed entry of the
+view's assume cache), so that the next pods' filters count it (the scheduler allocates on its own, asynchronously).
 
 The filter never makes a pod unschedulable: every node it is given already passed the kube-scheduler's own DRA
 filter, and when steering cannot judge the pod (no sharegpu claim, several requests, claims not yet seen,
