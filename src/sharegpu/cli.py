@@ -9,7 +9,8 @@ import typer
 from sharegpu.k8s.cli import scheduler_extender, status, webhook
 from sharegpu.kube.kubeconfig import quiet_http_logging
 from sharegpu.node.cli import dra_driver, node_agent
-from sharegpu.sim.cli import sim, trace_app
+from sharegpu.sim.cli import sim
+from sharegpu.sim.trace_cli import trace_app
 from sharegpu.strategybench.cli import bench
 
 app = typer.Typer(

@@ -1,21 +1,18 @@
-"""The simulator's commands: ``sim`` (replay a workload through the policies) and the ``trace`` group
-(inspect and derive openb pod lists); registered on the root app in sharegpu.cli."""
+"""The simulator's ``sim`` command: replay a workload through the policies (the ``trace`` group is in
+sharegpu.sim.trace_cli); registered on the root app in sharegpu.cli."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from sharegpu.placement.policies import POLICIES, UnknownPolicy, parse_policies
 from sharegpu.sim.engine import RunResult
@@ -31,11 +28,11 @@ from sharegpu.sim.openb import (
 )
 from sharegpu.sim.protocol import MAX_SEEDS, MAX_USERS, parse_seeds
 from sharegpu.sim.replay import PriorityOptions, arrivals_to_load
-from sharegpu.sim.report import fit_tables, print_table, write_json, write_plot
+from sharegpu.sim.report import print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
 from sharegpu.sim.scenario import DEFAULT_POLICIES, DEFAULT_SEEDS, scenario_nodes, scenario_tasks
 from sharegpu.sim.scenario import DEFAULT_TUNE as SCENARIO_TUNE
-from sharegpu.sim.variants import Shares, VariantError, VariantSpec, measure, vary, write_variant
+from sharegpu.sim.terminal import err_console, error, out_console, same_file, warn
 
 DEFAULT_OUT = Path("sharegpu-report")
 TRACE_POLICIES = "fgd,sharegpu"
@@ -145,7 +142,7 @@ def sim(
     ),
 ) -> None:
     """Replay a workload through the placement policies and report GPU allocation (FGD paper protocol)."""
-    console = _out()
+    console = out_console()
     warnings: list[TraceWarning | str] = []
     try:
         if jobs < 0:
@@ -166,13 +163,13 @@ def sim(
                 "cores; give fewer --seeds or policies (or a smaller --tune), or add --large to run it anyway"
             )
     except (TraceError, UnknownPolicy, UsageError, ValueError) as e:
-        raise _error(str(e)) from None
+        raise error(str(e)) from None
     for w in warnings:
-        _warn(w)
+        warn(w)
     # Said before the runs start, so that a long run is never a silent one.
-    _err().print(f"simulating {size}", highlight=False)
+    err_console().print(f"simulating {size}", highlight=False)
     started = time.perf_counter()
-    runs = _run_with_progress(_err(), exp, jobs)
+    runs = _run_with_progress(err_console(), exp, jobs)
     title = f"{exp.name}: {exp.total_gpus} GPUs on {len(exp.nodes)} nodes, {len(exp.tasks)} tasks"
     title += ", replay" if exp.replay else f", tune {exp.tune}"
     if exp.load is not None:
@@ -200,7 +197,7 @@ def sim(
         write_json(paths.json, runs, meta)
         write_plot(paths.plot, runs, title)
     except OSError as e:
-        raise _error(f"cannot write the report: {e}") from None
+        raise error(f"cannot write the report: {e}") from None
     console.print(f"report: {paths.json} (JSON), {paths.plot} (plot)")
 
 
@@ -306,21 +303,11 @@ def report_paths(json_out: Path | None, out: Path | None) -> ReportPaths:
     return paths
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether writing ``a`` would write ``b``: the same path once resolved, or a link to the same file."""
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
 def check_not_inputs(paths: ReportPaths, inputs: dict[str, Path]) -> None:
     """Refuse a report path that is one of the input files: writing the report would destroy the input."""
     for what, path in (("the JSON report", paths.json), ("the plot", paths.plot)):
         for flag, given in inputs.items():
-            if _same_file(path, given):
+            if same_file(path, given):
                 raise UsageError(
                     f"{what} would be written to {path}, which is the {flag} input {given}: that would overwrite it; "
                     "write the report elsewhere (--out DIR, or --json FILE.json)"
@@ -466,129 +453,3 @@ def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[Run
             progress.update(bar, advance=1, description=f"{r.policy} seed {r.seed}: {r.wall_s:.1f}s")
 
         return run_experiment(exp, jobs, done, moving)
-
-
-trace_app = typer.Typer(
-    help="Inspect openb pod lists and derive variants of them.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-# Not a terminal (a pipe, a file): as wide as a table needs, so that no name or number is ever cut to fit.
-PIPE_WIDTH = 1000
-
-
-def _err() -> Console:
-    return Console(stderr=True, width=None if sys.stderr.isatty() else 120)
-
-
-def _out() -> Console:
-    return Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
-
-
-def _error(message: str) -> typer.Exit:
-    _err().print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(code=2)
-
-
-def _warn(message: object) -> None:
-    _err().print(f"[yellow]warning:[/] {message}", highlight=False)
-
-
-def _shares_table(title: str, rows: dict[str, Shares]) -> Table:
-    t = Table(
-        title=title,
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        caption="CPU-only: % of pods; sharing, multi-GPU: % of GPU demand; gpu_spec: % of GPU pods with a model "
-        "constraint",
-    )
-    t.add_column("pod list", overflow="fold")  # a long path folds onto more lines rather than being cut
-    columns: tuple[tuple[str, Callable[[Shares], str]], ...] = (
-        ("pods", lambda x: f"{x.pods:,}"),
-        ("GPU pods", lambda x: f"{x.gpu_pods:,}"),
-        ("GPU demand", lambda x: f"{x.gpu_demand_milli / 1000:,.1f}"),
-        ("CPU-only %", lambda x: f"{x.cpu_only_pct:.1f}"),
-        ("sharing %", lambda x: f"{x.sharing_pct:.1f}"),
-        ("multi-GPU %", lambda x: f"{x.multi_gpu_pct:.1f}"),
-        ("gpu_spec %", lambda x: f"{x.gpu_spec_pct:.1f}"),
-    )
-    for label, _ in columns:
-        t.add_column(label, justify="right", no_wrap=True)
-    for name, shares in rows.items():
-        t.add_row(name, *(fmt(shares) for _, fmt in columns))
-    return t
-
-
-@trace_app.command("vary")
-def trace_vary(
-    base: Path = typer.Argument(..., help="The base pod list (openb format), e.g. openb_pod_list_default.csv."),
-    out_text: str = typer.Option(
-        ..., "--out", "-o", metavar="FILE", help="Where to write the variant (a pod list CSV)."
-    ),
-    cpu_only: float | None = typer.Option(None, "--cpu-only", help="CPU-only pods, % of all pods."),
-    sharing: float | None = typer.Option(
-        None, "--sharing", help="Sharing pods (one GPU, gpu_milli < 1000), % of the GPU demand."
-    ),
-    multi_gpu: float | None = typer.Option(None, "--multi-gpu", help="Multi-GPU pods, % of the GPU demand."),
-    gpu_spec: float | None = typer.Option(
-        None, "--gpu-spec", help="Model-constrained pods (gpu_spec set), % of GPU pods."
-    ),
-    spec_source: Path | None = typer.Option(
-        None, "--spec-source", help="Pod list whose gpu_spec values are drawn for new constraints. Default: the base."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed of every random choice: same inputs and seed, same file."),
-    force: bool = typer.Option(False, "--force", help="Overwrite --out if it exists."),
-) -> None:
-    """Write a variant of a pod list with chosen shares of CPU-only, sharing, multi-GPU and model-constrained pods.
-
-    Rows are resampled by class from the base (passes of seeded permutations; a share not given keeps the base's
-    proportions; the total GPU demand stays the base's); only gpu_spec is ever rewritten. Details: the module
-    docstring of sharegpu.sim.variants and the README.
-    """
-    out = Path(out_text)
-    try:
-        if not out_text.strip():
-            raise VariantError("--out is empty; give the file to write the variant to, e.g. -o variant.csv")
-        for flag, given in (("the base trace", base), ("the --spec-source", spec_source)):
-            if given is not None and _same_file(out, given):
-                raise VariantError(f"--out {out} is {flag} itself; write the variant to another file")
-        spec = VariantSpec(cpu_only, sharing, multi_gpu, gpu_spec, seed)
-        if out.is_dir():
-            raise VariantError(f"--out {out} is a folder; give a file name, e.g. {out / 'variant.csv'}")
-        if out.exists() and not force:
-            raise VariantError(f"--out {out} exists; give --force to overwrite it")
-        if cpu_only is None and sharing is None and multi_gpu is None and gpu_spec is None:
-            # The variant would be the base's rows again: a copy, not a variant.
-            raise VariantError(
-                "give at least one share to change: --cpu-only, --sharing, --multi-gpu or --gpu-spec (without one "
-                "the variant is a copy of the base); `sharegpu trace describe BASE` shows the base's shares"
-            )
-        table = read_pod_table(base, warn=_warn)
-        source = read_pod_table(spec_source, warn=_warn) if spec_source is not None else None
-        variant = vary(table, spec, source)
-        write_variant(out, variant)
-    except (TraceError, VariantError) as e:
-        raise _error(str(e)) from None
-    except OSError as e:
-        raise _error(f"cannot write {out}: {e.strerror or e}") from None
-    console = _out()
-    shares = {str(base): measure(table.tasks), str(out): measure(variant.tasks)}
-    for part in fit_tables(console, _shares_table(f"wrote {out}", shares)):
-        console.print(part)
-
-
-@trace_app.command("describe")
-def trace_describe(
-    pods: list[Path] = typer.Argument(..., help="Pod lists (openb format)."),
-) -> None:
-    """Print the shares of CPU-only, sharing, multi-GPU and model-constrained pods of each pod list."""
-    try:
-        columns = {p.stem.removeprefix("openb_pod_list_"): measure(read_pod_table(p, warn=_warn).tasks) for p in pods}
-    except TraceError as e:
-        raise _error(str(e)) from None
-    console = _out()
-    for part in fit_tables(console, _shares_table("pod lists", columns)):
-        console.print(part)
