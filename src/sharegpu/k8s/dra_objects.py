@@ -10,7 +10,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from sharegpu.kube.quantity import asked_mib, asked_whole, quantity_or_zero
-from sharegpu.model.contract import CAPACITY_COMPUTE, CAPACITY_MEMORY, COMPUTE_FULL, DEVICE_PATH_DRA, DEVICE_PATH_LABEL
+from sharegpu.kube.schema import ResourceSlice
+from sharegpu.model.contract import (
+    CAPACITY_COMPUTE,
+    CAPACITY_MEMORY,
+    COMPUTE_FULL,
+    DEVICE_PATH_DRA,
+    DEVICE_PATH_LABEL,
+    DRIVER,
+    SliceDevice,
+    read_slice_device,
+)
 
 
 def is_dra_node(labels: Mapping[str, str]) -> bool:
@@ -29,3 +39,10 @@ def claimed_percent(capacity: Mapping[str, Any]) -> int:
     if CAPACITY_COMPUTE not in capacity:
         return COMPUTE_FULL
     return asked_whole(quantity_or_zero(capacity[CAPACITY_COMPUTE]))
+
+
+def slice_devices(s: ResourceSlice) -> list[SliceDevice]:
+    """The devices of one of this driver's ResourceSlices, as it publishes them (none for another driver's slice)."""
+    if s.spec.driver != DRIVER:
+        return []
+    return [read_slice_device(d.model_dump(by_alias=True, exclude_none=True)) for d in s.spec.devices]

@@ -122,7 +122,8 @@ class AssumeCache:
             del self._room[(r.preemptor, r.victim)]
         return gone
 
-    def lapsed_room(self, now: float) -> list[KeptRoom]:
+    def expire_room(self, now: float) -> list[KeptRoom]:
+        """Forget the room kept past its time; what was forgotten (its ledger accounting is the caller's)."""
         gone = [r for r in self._room.values() if r.expires <= now]
         for r in gone:
             del self._room[(r.preemptor, r.victim)]
@@ -134,9 +135,6 @@ class AssumeCache:
 
     def steered(self) -> list[SteerHold]:
         return list(self._steered.values())
-
-    def steered_for(self, uid: str) -> SteerHold | None:
-        return self._steered.get(uid)
 
     def drop_steered(self, uid: str) -> SteerHold | None:
         return self._steered.pop(uid, None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from sharegpu.k8s.cache.assume import AssumeCache, SteerHold
-from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent, is_dra_node
+from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent, is_dra_node, slice_devices
 from sharegpu.k8s.pod_request import PERCENT_MILLI, cpu_and_memory
 from sharegpu.kube.api import DELETED
 from sharegpu.kube.quantity import capacity_mib, capacity_milli, quantity_or_zero
@@ -26,7 +26,7 @@ from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.ledger import Ledger, LedgerError
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
-from sharegpu.model.contract import DEVICE_TYPE_GPU, DRIVER, mig_profile_token, parse_device_name, read_slice_device
+from sharegpu.model.contract import DEVICE_TYPE_GPU, DRIVER, mig_profile_token, parse_device_name
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest, Sharing
 from sharegpu.placement.mechanism import make_share
@@ -143,8 +143,7 @@ class DraLedger:
             return None
         node = obj.node
         gpus = []
-        for raw in obj.spec.devices:
-            d = read_slice_device(raw.model_dump(by_alias=True, exclude_none=True))
+        for d in slice_devices(obj):
             if d.type != DEVICE_TYPE_GPU or not self.catalog.known(d.model):
                 continue
             uuid = f"{node}-gpu-{d.index}" if d.uuid is None else d.uuid

@@ -446,7 +446,7 @@ class LedgerView:
         lapsed = self._assumed.lapsed(now)
         for key in lapsed:
             self.drop_hold(key)
-        for r in self._assumed.lapsed_room(now):
+        for r in self._assumed.expire_room(now):
             self._release_room(r)
         return len(lapsed)
 

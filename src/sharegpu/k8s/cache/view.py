@@ -115,9 +115,12 @@ class ClusterView(LedgerView):
         pods, _ = await api.list_pods(self._pods_of())
         slices: list[ResourceSlice] = []
         claims: list[ResourceClaim] = []
-        if self.dra is not None and isinstance(api, DraApi) and await self._dra_readable(api):
-            slices, _ = await api.list_slices(DRIVER)
-            claims, _ = await api.list_claims()
+        if self.dra is not None and isinstance(api, DraApi):
+            try:
+                claims, _ = await api.list_claims()
+                slices, _ = await api.list_slices(DRIVER)
+            except (NotFound, Forbidden) as e:
+                self._dra_refused(e)
         self.relisted(nodes, pods, slices, claims)
 
     def _pods_of(self) -> str | None:
@@ -199,17 +202,20 @@ class ClusterView(LedgerView):
         shows no DRA node) rather than never syncing. Said once, in :attr:`dra_unavailable` and the log."""
         try:
             await api.list_claims()
-        except NotFound:
+        except (NotFound, Forbidden) as e:
+            self._dra_refused(e)
+            return False
+        except Exception:  # any other error: the informer's own retries report it
+            return True
+        return True
+
+    def _dra_refused(self, e: NotFound | Forbidden) -> None:
+        if isinstance(e, NotFound):
             self.dra_unavailable = "the API server does not serve resource.k8s.io/v1 (no DRA)"
-        except Forbidden as e:
+        else:
             self.dra_forbidden = True
             self.dra_unavailable = (
                 f"{e}; grant list on resourceslices and resourceclaims (resource.k8s.io) to these credentials "
                 "(and watch, to follow them)"
             )
-        except Exception:  # any other error: the informer's own retries report it
-            return True
-        else:
-            return True
         log.warning("not following DRA ResourceSlices and ResourceClaims: %s", self.dra_unavailable)
-        return False

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from sharegpu.k8s.cache.view import ClusterView
@@ -77,9 +76,6 @@ class Reservations:
 
     def __contains__(self, key: object) -> bool:
         return key in self._by_pod
-
-    def __iter__(self) -> Iterator[Reservation]:
-        return iter(list(self._by_pod.values()))
 
     def nodes(self) -> dict[str, str]:
         """Preemptor → nominated node."""

@@ -51,10 +51,6 @@ class Schedulers:
             self._scheduler = self._scheduler.with_policy(self._make_policy(), self.seed)
         return self._scheduler
 
-    def workload(self) -> Workload | None:
-        """The task shapes fragmentation is measured against (the policy's): the fixed one, else the pods seen."""
-        return self.fixed_workload if self.fixed_workload is not None else self.view.workload()
-
     def _make_policy(self) -> Policy:
         requests = self.view.requests()
         workload = self.fixed_workload

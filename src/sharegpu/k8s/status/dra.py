@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent
+from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent, slice_devices
 from sharegpu.kube.quantity import capacity_mib, quantity_or_zero
 from sharegpu.kube.schema import ResourceClaim, ResourceSlice
 from sharegpu.model.contract import (
@@ -20,7 +20,6 @@ from sharegpu.model.contract import (
     DEVICE_TYPE_MIG,
     DRIVER,
     gpu_device_name,
-    read_slice_device,
 )
 
 
@@ -42,11 +41,8 @@ def dra_status(slices: Iterable[ResourceSlice], claims: Iterable[ResourceClaim])
     # (pool, mig device) → (gpu device, profile, start, memory MiB, compute percent)
     mig_parent: dict[tuple[str, str], tuple[str, str, int, int, float]] = {}
     for s in slices:
-        if s.spec.driver != DRIVER:
-            continue
         pool = s.spec.pool.name
-        for raw in s.spec.devices:
-            d = read_slice_device(raw.model_dump(by_alias=True, exclude_none=True))
+        for d in slice_devices(s):  # none for another driver's slice
             if d.type == DEVICE_TYPE_GPU:
                 gpus[(pool, d.name)] = {
                     "index": d.index,
