@@ -68,27 +68,34 @@ def random_request(rnd: random.Random, name: str) -> GpuRequest:
                 allowed_models=frozenset(rnd.sample(MODELS, 2)) if rnd.random() < 0.2 else frozenset(),
                 cpu_milli=cpu,
                 host_memory_mib=mem,
-                user=rnd.choice([0, 0, 0, 1000, None]),
+                tenant=rnd.choice([None, None, None, "ns/uid-1000", "pod/a", "pod/b"]),
             )
         except InvalidRequest:
             continue
 
 
-def mps_users_on(ledger: Ledger, n: int, g: int) -> list[int | None]:
-    """The Unix users of the MPS clients on GPU (n, g), from the assignments alone."""
+def mps_tenants_on(ledger: Ledger, n: int, g: int) -> set[str | None]:
+    """The tenants of the MPS clients on GPU (n, g), from the assignments alone."""
     node = ledger.nodes[n].name
-    return [
-        a.user
+    return {
+        a.tenant
         for a in ledger.assignments.values()
         if a.node == node
         for s in a.shares
         if s.gpu_index == g and s.mig is None and s.mechanism is Mechanism.MPS
-    ]
+    }
 
 
-def joins_mps_users(users: list[int | None], user: int | None) -> bool:
-    """One MPS server serves one declared UID; a client of unknown UID is joined by no one and joins no one."""
-    return user is not None and all(u == user for u in users)
+def mps_room(ledger: Ledger, n: int, g: int, req: GpuRequest) -> bool:
+    """Whether an MPS share of ``req`` fits GPU (n, g) by the daemon rule: under the cap it must have room for a
+    daemon of its own (the per-shape filter asks that even of a tenant that runs one there); at the cap only its
+    tenant's daemon takes it."""
+    tenants = mps_tenants_on(ledger, n, g)
+    free = int(ledger.free_mem[n, g])
+    mem = req.memory_mib or 0
+    if len(tenants) < ledger.tenancy.daemons_per_unit:
+        return free >= mem + ledger.tenancy.daemon_memory_mib
+    return req.tenant in tenants and free >= mem
 
 
 def reference_usable(ledger: Ledger, req: GpuRequest) -> BoolArray:
@@ -110,7 +117,7 @@ def reference_usable(ledger: Ledger, req: GpuRequest) -> BoolArray:
                     and ledger.free_mem[n, g] >= (req.memory_mib or 0)
                     and (mode is GpuMode.FREE or mode in modes)
                     and not (mode is GpuMode.MPS and ledger.clients[n, g] >= MPS_MAX_CLIENTS)
-                    and not (mode is GpuMode.MPS and not joins_mps_users(mps_users_on(ledger, n, g), req.user))
+                    and not (GpuMode.MPS in modes and mode is not GpuMode.TIME_SLICING and not mps_room(ledger, n, g, req))
                 )
             elif route == Route.MIG:
                 out[n, g] = mig_choice(ledger, n, g, req) is not None

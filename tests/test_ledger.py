@@ -12,7 +12,8 @@ import pytest
 
 from sharegpu.ledger import (
     MPS_MAX_CLIENTS,
-    SOLE_MPS_USER,
+    MPS_DAEMON_MEMORY_MIB,
+    MpsTenancy,
     GpuMode,
     InvariantViolation,
     Ledger,
@@ -84,8 +85,8 @@ def mig(
     return GpuShare(i, f"GPU-{node}-{i}", Mechanism.MIG, compute, memory, MigSlot(profile, start), inner)
 
 
-def asg(pod: str, node: str, *shares: GpuShare, cpu: int = 0, mem: int = 0, user: int | None = 0) -> Assignment:
-    return Assignment(pod, node, tuple(shares), cpu, mem, user)
+def asg(pod: str, node: str, *shares: GpuShare, cpu: int = 0, mem: int = 0, tenant: str | None = None) -> Assignment:
+    return Assignment(pod, node, tuple(shares), cpu, mem, tenant)
 
 
 def snapshot(ledger: Ledger) -> dict[str, Any]:
@@ -254,9 +255,10 @@ def test_p100_refuses_mps_but_time_slices() -> None:
 
 def test_memory_is_never_over_allocated(h100: Ledger) -> None:
     ok(h100, asg("a", "n", mps("n", 0, 10, 60 * GIB)))
-    msg = conflict(h100, asg("b", "n", mps("n", 0, 10, 20 * GIB + 1)))
-    assert f"{20 * GIB}Mi free" in msg
-    ok(h100, asg("b", "n", mps("n", 0, 10, 20 * GIB)))
+    free = 20 * GIB - MPS_DAEMON_MEMORY_MIB  # the daemon's server takes its part
+    msg = conflict(h100, asg("b", "n", mps("n", 0, 10, free + 1)))
+    assert f"{free}Mi free" in msg
+    ok(h100, asg("b", "n", mps("n", 0, 10, free)))
 
 
 # ----- CPU, host memory and bad references --------------------------------------------------------------------
@@ -351,7 +353,7 @@ def test_exclusive_mig_share_takes_its_whole_instance(h100: Ledger, compute: int
 
 def test_mps_inside_a_mig_instance(h100: Ledger) -> None:
     ok(h100, asg("a", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 600, 30 * GIB)))
-    ok(h100, asg("b", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 400, 10 * GIB)))
+    ok(h100, asg("b", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 400, 10 * GIB - MPS_DAEMON_MEMORY_MIB)))
     inst = h100.instances_on(0, 0)[0]
     assert (inst.clients, inst.free_milli, inst.free_mem, inst.inner) == (2, 0, 0, Mechanism.MPS)
     assert len(h100.instances_on(0, 0)) == 1  # one instance, two clients
@@ -531,7 +533,7 @@ def _busy_ledger() -> tuple[list[NodeSpec], Ledger]:
         asg("p2", "a", mig("a", 1, "4g.40gb", 0, Mechanism.MPS, 300, GIB), mig("a", 1, "2g.20gb", 4), mem=GIB),
         asg("p3", "a", mig("a", 1, "4g.40gb", 0, Mechanism.MPS, 300, GIB)),
         asg("p4", "b", mps("b", 0, 250, 4 * GIB), ts("b", 2, 500, GIB)),
-        asg("p5", "b", mps("b", 0, 250, 4 * GIB), mps("b", 1, 1000, 16 * GIB)),
+        asg("p5", "b", mps("b", 0, 250, 4 * GIB), mps("b", 1, 1000, 16 * GIB - MPS_DAEMON_MEMORY_MIB)),
         asg("p6", "c", mig("c", 0, "2g.12gb", 2, model="A30-24GB"), ts("c", 1, 999)),
         asg("p7", "c", cpu=5),
     ]:
@@ -592,11 +594,12 @@ def test_reads() -> None:
         lambda lg: lg.assignments.__setitem__("ghost", asg("ghost", "b", ts("b", 2, 600))),
         lambda lg: lg.assignments.__setitem__("ghost", asg("ghost", "b", mps("b", 2, 1))),
         lambda lg: lg.assignments.pop("p3"),
-        # The user an MPS unit is keyed to must be its clients' (user 0 here): another, or closed, is corruption.
-        lambda lg: lg.mps_user.__setitem__((1, 0), 1000),
-        lambda lg: lg.mps_user.__setitem__((1, 1), SOLE_MPS_USER),
-        lambda lg: setattr(lg.instances_on(0, 1)[0], "mps_user", 1000),
-        lambda lg: lg.assignments.__setitem__("p3", replace(lg.assignments["p3"], user=1000)),
+        # The daemons of an MPS unit are its clients' tenants: another count, tenant or index is corruption.
+        lambda lg: lg.daemons.__setitem__((1, 0), 2),
+        lambda lg: lg.unit_tenants.__setitem__((1, 0), {"ns/uid-7": 1}),
+        lambda lg: lg.tenant_units.__setitem__("ns/uid-7", {(1, 0, None)}),
+        lambda lg: lg.full_units.add((1, 0, None)),
+        lambda lg: lg.assignments.__setitem__("p3", replace(lg.assignments["p3"], tenant="ns/uid-1000")),
     ],
 )
 def test_check_invariants_notices_a_corrupt_state(tamper: Any) -> None:
@@ -629,52 +632,103 @@ def test_existing_assignment_on_a_gpu_that_turned_unhealthy_is_still_accounted()
         Ledger(nodes).place(running)
 
 
-# ----- one Unix user per MPS unit ---------------------------------------------------------------------------------
-def test_an_mps_gpu_serves_one_unix_user_and_is_free_for_another_once_empty() -> None:
+# ----- MPS daemons per tenant ------------------------------------------------------------------------------------
+A, B, C = "ns/uid-1000", "ns/uid-0", "pod/anon"
+
+
+def test_an_mps_gpu_takes_shares_of_any_tenant_a_daemon_each_with_its_server_memory() -> None:
     ledger = Ledger([mk_node("n", "H100-80GB")])
-    ok(ledger, asg("a", "n", mps("n", 0, 300, 10 * GIB), user=1000))
-    ok(ledger, asg("b", "n", mps("n", 0, 300, 10 * GIB), user=1000))
-    conflict(ledger, asg("root", "n", mps("n", 0, 100, GIB), user=0), "would wait")
-    conflict(ledger, asg("anon", "n", mps("n", 0, 100, GIB), user=None), "unknown")
-    ledger.release("a")
+    total = mem_of("H100-80GB")
+    ok(ledger, asg("a", "n", mps("n", 0, 300, 10 * GIB), tenant=A))
+    ok(ledger, asg("b", "n", mps("n", 0, 300, 10 * GIB), tenant=A))  # joins A's daemon: no second server
+    assert int(ledger.daemons[0, 0]) == 1 and int(ledger.free_mem[0, 0]) == total - 20 * GIB - MPS_DAEMON_MEMORY_MIB
+    ok(ledger, asg("root", "n", mps("n", 0, 100, GIB), tenant=B))
+    ok(ledger, asg("anon", "n", mps("n", 0, 100, GIB), tenant=C))
+    assert int(ledger.daemons[0, 0]) == 3
+    assert int(ledger.free_mem[0, 0]) == total - 22 * GIB - 3 * MPS_DAEMON_MEMORY_MIB
+    assert ledger.unit_tenants[(0, 0, None)] == {A: 2, B: 1, C: 1}
+    for pod in ("a", "root", "anon"):
+        ledger.release(pod)
+        ledger.check_invariants()
+    assert int(ledger.daemons[0, 0]) == 1 and ledger.units_of(A) == {(0, 0, None)} and not ledger.units_of(C)
     ledger.release("b")
-    ledger.check_invariants()
-    ok(ledger, asg("root", "n", mps("n", 0, 100, GIB), user=0))
+    assert int(ledger.free_mem[0, 0]) == total and not ledger.unit_tenants and not ledger.tenant_units
 
 
-def test_an_mps_client_of_unknown_user_holds_its_gpu_alone() -> None:
+def test_the_daemon_cap_closes_a_unit_to_new_tenants_only() -> None:
+    ledger = Ledger([mk_node("n", "H100-80GB")], tenancy=MpsTenancy(daemons_per_unit=2))
+    ok(ledger, asg("a", "n", mps("n", 0, 100, GIB), tenant=A))
+    ok(ledger, asg("b", "n", mps("n", 0, 100, GIB), tenant=B))
+    assert ledger.full_units == {(0, 0, None)}
+    conflict(ledger, asg("c", "n", mps("n", 0, 100, GIB), tenant=C), "already runs 2 MPS daemons")
+    ok(ledger, asg("a2", "n", mps("n", 0, 100, GIB), tenant=A))  # its tenant's daemon is there
+    ledger.release("b")
+    assert not ledger.full_units
+    ok(ledger, asg("c", "n", mps("n", 0, 100, GIB), tenant=C))
+
+
+def test_a_daemon_takes_its_server_memory_so_a_share_that_fills_the_gpu_fits_its_tenant_only() -> None:
     ledger = Ledger([mk_node("n", "H100-80GB")])
-    ok(ledger, asg("anon", "n", mps("n", 0, 100, GIB), user=None))
-    conflict(ledger, asg("b", "n", mps("n", 0, 100, GIB), user=0), "unknown")
-    conflict(ledger, asg("c", "n", mps("n", 0, 100, GIB), user=None), "unknown")
+    total = mem_of("H100-80GB")
+    ok(ledger, asg("a", "n", mps("n", 0, 100, GIB), tenant=A))
+    rest = total - GIB - MPS_DAEMON_MEMORY_MIB
+    conflict(ledger, asg("b", "n", mps("n", 0, 100, rest), tenant=B), "for its MPS daemon")
+    ok(ledger, asg("a2", "n", mps("n", 0, 100, rest), tenant=A))
+
+
+def test_an_mps_mig_instance_runs_a_daemon_per_tenant_under_the_cap() -> None:
+    ledger = Ledger([mk_node("n", "H100-80GB")], tenancy=MpsTenancy(daemons_per_unit=2))
+    ok(ledger, asg("a", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 300, GIB), tenant=A))
+    ok(ledger, asg("b", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 300, GIB), tenant=B))
+    conflict(ledger, asg("c", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 300, GIB), tenant=C), "2 MPS daemons")
+    inst = ledger.instances_on(0, 0)[0]
+    assert inst.free_mem == inst.profile.memory_mib - 2 * GIB - 2 * MPS_DAEMON_MEMORY_MIB
+    ok(ledger, asg("c", "n", mig("n", 0, "3g.40gb", 4, Mechanism.MPS, 300, GIB), tenant=C))  # its own instance
+    for pod in ("a", "b", "c"):
+        ledger.release(pod)
+        ledger.check_invariants()
+    assert not ledger.instances and not ledger.unit_tenants
+
+
+def test_time_slicing_runs_no_daemon() -> None:
+    ledger = Ledger([mk_node("n", "H100-80GB")], tenancy=MpsTenancy(daemons_per_unit=1))
+    ok(ledger, asg("a", "n", ts("n", 0, 300, GIB), tenant=A))
+    ok(ledger, asg("b", "n", ts("n", 0, 300, GIB), tenant=C))
+    assert int(ledger.daemons[0, 0]) == 0 and not ledger.unit_tenants
+
+
+def test_a_multi_user_node_runs_one_daemon_per_unit_for_every_tenant() -> None:
+    node = replace(mk_node("n", "H100-80GB"), mps_multi_user=True)
+    ledger = Ledger([node], tenancy=MpsTenancy(daemons_per_unit=1))
+    ok(ledger, asg("a", "n", mps("n", 0, 100, GIB), tenant=A))
+    ok(ledger, asg("b", "n", mps("n", 0, 100, GIB), tenant=B))
+    ok(ledger, asg("c", "n", mps("n", 0, 100, GIB), tenant=C))
+    assert int(ledger.daemons[0, 0]) == 1
+    assert int(ledger.free_mem[0, 0]) == mem_of("H100-80GB") - 3 * GIB - MPS_DAEMON_MEMORY_MIB
+
+
+def test_running_clients_above_the_cap_are_recorded_and_the_unit_open_to_their_tenants_only() -> None:
+    # Placed under a larger cap (an extender restarted with a smaller one): they exist, so they are accounted for.
+    ledger = Ledger([mk_node("n", "H100-80GB")], tenancy=MpsTenancy(daemons_per_unit=1))
+    ledger.place(asg("old-a", "n", mps("n", 0, 300, 10 * GIB), tenant=A), check_health=False)
+    ledger.place(asg("old-b", "n", mps("n", 0, 200, 20 * GIB), tenant=B), check_health=False)
     ledger.check_invariants()
-
-
-def test_an_mps_mig_instance_serves_one_unix_user() -> None:
-    ledger = Ledger([mk_node("n", "H100-80GB")])
-    ok(ledger, asg("a", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 300, GIB), user=1000))
-    conflict(ledger, asg("b", "n", mig("n", 0, "3g.40gb", 0, Mechanism.MPS, 300, GIB), user=1001), "would wait")
-    ok(ledger, asg("c", "n", mig("n", 0, "3g.40gb", 4, Mechanism.MPS, 300, GIB), user=1001))  # its own instance
-    ledger.check_invariants()
-
-
-def test_time_slicing_mixes_users() -> None:
-    ledger = Ledger([mk_node("n", "H100-80GB")])
-    ok(ledger, asg("a", "n", ts("n", 0, 300, GIB), user=1000))
-    ok(ledger, asg("b", "n", ts("n", 0, 300, GIB), user=None))
-    ledger.check_invariants()
-
-
-def test_running_mps_clients_of_several_users_are_recorded_and_their_gpu_closed_to_new_ones() -> None:
-    # Assignments written before the ledger knew users (no "user"), seen again after an upgrade: they exist, so they
-    # are accounted for, and the GPU takes no new MPS client until they are gone.
-    ledger = Ledger([mk_node("n", "H100-80GB")])
-    ledger.place(asg("old-a", "n", mps("n", 0, 300, 10 * GIB), user=None), check_health=False)
-    ledger.place(asg("old-b", "n", mps("n", 0, 200, 20 * GIB), user=None), check_health=False)
-    ledger.check_invariants()
-    conflict(ledger, asg("new", "n", mps("n", 0, 100, GIB), user=None), "unknown")
-    conflict(ledger, asg("new", "n", mps("n", 0, 100, GIB), user=0), "unknown")
+    conflict(ledger, asg("new", "n", mps("n", 0, 100, GIB), tenant=C), "already runs 1 MPS daemons")
+    ok(ledger, asg("new", "n", mps("n", 0, 100, GIB), tenant=B))
     ledger.release("old-a")
     ledger.release("old-b")
+    ledger.release("new")
     ledger.check_invariants()
-    ok(ledger, asg("new", "n", mps("n", 0, 100, GIB), user=0))
+    ok(ledger, asg("new", "n", mps("n", 0, 100, GIB), tenant=C))
+
+
+def test_an_assignment_from_before_tenants_is_read_as_its_pods_tenant() -> None:
+    a = asg("ns/p", "n", mps("n", 0, 100, GIB))
+    raw = a.to_dict()
+    assert raw.pop("tenant") == ""  # any tenant, said
+    assert Assignment.from_dict(raw | {"tenant": ""}).tenant is None
+    assert Assignment.from_dict(raw | {"user": 1000}).tenant == "ns/uid-1000"
+    assert Assignment.from_dict(raw).tenant == "pod/ns/p"  # it declared no user: its pod alone
+    whole = asg("ns/w", "n", excl("n", 0, "H100-80GB"))
+    assert Assignment.from_dict(whole.to_dict() | {"user": 5}).tenant is None
+    assert Assignment.from_dict(asg("ns/p", "n", mps("n", 0, 100, GIB), tenant=A).to_dict()).tenant == A

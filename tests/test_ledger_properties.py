@@ -3,7 +3,8 @@
 The reference (:func:`audit`) is written from DESIGN §3–4 without looking at the ledger's bookkeeping: a set of
 assignments is valid when no node, GPU or MIG instance is over-allocated, mechanisms never mix on a unit, MIG
 instances sit on valid, non-overlapping placements within the compute slices, MPS has at most 48 clients and
-only on MPS-capable models. A place must succeed exactly when the assignments plus the new one are valid.
+only on MPS-capable models, and an MPS unit runs a daemon per tenant of its clients, at most the cap, each taking its
+server's memory. A place must succeed exactly when the assignments plus the new one are valid.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sharegpu.ledger import GpuMode, Ledger, LedgerConflict, replay
+from sharegpu.ledger import MPS_DAEMON_MEMORY_MIB, GpuMode, Ledger, LedgerConflict, MpsTenancy, replay
 from sharegpu.model.assignment import Assignment, GpuShare, InvalidAssignment, Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, GpuModel, MigProfile
 from sharegpu.model.inventory import GpuDevice, NodeSpec
@@ -35,6 +36,8 @@ INNER = [Mechanism.MPS, Mechanism.EXCLUSIVE, Mechanism.TIME_SLICING]
 MECHANISMS = [Mechanism.MPS, Mechanism.TIME_SLICING, Mechanism.EXCLUSIVE, Mechanism.MIG]
 MIG_GPU_MECHANISMS = [Mechanism.MIG, Mechanism.MIG, *MECHANISMS]
 MPS_LIMIT = 48
+TENANCY = MpsTenancy(daemons_per_unit=2)  # small, so that random operations reach the cap
+DAEMON_MIB = MPS_DAEMON_MEMORY_MIB
 
 SETTINGS = settings(
     max_examples=80,
@@ -116,8 +119,8 @@ def assignments(draw: st.DrawFn, nodes: list[NodeSpec], step: int, placed: list[
             tuple(draw(shares(node, i)) for i in indices),
             draw(st.sampled_from([0, 0, 0, 100, 500, 1_000, 4_000])),
             draw(st.sampled_from([0, 0, 0, 512, 4_096])),
-            # Mostly one user, so MPS units fill; sometimes another, or one the pod does not declare.
-            draw(st.sampled_from([0, 0, 0, 0, 0, 1000, None])),
+            # Mostly one tenant, so MPS units fill; sometimes others, so that units reach the daemon cap (2 here).
+            draw(st.sampled_from([None, None, None, "ns/uid-0", "ns/uid-1000", "pod/a", "pod/b"])),
         )
     except InvalidAssignment:  # the same GPU or MIG instance twice: not a ledger matter
         return None
@@ -149,7 +152,7 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
     cpu: dict[str, int] = defaultdict(int)
     mem: dict[str, int] = defaultdict(int)
     on_gpu: dict[tuple[str, int], list[GpuShare]] = defaultdict(list)
-    user_of: dict[int, int | None] = {}  # id(share) -> the Unix user of its pod
+    user_of: dict[int, str | None] = {}  # id(share) -> the MPS tenant of its pod
     pods = [a.pod for a in assigned]
     if len(pods) != len(set(pods)):
         problems.append("a pod is placed twice")
@@ -170,7 +173,7 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
             if not dev.healthy:
                 problems.append("unhealthy GPU")
             on_gpu[(a.node, s.gpu_index)].append(s)
-            user_of[id(s)] = a.user
+            user_of[id(s)] = a.tenant
     views: dict[tuple[str, int], GpuView] = {}
     for node in nodes:
         if cpu[node.name] > node.cpu_milli or mem[node.name] > node.memory_mib:
@@ -193,14 +196,17 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
                 view.clients = len(plain)
                 view.used_milli = sum(s.compute_milli for s in plain)
                 view.used_mem = sum(s.memory_mib for s in plain)
+                if mech is Mechanism.MPS:
+                    tenants = {user_of[id(s)] for s in plain}
+                    view.used_mem += len(tenants) * DAEMON_MIB  # each tenant's daemon runs its own server
+                    if len(tenants) > TENANCY.daemons_per_unit:
+                        problems.append("an MPS GPU runs more daemons than the cap")
                 if mech is Mechanism.EXCLUSIVE and (
                     len(plain) > 1 or plain[0].compute_milli != 1000 or plain[0].memory_mib != model.memory_mib
                 ):
                     problems.append("exclusive share is not alone and whole")
                 if mech is Mechanism.MPS and (not model.mps_capable or len(plain) > MPS_LIMIT):
                     problems.append("MPS where it cannot run, or too many clients")
-                if mech is Mechanism.MPS and not one_known_user([user_of[id(s)] for s in plain]):
-                    problems.append("an MPS GPU serves several Unix users, or an unknown one beside others")
                 if view.used_milli > 1000 or view.used_mem > model.memory_mib:
                     problems.append("GPU over-allocated")
             by_start: dict[int, list[GpuShare]] = defaultdict(list)
@@ -238,8 +244,11 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
                     problems.append("exclusive MIG share is not alone and whole")
                 if Mechanism.MPS in inners and len(ss) > MPS_LIMIT:
                     problems.append("too many MPS clients in an instance")
-                if Mechanism.MPS in inners and not one_known_user([user_of[id(s)] for s in ss]):
-                    problems.append("an MPS instance serves several Unix users, or an unknown one beside others")
+                if Mechanism.MPS in inners:
+                    tenants = {user_of[id(s)] for s in ss}
+                    used_mem += len(tenants) * DAEMON_MIB
+                    if len(tenants) > TENANCY.daemons_per_unit:
+                        problems.append("an MPS instance runs more daemons than the cap")
                 if used_milli > 1000 or used_mem > profile.memory_mib:
                     problems.append("instance over-allocated")
                 inner = ss[0].inner if ss else None
@@ -249,11 +258,6 @@ def audit(nodes: list[NodeSpec], assigned: list[Assignment]) -> tuple[list[str],
             if view.instances:
                 view.mode = "mig"
     return problems, views
-
-
-def one_known_user(users: list[int | None]) -> bool:
-    """The clients of one MPS server: all one declared UID, or a single client whose UID is unknown."""
-    return len(users) <= 1 or (None not in users and len(set(users)) == 1)
 
 
 def check_against_reference(ledger: Ledger, nodes: list[NodeSpec]) -> None:
@@ -361,22 +365,22 @@ def run(ledger: Ledger, nodes: list[NodeSpec], data: st.DataObject, *, oracle: b
 @SETTINGS
 @given(nodes=clusters(), data=st.data())
 def test_random_operations_match_the_reference(nodes: list[NodeSpec], data: st.DataObject) -> None:
-    ledger = Ledger(nodes)
+    ledger = Ledger(nodes, tenancy=TENANCY)
     ledger.check_invariants()
     fresh = ledger.state()
-    assert fresh == Ledger(list(reversed(nodes))).state()
+    assert fresh == Ledger(list(reversed(nodes)), tenancy=TENANCY).state()
     run(ledger, nodes, data, oracle=True, after=lambda lg: check_against_reference(lg, nodes))
     # a restart rebuilds the same state from the assignments, in any order
     order = data.draw(st.permutations(list(ledger.assignments.values())))
-    assert replay(nodes, order).state() == ledger.state()
-    assert replay(nodes, [Assignment.from_json(a.to_json()) for a in order]).state() == ledger.state()
+    assert replay(nodes, order, tenancy=TENANCY).state() == ledger.state()
+    assert replay(nodes, [Assignment.from_json(a.to_json()) for a in order], tenancy=TENANCY).state() == ledger.state()
     # releasing everything gives exactly a fresh ledger
     for pod in data.draw(st.permutations(sorted(ledger.assignments))):
         ledger.release(pod)
         ledger.check_invariants()
     assert len(ledger) == 0
     assert ledger.state() == fresh
-    assert ledger.state() == Ledger(nodes).state()
+    assert ledger.state() == Ledger(nodes, tenancy=TENANCY).state()
 
 
 def _gpu_totals(ledger: Ledger) -> None:
@@ -429,7 +433,7 @@ def _gpu_totals(ledger: Ledger) -> None:
 @SETTINGS
 @given(nodes=clusters(), data=st.data())
 def test_gpu_compute_and_mig_masks_never_over_allocated(nodes: list[NodeSpec], data: st.DataObject) -> None:
-    ledger = Ledger(nodes)
+    ledger = Ledger(nodes, tenancy=TENANCY)
     run(ledger, nodes, data, oracle=False, after=_gpu_totals)
 
 
@@ -440,7 +444,7 @@ def test_the_generators_exercise_both_outcomes() -> None:
     @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(nodes=clusters(), data=st.data())
     def go(nodes: list[NodeSpec], data: st.DataObject) -> None:
-        c = run(Ledger(nodes), nodes, data, oracle=False, after=lambda lg: None)
+        c = run(Ledger(nodes, tenancy=TENANCY), nodes, data, oracle=False, after=lambda lg: None)
         totals.placed += c.placed
         totals.rejected += c.rejected
         totals.released += c.released

@@ -100,15 +100,15 @@ def test_mps_shares_go_into_mig_instances_of_a_pinned_gpu_when_the_other_gpus_ar
     # issue 28: isolation memory is "MPS, or MIG shared through MPS"; a GPU an administrator keeps in MIG mode takes
     # only MIG shares, and an MPS share inside an instance is one. The online bench's small MPS shares stopped at the
     # room of the non-MIG GPUs before.
-    req = GpuRequest("s", 1, compute_milli=50, memory_mib=2 * GIB, isolation=Isolation.MEMORY, user=0)
+    req = GpuRequest("s", 1, compute_milli=50, memory_mib=2 * GIB, isolation=Isolation.MEMORY, tenant="ns/uid-0")
     wl = Workload.from_requests([req])
     s = Scheduler(Ledger([pinned_node()]), make_policy("sharegpu", PolicyContext(wl)))
     s.place(GpuRequest("whole", 1))  # GPU 1, the only one not in MIG mode
     shares = [s.place(dataclasses.replace(req, name=f"s{i}")).assignment.shares[0] for i in range(6)]
     assert {(sh.gpu_index, sh.mechanism, sh.inner) for sh in shares} == {(0, Mechanism.MIG, Mechanism.MPS)}
     assert len({sh.mig for sh in shares}) < len(shares)  # they share instances through MPS
-    other = s.place(dataclasses.replace(req, name="other-user", user=1000)).assignment.shares[0]
-    assert other.gpu_index == 0 and other.mig not in {sh.mig for sh in shares}  # one user per MPS instance
+    other = s.place(dataclasses.replace(req, name="other-user", tenant="ns/uid-1000")).assignment.shares[0]
+    assert other.gpu_index == 0 and other.inner is Mechanism.MPS  # another tenant: still into the pinned GPU
     s.ledger.check_invariants()
     for sh_ in shares:
         assert sh_.mig is not None and sh_.memory_mib == 2 * GIB

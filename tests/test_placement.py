@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sharegpu.ledger import Ledger
+from sharegpu.ledger import Ledger, MpsTenancy
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, GIB, GpuModel, MigProfile
 from sharegpu.model.inventory import NodeSpec, sim_gpus
@@ -137,60 +138,91 @@ def test_memory_isolation_cannot_land_on_p100() -> None:
 
 def test_no_isolation_shares_join_the_same_gpu_and_pick_mps_or_time_slicing_by_model() -> None:
     s = scheduler([node("v", "V100-16GB", 1), node("p", "P100", 1)], policy="packing")
-    a = place(s, GpuRequest("a", 1, compute_milli=400, allowed_models=frozenset({"V100-16GB"}), user=0))
-    b = place(s, GpuRequest("b", 1, compute_milli=400, allowed_models=frozenset({"P100"}), user=0))
+    a = place(s, GpuRequest("a", 1, compute_milli=400, allowed_models=frozenset({"V100-16GB"})))
+    b = place(s, GpuRequest("b", 1, compute_milli=400, allowed_models=frozenset({"P100"})))
     assert a.assignment.shares[0].mechanism is Mechanism.MPS  # MPS also serves later memory-isolated shares
     assert b.assignment.shares[0].mechanism is Mechanism.TIME_SLICING  # Pascal: no usable MPS
     assert not b.assignment.shares[0].compute_enforced
-    c = place(s, GpuRequest("c", 1, compute_milli=600, allowed_models=frozenset({"V100-16GB"}), user=0))
+    c = place(s, GpuRequest("c", 1, compute_milli=600, allowed_models=frozenset({"V100-16GB"})))
     assert c.assignment.node == "v" and c.assignment.shares[0].mechanism is Mechanism.MPS
-    assert a.assignment.user == c.assignment.user == 0 and b.assignment.user is None  # the user keys MPS units only
+    assert a.assignment.tenant is None and b.assignment.tenant is None  # no tenant given: any
     with pytest.raises(NoFit):
-        s.place(GpuRequest("d", 1, compute_milli=100, allowed_models=frozenset({"V100-16GB"}), user=0))
+        s.place(GpuRequest("d", 1, compute_milli=100, allowed_models=frozenset({"V100-16GB"})))
 
 
-def test_mps_shares_of_different_users_land_on_different_gpus() -> None:
+T1, T2, T3 = "ns/uid-1000", "ns/uid-0", "pod/anon"
+
+
+def test_mps_shares_of_different_tenants_share_a_gpu_each_in_its_daemon() -> None:
     s = scheduler([node("n", "H100-80GB", 2)], policy="packing")
     mem = Isolation.MEMORY
-    a = place(s, GpuRequest("a", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=1000))
-    b = place(s, GpuRequest("b", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=0))
-    c = place(s, GpuRequest("c", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=1000))
-    assert a.assignment.shares[0].gpu_index != b.assignment.shares[0].gpu_index
-    assert c.assignment.shares[0].gpu_index == a.assignment.shares[0].gpu_index  # packing: with its own user
-    d = s.decide(GpuRequest("d", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, user=7))
-    assert isinstance(d, Unschedulable)  # both GPUs serve another user, though both have room
+    a = place(s, GpuRequest("a", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, tenant=T1))
+    b = place(s, GpuRequest("b", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, tenant=T2))
+    c = place(s, GpuRequest("c", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, tenant=T3))
+    assert {x.assignment.shares[0].gpu_index for x in (a, b, c)} == {a.assignment.shares[0].gpu_index}  # packed
+    assert [x.assignment.tenant for x in (a, b, c)] == [T1, T2, T3]
+    assert int(s.ledger.daemons[0, a.assignment.shares[0].gpu_index]) == 3
     s.ledger.check_invariants()
 
 
-def test_an_mps_share_of_unknown_user_takes_a_gpu_of_its_own_and_auto_prefers_time_slicing() -> None:
-    s = scheduler([node("n", "H100-80GB", 3)], policy="packing")
+def test_a_share_prefers_the_gpu_that_runs_its_tenant() -> None:
+    s = scheduler([node("n", "H100-80GB", 2)], policy="bestfit")
     mem = Isolation.MEMORY
-    a = place(s, GpuRequest("a", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem))
-    b = place(s, GpuRequest("b", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem))
-    assert a.assignment.shares[0].gpu_index != b.assignment.shares[0].gpu_index
-    assert a.assignment.user is None and a.assignment.shares[0].mechanism is Mechanism.MPS
-    # isolation none, user unknown: time-slicing, where any user may join, not an MPS GPU held alone.
-    c = place(s, GpuRequest("c", 1, compute_milli=200))
-    d = place(s, GpuRequest("d", 1, compute_milli=200, user=5))
-    assert c.assignment.shares[0].mechanism is Mechanism.TIME_SLICING
-    assert d.assignment.shares[0].gpu_index == c.assignment.shares[0].gpu_index  # joins the time-sliced GPU
+    a = place(s, GpuRequest("a", 1, compute_milli=200, memory_mib=8 * GIB, isolation=mem, tenant=T1))
+    b = place(s, GpuRequest("b", 1, compute_milli=900, sharing=Sharing.MPS, tenant=T2))
+    assert b.assignment.shares[0].gpu_index != a.assignment.shares[0].gpu_index
+    # Best fit alone takes the fuller GPU (b's, 10 % free) for a 10 % share; its tenant runs on a's.
+    for k in range(3):
+        d = place(s, GpuRequest(f"a{k}", 1, compute_milli=100, memory_mib=GIB, isolation=mem, tenant=T1))
+        assert d.assignment.shares[0].gpu_index == a.assignment.shares[0].gpu_index
+    other = place(s, GpuRequest("o", 1, compute_milli=100, memory_mib=GIB, isolation=mem, tenant=T3))
+    assert other.assignment.shares[0].gpu_index == b.assignment.shares[0].gpu_index  # best fit, no tenant there
+
+
+def test_the_daemon_cap_sends_a_new_tenant_elsewhere_and_keeps_the_unit_open_to_its_tenants() -> None:
+    led = Ledger([node("n", "H100-80GB", 1), node("m", "H100-80GB", 1)], tenancy=MpsTenancy(daemons_per_unit=2))
+    s = Scheduler(led, make_policy("packing", PolicyContext(Workload.from_requests([GpuRequest("w", 1, 500)]))))
+    mem = Isolation.MEMORY
+    first = place(s, GpuRequest("a", 1, compute_milli=100, memory_mib=GIB, isolation=mem, tenant=T1))
+    place(s, GpuRequest("b", 1, compute_milli=100, memory_mib=GIB, isolation=mem, tenant=T2))
+    full = led.node_of(first.assignment.node)
+    assert led.full_units == {(full, 0, None)}
+    c = place(s, GpuRequest("c", 1, compute_milli=100, memory_mib=GIB, isolation=mem, tenant=T3))
+    assert c.assignment.node != first.assignment.node  # its node runs two daemons: the cap
+    # The per-shape filter closes the full unit; the tenant's own daemon opens it again for that tenant only.
+    again = GpuRequest("a2", 1, compute_milli=100, memory_mib=GIB, isolation=mem, tenant=T1)
+    assert s.fits(again, full)
+    assert not s.fits(replace(again, name="z", tenant="pod/z"), full)
+    d = s.decide_on(again, full)
+    assert not isinstance(d, Unschedulable) and d.assignment.tenant == T1
+    s.ledger.place(d.assignment)
+    led.check_invariants()
+
+
+def test_an_undeclared_pod_shares_an_mps_gpu_with_isolation_none() -> None:
+    s = scheduler([node("n", "H100-80GB", 3)], policy="packing")
+    c = place(s, GpuRequest("c", 1, compute_milli=200, tenant="pod/c"))
+    d = place(s, GpuRequest("d", 1, compute_milli=200, tenant="pod/d"))
+    assert c.assignment.shares[0].mechanism is Mechanism.MPS
+    assert d.assignment.shares[0].gpu_index == c.assignment.shares[0].gpu_index  # two daemons on one GPU
+    assert int(s.ledger.daemons[0, c.assignment.shares[0].gpu_index]) == 2
 
 
 def test_fault_isolation_is_time_slicing_never_mps() -> None:
     s = scheduler([node("n", "H100-80GB", 2)], policy="packing")
-    place(s, GpuRequest("m", 1, compute_milli=200, memory_mib=GIB, isolation=Isolation.MEMORY, user=0))
-    f = place(s, GpuRequest("f", 1, compute_milli=200, isolation=Isolation.FAULT, user=0))
+    place(s, GpuRequest("m", 1, compute_milli=200, memory_mib=GIB, isolation=Isolation.MEMORY))
+    f = place(s, GpuRequest("f", 1, compute_milli=200, isolation=Isolation.FAULT))
     assert f.assignment.shares[0].mechanism is Mechanism.TIME_SLICING
     assert f.assignment.shares[0].gpu_index == 1  # not beside the MPS client on GPU 0
 
 
 def test_a_memory_isolated_share_on_two_gpus_goes_to_mig_instances_of_its_own() -> None:
     s = scheduler([node("n", "H100-80GB", 4)])
-    d = place(s, GpuRequest("p", 2, compute_milli=200, memory_mib=8 * GIB, isolation=Isolation.MEMORY, user=0))
+    d = place(s, GpuRequest("p", 2, compute_milli=200, memory_mib=8 * GIB, isolation=Isolation.MEMORY))
     shares = d.assignment.shares
     assert [sh.mechanism for sh in shares] == [Mechanism.MIG, Mechanism.MIG]
     assert [sh.inner for sh in shares] == [Mechanism.EXCLUSIVE, Mechanism.EXCLUSIVE]  # no MPS daemon per instance
-    t = place(s, GpuRequest("t", 2, compute_milli=200, user=0))  # isolation none: time-slicing on two GPUs
+    t = place(s, GpuRequest("t", 2, compute_milli=200))  # isolation none: time-slicing on two GPUs
     assert all(sh.mechanism is Mechanism.TIME_SLICING for sh in t.assignment.shares)
 
 
@@ -199,7 +231,7 @@ def test_time_slicing_and_mps_never_mix_on_one_gpu() -> None:
     place(s, GpuRequest("ts", 1, compute_milli=300, sharing=Sharing.TIME_SLICING))
     d = s.decide(GpuRequest("mps", 1, compute_milli=300, memory_mib=GIB, isolation=Isolation.MEMORY))
     assert isinstance(d, Unschedulable)
-    ok = place(s, GpuRequest("none", 1, compute_milli=300, user=0))  # isolation none may join time-slicing
+    ok = place(s, GpuRequest("none", 1, compute_milli=300))  # isolation none may join time-slicing
     assert ok.assignment.shares[0].mechanism is Mechanism.TIME_SLICING
 
 
@@ -252,7 +284,7 @@ def test_node_reasons_are_typed_and_say_whether_eviction_could_help() -> None:
     assert (reason.code, reason.unresolvable, reason.text) == (
         ReasonCode.SHARE_MEMORY,
         False,
-        "largest free share 8Gi < 12Gi asked",
+        "largest free share 7.9Gi < 12Gi asked",  # 8Gi less the MPS daemon's server,
     )
     assert reason.kind is ReasonKind.GPU_ROOM
 

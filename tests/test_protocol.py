@@ -258,19 +258,19 @@ def test_trace_without_gpu_demand_terminates() -> None:
 
 def test_users_are_drawn_per_pod_with_the_seed() -> None:
     reqs = [GpuRequest(f"p{i}", 1, compute_milli=100) for i in range(300)]
-    assert {r.user for r in with_users(reqs, 1, 42)} == {0}  # one user: as if the rule did not exist
+    assert {r.tenant for r in with_users(reqs, 1, 42)} == {None}  # one user: as if no rule existed
     three = with_users(reqs, 3, 42)
-    assert [r.user for r in three] == [r.user for r in with_users(reqs, 3, 42)]
-    assert [r.user for r in three] != [r.user for r in with_users(reqs, 3, 43)]
-    counts = Counter(r.user for r in three)
-    assert set(counts) == {1000, 1001, 1002} and min(counts.values()) > 60  # uniform: about 100 each
+    assert [r.tenant for r in three] == [r.tenant for r in with_users(reqs, 3, 42)]
+    assert [r.tenant for r in three] != [r.tenant for r in with_users(reqs, 3, 43)]
+    counts = Counter(r.tenant for r in three)
+    assert set(counts) == {"sim/uid-1000", "sim/uid-1001", "sim/uid-1002"} and min(counts.values()) > 60
     assert [r.name for r in three] == [r.name for r in reqs]
     with pytest.raises(ValueError, match="users 0"):
         with_users(reqs, 0, 42)
 
 
-def test_more_users_place_fewer_mps_shares_together() -> None:
-    from sharegpu.ledger import Ledger
+def test_a_daemon_per_tenant_places_every_users_shares_together_and_one_user_per_unit_does_not() -> None:
+    from sharegpu.ledger import Ledger, MpsTenancy
     from sharegpu.model.inventory import GpuDevice, NodeSpec
     from sharegpu.placement.fragmentation import Workload
     from sharegpu.placement.framework import Scheduler, Unschedulable
@@ -279,10 +279,12 @@ def test_more_users_place_fewer_mps_shares_together() -> None:
     node = NodeSpec("n", 64_000, 262_144, tuple(GpuDevice(i, f"GPU-{i}", "V100-16GB") for i in range(4)))
     reqs = [GpuRequest(f"p{i}", 1, compute_milli=250) for i in range(16)]  # 16 quarter-GPU shares: 4 GPUs' worth
 
-    def placed(users: int) -> int:
+    def placed(users: int, daemons: int) -> int:
         arrivals = with_users(reqs, users, 7)
-        sched = Scheduler(Ledger([node]), make_policy("bestfit", PolicyContext(Workload.from_requests(arrivals))))
+        ledger = Ledger([node], tenancy=MpsTenancy(daemons_per_unit=daemons))
+        sched = Scheduler(ledger, make_policy("bestfit", PolicyContext(Workload.from_requests(arrivals))))
         return sum(not isinstance(sched.decide(r), Unschedulable) and bool(sched.place(r)) for r in arrivals)
 
-    assert placed(1) == 16
-    assert placed(10) < 16  # a GPU opened as MPS by one user takes no other user's share
+    assert placed(1, 1) == 16
+    assert placed(10, 16) == 16  # a daemon per tenant: four users' shares on one GPU
+    assert placed(10, 1) < 16  # one daemon per unit (the rule before): a GPU opened by one user takes no other's

@@ -9,6 +9,7 @@ raises :class:`LedgerConflict` and leaves the ledger exactly as it was.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -19,24 +20,40 @@ from sharegpu.model.assignment import Assignment, GpuShare, Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel, MigProfile
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import FULL_MILLI
+from sharegpu.model.tenant import MULTI_USER_TENANT, NO_TENANT, describe
 
 MPS_MAX_CLIENTS = 48  # per MPS server (Volta and later)
-# Who an MPS unit (GPU or MIG instance) serves: an MPS server serves one Unix UID at a time, and a client of another
-# UID waits in CUDA initialisation until every client of the running server has exited. A known UID is its own key;
-# a client whose UID the pod does not declare holds its unit alone, since it might be anyone.
-NO_MPS_USER = -1  # the unit has no MPS client
-SOLE_MPS_USER = -2  # its one MPS client's UID is unknown: nobody may join
-NEVER_JOINS = -3  # the key of a request of unknown UID: matches no unit
+# Daemons per MPS unit (one per tenant, sharegpu.model.tenant): across daemons the GPU time-slices (H200: two daemons
+# took turns), so each is one more context in the GPU's rotation. 16 is the largest k of the GPU check's sweep
+# (bench/gpu_node_check.py, k = 1..16) and lets a GPU take as many undeclared pods as the densest workload the rig
+# tests (100 small shares on 8 GPUs: 13 per GPU); configurable (the extender's and sim's --mps-daemons-per-gpu).
+DEFAULT_DAEMONS_PER_UNIT = 16
+# GPU memory an MPS server takes of its unit before any client: 66 MiB on an H200, driver 580 (NVML's process list,
+# ../shared/gpu-evidence/h200-2026-11-26). Each daemon of a unit has its server, so each one counts.
+MPS_DAEMON_MEMORY_MIB = 66
 
 
-def mps_user_key(user: int | None) -> int:
-    """The key a share of ``user`` puts on the MPS unit it opens."""
-    return SOLE_MPS_USER if user is None else user
+@dataclass(frozen=True, slots=True)
+class MpsTenancy:
+    """How the ledger counts MPS daemons: at most ``daemons_per_unit`` per GPU or MIG instance, each taking
+    ``daemon_memory_mib`` of its unit's memory. ``daemons_per_unit=1`` is the rule before tenants (one user per
+    unit); a node in multi-user mode (NodeSpec.mps_multi_user) has one daemon per unit whatever this says."""
+
+    daemons_per_unit: int = DEFAULT_DAEMONS_PER_UNIT
+    daemon_memory_mib: int = MPS_DAEMON_MEMORY_MIB
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.daemons_per_unit <= MPS_MAX_CLIENTS:
+            raise ValueError(
+                f"MPS daemons per GPU {self.daemons_per_unit} must be from 1 to {MPS_MAX_CLIENTS} (each daemon "
+                "serves at least one client, and a unit has at most that many)"
+            )
+        if self.daemon_memory_mib < 0:
+            raise ValueError(f"MPS daemon memory {self.daemon_memory_mib} MiB must not be negative")
 
 
-def mps_join_key(user: int | None) -> int:
-    """The unit key a share of ``user`` may join (a unit of unknown user is joined by nobody)."""
-    return NEVER_JOINS if user is None else user
+Unit = tuple[int, int, int | None]  # node, GPU, MIG instance start (None: the whole GPU)
+_NO_UNITS: frozenset[Unit] = frozenset()
 
 
 class GpuMode(IntEnum):
@@ -83,7 +100,6 @@ class MigInstanceState:
     inner: Mechanism | None  # how the instance is shared; None while empty
     clients: int
     persistent: bool  # exists outside sharegpu's wishes (static layout): kept when empty
-    mps_user: int = NO_MPS_USER  # see mps_user_key
 
 
 def slot_mask(start: int, size: int) -> int:
@@ -93,8 +109,11 @@ def slot_mask(start: int, size: int) -> int:
 class Ledger:
     """Accounting for one cluster. Nodes are kept in name order: index order is the tie-break order."""
 
-    def __init__(self, nodes: Iterable[NodeSpec], catalog: Catalog = DEFAULT_CATALOG) -> None:
+    def __init__(
+        self, nodes: Iterable[NodeSpec], catalog: Catalog = DEFAULT_CATALOG, tenancy: MpsTenancy | None = None
+    ) -> None:
         self.catalog = catalog
+        self.tenancy = tenancy or MpsTenancy()
         self.nodes: tuple[NodeSpec, ...] = tuple(sorted(nodes, key=lambda n: n.name))
         self.index: dict[str, int] = {}
         for i, n in enumerate(self.nodes):
@@ -140,9 +159,12 @@ class Ledger:
         # have none, so the filters skip the pin check on every decision.
         self.any_mig_pinned = bool(self.mig_pinned.any())
         self.clients = np.zeros((n_nodes, width), dtype=np.int16)
-        # See mps_user_key; a unit recorded with clients of several users (place(check_health=False)) is keyed
-        # SOLE_MPS_USER: closed to new MPS clients.
-        self.mps_user = np.full((n_nodes, width), NO_MPS_USER, dtype=np.int64)
+        # MPS daemons per whole GPU (a MIG instance's are len(unit_tenants[unit])): one per tenant on the unit.
+        self.daemons = np.zeros((n_nodes, width), dtype=np.int16)
+        self.multi_user = np.array([n.mps_multi_user for n in self.nodes], dtype=bool)
+        self.unit_tenants: dict[Unit, dict[str, int]] = {}  # MPS clients per tenant on each unit
+        self.tenant_units: dict[str, set[Unit]] = {}  # the units that run a daemon of each tenant
+        self.full_units: set[Unit] = set()  # units that run as many daemons as the cap allows: open to their tenants
         self.mig_slots_used = np.zeros((n_nodes, width), dtype=np.int16)  # bitmask on the memory-slot axis
         self.mig_slices_used = np.zeros((n_nodes, width), dtype=np.int8)
         self.version = np.zeros(n_nodes, dtype=np.int64)  # bumped on every change of a node
@@ -204,8 +226,8 @@ class Ledger:
 
         ``check_health=False`` accounts for an assignment that already exists (a running pod seen again after a
         restart): a GPU that turned unhealthy since still holds the shares placed on it, so that its pods keep
-        their other GPUs and nothing else is placed there; and MPS clients of several Unix users on one unit (placed
-        before the ledger knew users, or by hand) are recorded as they are, the unit closed to new MPS clients.
+        their other GPUs and nothing else is placed there; and a unit that runs more MPS daemons than the cap allows
+        (placed under a larger cap) is recorded as it is, open to its own tenants only.
         """
         if a.pod in self.assignments:
             raise LedgerConflict(f"pod {a.pod} is already placed on {self.assignments[a.pod].node}")
@@ -218,11 +240,11 @@ class Ledger:
         done: list[GpuShare] = []
         try:
             for s in a.shares:
-                self._apply(n, s, check_health, a.user, record=not check_health)
+                self._apply(n, s, check_health, a.tenant, record=not check_health)
                 done.append(s)
         except LedgerConflict as e:
             for s in reversed(done):
-                self._unapply(n, s)
+                self._unapply(n, s, a.tenant)
             raise LedgerConflict(f"cannot place {a.pod} on {a.node}: {e}") from None
         self.cpu_free[n] -= a.cpu_milli
         self.mem_free[n] -= a.host_memory_mib
@@ -238,7 +260,7 @@ class Ledger:
         n = self.index[a.node]
         self.node_pods[n].discard(pod)
         for s in reversed(a.shares):
-            self._unapply(n, s)
+            self._unapply(n, s, a.tenant)
         self.cpu_free[n] += a.cpu_milli
         self.mem_free[n] += a.host_memory_mib
         self.version[n] += 1
@@ -254,14 +276,72 @@ class Ledger:
             raise LedgerConflict(f"GPU {s.gpu_uuid} is unhealthy")
         return self.gpu_model(n, s.gpu_index)
 
+    # ----- MPS tenants ----------------------------------------------------------------------------------------
+    def tenant_key(self, n: int, tenant: str | None) -> str:
+        """The daemon a share of ``tenant`` belongs to on node ``n``: its tenant's, or the one multi-user daemon."""
+        if self.multi_user[n]:
+            return MULTI_USER_TENANT
+        return NO_TENANT if tenant is None else tenant
+
+    def daemons_on(self, unit: Unit) -> int:
+        """MPS daemons running on ``unit`` (one per tenant with a client there)."""
+        return len(self.unit_tenants.get(unit, ()))
+
+    def opens_daemon(self, unit: Unit, tenant: str | None) -> bool:
+        """Whether an MPS share of ``tenant`` on ``unit`` needs a daemon of its own there (its tenant runs none)."""
+        return self.tenant_key(unit[0], tenant) not in self.unit_tenants.get(unit, {})
+
+    def units_of(self, tenant: str | None) -> AbstractSet[Unit]:
+        """The units that run a daemon of ``tenant`` (as its key on each node); the ledger's own set, to be read only."""
+        return self.tenant_units.get(NO_TENANT if tenant is None else tenant, _NO_UNITS)
+
+    def _mps_room(self, unit: Unit, tenant: str, clients: int, what: str, record: bool) -> int:
+        """The GPU memory a new MPS client of ``tenant`` takes on ``unit`` beyond its share (its daemon's, when it
+        opens one), or raise when the unit can take no more clients or daemons."""
+        if clients >= MPS_MAX_CLIENTS:
+            raise LedgerConflict(f"{what} already has {MPS_MAX_CLIENTS} MPS clients")
+        if tenant in self.unit_tenants.get(unit, {}):
+            return 0
+        cap = self.tenancy.daemons_per_unit
+        if not record and self.daemons_on(unit) >= cap:
+            raise LedgerConflict(
+                f"{what} already runs {cap} MPS daemons (one per tenant: pods of one namespace and runAsUser, or a "
+                f"pod alone); a share of {describe(tenant)} would open another"
+            )
+        return self.tenancy.daemon_memory_mib
+
+    def _join(self, unit: Unit, tenant: str) -> None:
+        clients = self.unit_tenants.setdefault(unit, {})
+        clients[tenant] = clients.get(tenant, 0) + 1
+        self.tenant_units.setdefault(tenant, set()).add(unit)
+        if len(clients) >= self.tenancy.daemons_per_unit:
+            self.full_units.add(unit)
+
+    def _leave(self, unit: Unit, tenant: str) -> bool:
+        """Forget one MPS client of ``tenant`` on ``unit``; True when its daemon has no client left."""
+        clients = self.unit_tenants[unit]
+        clients[tenant] -= 1
+        if clients[tenant]:
+            return False
+        del clients[tenant]
+        if len(clients) < self.tenancy.daemons_per_unit:
+            self.full_units.discard(unit)
+        if not clients:
+            del self.unit_tenants[unit]
+        units = self.tenant_units[tenant]
+        units.discard(unit)
+        if not units:
+            del self.tenant_units[tenant]
+        return True
+
     def _apply(
-        self, n: int, s: GpuShare, check_health: bool = True, user: int | None = None, record: bool = False
+        self, n: int, s: GpuShare, check_health: bool = True, tenant: str | None = None, record: bool = False
     ) -> None:
         model = self._check_gpu(n, s, check_health)
         g = s.gpu_index
         mode = GpuMode(int(self.mode[n, g]))
         if s.mechanism is Mechanism.MIG:
-            self._apply_mig(n, g, model, mode, s, user, record)
+            self._apply_mig(n, g, model, mode, s, tenant, record)
             return
         want = MODE_OF[s.mechanism]
         if self.mig_pinned[n, g]:
@@ -272,40 +352,40 @@ class Ledger:
             raise LedgerConflict(f"GPU {s.gpu_uuid} is in use as {mode.name.lower()}, not {s.mechanism}")
         if want is GpuMode.EXCLUSIVE and (s.compute_milli != FULL_MILLI or s.memory_mib != model.memory_mib):
             raise LedgerConflict("an exclusive share takes the whole GPU: all its compute and memory")
-        mixed = False
+        daemon_mem = 0
+        key = self.tenant_key(n, tenant)
         if want is GpuMode.MPS:
             if not model.mps_capable:
                 raise LedgerConflict(f"{model.name} does not support MPS")
-            if self.clients[n, g] >= MPS_MAX_CLIENTS:
-                raise LedgerConflict(f"GPU {s.gpu_uuid} already has {MPS_MAX_CLIENTS} MPS clients")
-            mixed = self.clients[n, g] > 0 and _mps_user_conflict(int(self.mps_user[n, g]), user)
-            if mixed and not record:
-                _check_mps_user(f"GPU {s.gpu_uuid}", int(self.mps_user[n, g]), user)
-        if s.compute_milli > self.free_milli[n, g] or s.memory_mib > self.free_mem[n, g]:
+            daemon_mem = self._mps_room((n, g, None), key, int(self.clients[n, g]), f"GPU {s.gpu_uuid}", record)
+        if s.compute_milli > self.free_milli[n, g] or s.memory_mib + daemon_mem > self.free_mem[n, g]:
+            daemon = f" and {daemon_mem}Mi for its MPS daemon" if daemon_mem else ""
             raise LedgerConflict(
                 f"GPU {s.gpu_uuid} has {self.free_milli[n, g]} milli and {self.free_mem[n, g]}Mi free; "
-                f"asked {s.compute_milli} milli and {s.memory_mib}Mi"
+                f"asked {s.compute_milli} milli and {s.memory_mib}Mi{daemon}"
             )
         self.free_milli[n, g] -= s.compute_milli
-        self.free_mem[n, g] -= s.memory_mib
-        if want is GpuMode.MPS and self.clients[n, g] == 0:
-            self.mps_user[n, g] = mps_user_key(user)
-        elif want is GpuMode.MPS and mixed:
-            self.mps_user[n, g] = SOLE_MPS_USER
+        self.free_mem[n, g] -= s.memory_mib + daemon_mem
+        if want is GpuMode.MPS:
+            if key not in self.unit_tenants.get((n, g, None), {}):
+                self.daemons[n, g] += 1
+            self._join((n, g, None), key)
         self.clients[n, g] += 1
         self.mode[n, g] = want
 
-    def _unapply(self, n: int, s: GpuShare) -> None:
+    def _unapply(self, n: int, s: GpuShare, tenant: str | None = None) -> None:
         g = s.gpu_index
         if s.mechanism is Mechanism.MIG:
-            self._unapply_mig(n, g, s)
+            self._unapply_mig(n, g, s, tenant)
             return
         self.free_milli[n, g] += s.compute_milli
         self.free_mem[n, g] += s.memory_mib
+        if s.mechanism is Mechanism.MPS and self._leave((n, g, None), self.tenant_key(n, tenant)):
+            self.daemons[n, g] -= 1
+            self.free_mem[n, g] += self.tenancy.daemon_memory_mib
         self.clients[n, g] -= 1
         if self.clients[n, g] == 0:
             self.mode[n, g] = GpuMode.FREE
-            self.mps_user[n, g] = NO_MPS_USER
 
     def _apply_mig(
         self,
@@ -314,7 +394,7 @@ class Ledger:
         model: GpuModel,
         mode: GpuMode,
         s: GpuShare,
-        user: int | None = None,
+        tenant: str | None = None,
         record: bool = False,
     ) -> None:
         assert s.mig is not None and s.inner is not None
@@ -329,6 +409,8 @@ class Ledger:
         if inst is None:
             inst = self._create_instance(n, g, model, profile.name, s.mig.start, False)
             created = True
+        unit = (n, g, s.mig.start)
+        key = self.tenant_key(n, tenant)
         try:
             if inst.profile.name != profile.name:
                 raise LedgerConflict(f"the instance at slot {s.mig.start} of {s.gpu_uuid} is {inst.profile.name}")
@@ -336,38 +418,37 @@ class Ledger:
                 raise LedgerConflict(f"the {profile.name} instance at slot {s.mig.start} is used as {inst.inner}")
             if s.inner is Mechanism.EXCLUSIVE and (s.compute_milli != FULL_MILLI or s.memory_mib != profile.memory_mib):
                 raise LedgerConflict("an exclusive MIG share takes its whole instance")
-            if s.inner is Mechanism.MPS and inst.clients >= MPS_MAX_CLIENTS:
-                raise LedgerConflict(f"the instance already has {MPS_MAX_CLIENTS} MPS clients")
-            mixed = s.inner is Mechanism.MPS and inst.clients > 0 and _mps_user_conflict(inst.mps_user, user)
-            if mixed and not record:
-                _check_mps_user(f"the {profile.name} instance at slot {s.mig.start}", inst.mps_user, user)
-            if s.compute_milli > inst.free_milli or s.memory_mib > inst.free_mem:
+            daemon_mem = 0
+            if s.inner is Mechanism.MPS:
+                what = f"the {profile.name} instance at slot {s.mig.start}"
+                daemon_mem = self._mps_room(unit, key, inst.clients, what, record)
+            if s.compute_milli > inst.free_milli or s.memory_mib + daemon_mem > inst.free_mem:
+                daemon = f" and {daemon_mem}Mi for its MPS daemon" if daemon_mem else ""
                 raise LedgerConflict(
                     f"the {profile.name} instance has {inst.free_milli} milli and {inst.free_mem}Mi free; "
-                    f"asked {s.compute_milli} milli and {s.memory_mib}Mi"
+                    f"asked {s.compute_milli} milli and {s.memory_mib}Mi{daemon}"
                 )
         except LedgerConflict:
             if created:
                 self._destroy_instance(n, g, model, s.mig.start)
             raise
         inst.free_milli -= s.compute_milli
-        inst.free_mem -= s.memory_mib
-        if s.inner is Mechanism.MPS and inst.clients == 0:
-            inst.mps_user = mps_user_key(user)
-        elif mixed:
-            inst.mps_user = SOLE_MPS_USER
+        inst.free_mem -= s.memory_mib + daemon_mem
+        if s.inner is Mechanism.MPS:
+            self._join(unit, key)
         inst.clients += 1
         inst.inner = s.inner
 
-    def _unapply_mig(self, n: int, g: int, s: GpuShare) -> None:
+    def _unapply_mig(self, n: int, g: int, s: GpuShare, tenant: str | None = None) -> None:
         assert s.mig is not None
         inst = self.instances[(n, g)][s.mig.start]
         inst.free_milli += s.compute_milli
         inst.free_mem += s.memory_mib
+        if s.inner is Mechanism.MPS and self._leave((n, g, s.mig.start), self.tenant_key(n, tenant)):
+            inst.free_mem += self.tenancy.daemon_memory_mib
         inst.clients -= 1
         if inst.clients == 0:
             inst.inner = None
-            inst.mps_user = NO_MPS_USER
             if not inst.persistent:
                 self._destroy_instance(n, g, self.gpu_model(n, g), s.mig.start)
 
@@ -426,7 +507,7 @@ class Ledger:
         cpu = np.zeros_like(self.cpu_free)
         mem = np.zeros_like(self.mem_free)
         mechs: dict[tuple[int, int, int | None], set[Mechanism]] = {}
-        users: dict[tuple[int, int, int | None], list[int | None]] = {}
+        tenants: dict[Unit, dict[str, int]] = {}
         inst_use: dict[tuple[int, int, int], list[GpuShare]] = {}
         plain: dict[tuple[int, int], list[GpuShare]] = {}
         for a in self.assignments.values():
@@ -437,7 +518,9 @@ class Ledger:
                 unit = (n, s.gpu_index, s.mig.start if s.mig else None)
                 mechs.setdefault(unit, set()).add(s.sharing)
                 if s.sharing is Mechanism.MPS:
-                    users.setdefault(unit, []).append(a.user)
+                    clients = tenants.setdefault(unit, {})
+                    key = self.tenant_key(n, a.tenant)
+                    clients[key] = clients.get(key, 0) + 1
                 if s.mig is None:
                     plain.setdefault((n, s.gpu_index), []).append(s)
                     use_milli[n, s.gpu_index] += s.compute_milli
@@ -453,14 +536,27 @@ class Ledger:
         for unit, ms in mechs.items():
             if len(ms) > 1 or (Mechanism.EXCLUSIVE in ms and self._unit_clients(unit, inst_use) > 1):
                 raise InvariantViolation(f"GPU unit {unit} mixes mechanisms {sorted(ms)}")
-        for unit, us in users.items():
-            n, g, start = unit
-            # One declared user keys the unit; an undeclared user, or several users (recorded as they ran), close it.
-            key = mps_user_key(us[0]) if len(set(us)) == 1 and (us[0] is not None or len(us) == 1) else SOLE_MPS_USER
-            inst = self.instances_on(n, g).get(start) if start is not None else None
-            held = int(self.mps_user[n, g]) if start is None else (inst.mps_user if inst else key)
-            if held != key:
-                raise InvariantViolation(f"MPS unit {unit} is keyed to user {held}; its clients' users {us} make {key}")
+        if tenants != self.unit_tenants:
+            raise InvariantViolation("the MPS clients per tenant of a unit disagree with the assignments")
+        indexed: dict[str, set[Unit]] = {}
+        for unit, clients in tenants.items():
+            for key in clients:
+                indexed.setdefault(key, set()).add(unit)
+        if indexed != self.tenant_units:
+            raise InvariantViolation("the units of an MPS tenant disagree with the assignments")
+        cap = self.tenancy.daemons_per_unit
+        if {u for u, clients in tenants.items() if len(clients) >= cap} != self.full_units:
+            raise InvariantViolation("the units at the MPS daemon cap disagree with the assignments")
+        daemon_mem = self.tenancy.daemon_memory_mib
+        for (n, g, start), clients in tenants.items():
+            if start is None:
+                use_mem[n, g] += len(clients) * daemon_mem
+        daemons = np.zeros_like(self.daemons)
+        for n, g, start in tenants:
+            if start is None:
+                daemons[n, g] = len(tenants[(n, g, None)])
+        if not np.array_equal(daemons, self.daemons):
+            raise InvariantViolation("MPS daemons per GPU disagree with the assignments")
         non_mig_units = {(n, g) for (n, g, start) in mechs if start is None}
         for n, node in enumerate(self.nodes):
             for dev in node.gpus:
@@ -530,7 +626,7 @@ class Ledger:
             if not shares and not inst.persistent:
                 raise InvariantViolation(f"an unused MIG instance at slot {start} was left behind")
             milli = sum(s.compute_milli for s in shares)
-            mem = sum(s.memory_mib for s in shares)
+            mem = sum(s.memory_mib for s in shares) + self.daemons_on((n, g, start)) * self.tenancy.daemon_memory_mib
             if milli > FULL_MILLI or mem > inst.profile.memory_mib:
                 raise InvariantViolation(f"the MIG instance at slot {start} is over-allocated")
             if inst.free_milli != FULL_MILLI - milli or inst.free_mem != inst.profile.memory_mib - mem:
@@ -552,7 +648,8 @@ class Ledger:
             "free_mem": self.free_mem.tolist(),
             "mode": self.mode.tolist(),
             "clients": self.clients.tolist(),
-            "mps_user": self.mps_user.tolist(),
+            "daemons": self.daemons.tolist(),
+            "mps_tenants": sorted((unit, sorted(c.items())) for unit, c in self.unit_tenants.items()),
             "mig": sorted(
                 (
                     n,
@@ -564,7 +661,6 @@ class Ledger:
                     str(i.inner),
                     i.clients,
                     i.persistent,
-                    i.mps_user,
                 )
                 for (n, g), insts in self.instances.items()
                 for start, i in insts.items()
@@ -576,26 +672,14 @@ class Ledger:
         return np.where(self.healthy[n], self.free_milli[n], 0)
 
 
-def _mps_user_conflict(held: int, user: int | None) -> bool:
-    return held == SOLE_MPS_USER or user is None or user != held
-
-
-def _check_mps_user(unit: str, held: int, user: int | None) -> None:
-    if held == SOLE_MPS_USER:
-        raise LedgerConflict(
-            f"{unit} serves an MPS client whose Unix user is unknown, and an MPS server serves one user at a time"
-        )
-    if user is None or user != held:
-        who = "a pod whose Unix user is unknown" if user is None else f"user {user}"
-        raise LedgerConflict(
-            f"{unit} serves MPS clients of user {held}; {who} would wait for all of them to exit (one MPS server "
-            "serves one Unix user at a time)"
-        )
-
-
-def replay(nodes: Sequence[NodeSpec], assignments: Iterable[Assignment], catalog: Catalog = DEFAULT_CATALOG) -> Ledger:
+def replay(
+    nodes: Sequence[NodeSpec],
+    assignments: Iterable[Assignment],
+    catalog: Catalog = DEFAULT_CATALOG,
+    tenancy: MpsTenancy | None = None,
+) -> Ledger:
     """A ledger rebuilt from inventories and existing assignments alone (what a restart does)."""
-    ledger = Ledger(nodes, catalog)
+    ledger = Ledger(nodes, catalog, tenancy)
     for a in assignments:
         ledger.place(a, check_health=False)
     return ledger

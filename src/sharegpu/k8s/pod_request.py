@@ -27,13 +27,14 @@ from sharegpu.model.contract import (
 )
 from sharegpu.model.demand import ContainerDemand, pod_demand
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
+from sharegpu.model.tenant import TenantConflict, tenant_of
 
 __all__ = [
     "InvalidPodRequest",
     "asks_for_sharegpu",
     "containers_missing_gpu_count",
     "cpu_and_memory",
-    "gpu_user",
+    "gpu_tenant",
     "pod_request",
 ]
 
@@ -196,29 +197,21 @@ def _models(text: str, catalog: Catalog) -> frozenset[str]:
         raise InvalidPodRequest(f"{MODEL_ANNOTATION}: {e}") from None
 
 
-def gpu_user(pod: Pod) -> int | None:
-    """The Unix UID the pod's GPU containers run as, where the pod declares it (a container's
-    ``securityContext.runAsUser``, else the pod's); None when any of them leaves it to the image.
+def gpu_tenant(pod: Pod) -> str:
+    """Who may share an MPS server with the pod (sharegpu.model.tenant), from the users its GPU containers run as.
 
     Raises :class:`InvalidPodRequest` when they declare different UIDs: the clients of one MPS share would wait on
     each other (one MPS server serves one UID at a time).
     """
-    uids = {
-        c.name: pod.run_as_user(c)
+    users = [
+        (echo(c.name), pod.run_as_user(c))
         for c in _gpu_containers(pod)
         if any(resource_text(c, r) is not None for r in RESOURCES)
-    }
-    known = {u for u in uids.values() if u is not None}
-    if len(known) > 1:
-        listed = ", ".join(f"{echo(name)}: {uid if uid is not None else 'image user'}" for name, uid in uids.items())
-        raise InvalidPodRequest(
-            f"the containers that use GPUs run as different Unix users ({listed}); an MPS server serves one user at a "
-            "time, so they would wait on each other: run them as one user (securityContext.runAsUser), or split them "
-            "into separate pods"
-        )
-    if None in uids.values() or not known:
-        return None
-    return known.pop()
+    ]
+    try:
+        return tenant_of(pod.metadata.namespace, pod.metadata.uid or pod.key, users, pod.spec.host_users)
+    except TenantConflict as e:
+        raise InvalidPodRequest(str(e)) from None
 
 
 def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | None:
@@ -275,6 +268,6 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
         mig_profile=mig.strip() if mig is not None and mig.strip() else None,
         cpu_milli=cpu,
         host_memory_mib=host_mem,
-        user=gpu_user(pod),
+        tenant=gpu_tenant(pod),
         catalog=catalog,
     )

@@ -106,6 +106,8 @@ class PodSpec(K8sModel):
     node_name: str = Field(default="", alias="nodeName")
     scheduler_name: str = Field(default="", alias="schedulerName")
     security_context: SecurityContext | None = Field(default=None, alias="securityContext")
+    # false: the pod runs in a user namespace of its own, so the UID it declares is not its UID on the host.
+    host_users: bool | None = Field(default=None, alias="hostUsers")
     # Set by the Priority admission plugin from the pod's PriorityClass; unset counts as 0, as the scheduler reads it.
     priority: int = 0
     # "PreemptLowerPriority" (the API server's default) or "Never".

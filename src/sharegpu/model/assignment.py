@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from sharegpu.model.request import FULL_MILLI
+from sharegpu.model.tenant import own_tenant, user_tenant
 
 ASSIGNMENT_VERSION = 1
 
@@ -96,9 +97,9 @@ class Assignment:
     shares: tuple[GpuShare, ...]
     cpu_milli: int = 0
     host_memory_mib: int = 0
-    # The Unix UID of the pod's GPU processes where the pod declares it (None: unknown). An MPS unit serves one UID:
-    # the ledger keeps MPS shares of different (or unknown) users on different units.
-    user: int | None = None
+    # Who may share the MPS daemon of its MPS shares (sharegpu.model.tenant): the ledger counts the daemons of each
+    # unit by tenant. None: any (a simulated task; an assignment with no MPS share).
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if not self.pod or not self.node:
@@ -108,8 +109,6 @@ class Assignment:
             raise InvalidAssignment(f"assignment of {self.pod} names the same GPU or MIG instance twice")
         if self.cpu_milli < 0 or self.host_memory_mib < 0:
             raise InvalidAssignment(f"assignment of {self.pod} has negative CPU or memory")
-        if self.user is not None and self.user < 0:
-            raise InvalidAssignment(f"assignment of {self.pod} names user {self.user}, which is not a Unix UID")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,7 +117,8 @@ class Assignment:
             "node": self.node,
             "cpuMilli": self.cpu_milli,
             "hostMemoryMiB": self.host_memory_mib,
-            **({"user": self.user} if self.user is not None else {}),
+            # Written with every MPS share ("": any tenant), so that one from before tenants (no key) is told apart.
+            **({"tenant": self.tenant or ""} if any(s.sharing is Mechanism.MPS for s in self.shares) else {}),
             "gpus": [
                 {
                     "index": s.gpu_index,
@@ -175,7 +175,7 @@ class Assignment:
                 shares=tuple(shares),
                 cpu_milli=_int(obj.get("cpuMilli", 0)),
                 host_memory_mib=_int(obj.get("hostMemoryMiB", 0)),
-                user=_int(obj["user"]) if obj.get("user") is not None else None,
+                tenant=_tenant(obj, shares),
             )
         except InvalidAssignment:
             raise
@@ -210,3 +210,15 @@ def _int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise InvalidAssignment(f"expected an integer, got {v!r}")
     return v
+
+
+def _tenant(obj: dict[str, Any], shares: list[GpuShare]) -> str | None:
+    """The assignment's tenant; one written before tenants existed says a ``user`` (or none) instead, and is read as
+    its pod's tenant: the same namespace and UID where it named one, its pod alone where it did not."""
+    if obj.get("tenant") is not None:
+        return _str(obj["tenant"]) or None
+    if not any(s.sharing is Mechanism.MPS for s in shares):
+        return None
+    pod = _str(obj["pod"])
+    namespace = pod.partition("/")[0]
+    return user_tenant(namespace, _int(obj["user"])) if obj.get("user") is not None else own_tenant(pod)

@@ -57,6 +57,9 @@ class NodeSpec:
     memory_mib: int
     gpus: tuple[GpuDevice, ...] = ()
     labels: tuple[tuple[str, str], ...] = field(default=())
+    # The node runs MPS in multi-user mode (its agent's --mps-multi-user): one daemon per unit serves every user, so
+    # all its MPS clients are one tenant (sharegpu.model.tenant.MULTI_USER_TENANT).
+    mps_multi_user: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -80,6 +83,8 @@ class NodeSpec:
         }
         if self.labels:
             d["labels"] = {k: v for k, v in self.labels}
+        if self.mps_multi_user:
+            d["mpsMultiUser"] = True
         return d
 
     def to_json(self) -> str:
@@ -110,6 +115,7 @@ class NodeSpec:
                 memory_mib=_int(d.get("memoryMiB", 0), "memoryMiB"),
                 gpus=tuple(_gpu_from_dict(g, name, catalog) for g in gpus),
                 labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
+                mps_multi_user=_bool(d.get("mpsMultiUser", False), "mpsMultiUser"),
             )
         except InvalidInventory:
             raise

@@ -10,7 +10,6 @@ from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog, GpuModel
 
 FULL_MILLI = 1000  # compute of one whole GPU (or one whole MIG instance) in milli-GPU
 MAX_GPUS_PER_REQUEST = 64
-MAX_UID = 2**31 - 1  # Kubernetes' runAsUser is an int64 the kubelet passes to the runtime as a uint32; Linux caps lower
 
 
 class Isolation(StrEnum):
@@ -64,10 +63,9 @@ class GpuRequest:
     mig_profile: str | None = None
     cpu_milli: int = 0
     host_memory_mib: int = 0
-    # The Unix UID the workload's CUDA processes run as, where the pod says it (securityContext.runAsUser); None when
-    # only the image knows. One MPS server serves one UID at a time: another UID's client waits in CUDA
-    # initialisation until every client of the running server has exited (measured on an H200: 13.1 s).
-    user: int | None = None
+    # Who may share an MPS server with it (sharegpu.model.tenant): an MPS share joins a daemon of its own tenant or
+    # opens one. None: any (the simulator's "no rule"; a pod always has one).
+    tenant: str | None = None
     catalog: Catalog = field(default=DEFAULT_CATALOG, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,7 +78,6 @@ class GpuRequest:
             ("GPU memory", self.memory_mib),
             ("CPU", self.cpu_milli),
             ("host memory", self.host_memory_mib),
-            ("user", self.user),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise InvalidRequest(f"{who}{what} must be an integer, not {value!r}")
@@ -100,8 +97,6 @@ class GpuRequest:
                 f"{who}GPU compute {self.compute_milli / 10:g}% is outside 1–100%; ask for a share of one GPU "
                 "(use more GPUs for more than one GPU's compute)"
             )
-        if self.user is not None and not 0 <= self.user <= MAX_UID:
-            raise InvalidRequest(f"{who}user {self.user} is not a Unix UID (0 to {MAX_UID})")
         if self.memory_mib is not None and self.memory_mib <= 0:
             raise InvalidRequest(f"{who}GPU memory {self.memory_mib}Mi must be positive (or leave it unset)")
         if self.gpu_count == 0:
@@ -198,7 +193,7 @@ class GpuRequest:
 
     @property
     def may_use_mps(self) -> bool:
-        """Whether some route of this request ends as an MPS client (so its user matters to placement)."""
+        """Whether some route of this request ends as an MPS client (so its tenant matters to placement)."""
         return (
             self.gpu_count > 0
             and not self.is_whole
@@ -234,7 +229,9 @@ class GpuRequest:
         return max(1, min(FULL_MILLI, -(-self.memory_mib * FULL_MILLI // model.memory_mib)))
 
     def shape_key(self) -> tuple[object, ...]:
-        """What placement scores depend on: equal keys score equally on equal nodes."""
+        """What placement scores depend on: equal keys score equally on equal nodes. The tenant is left out: the
+        filter is kept per shape for a share that opens a daemon, and the scheduler adds the units that already run
+        the request's tenant on top (one cached filter for every pod of a shape, whoever it runs as)."""
         return (
             self.gpu_count,
             self.compute_milli,
@@ -245,5 +242,4 @@ class GpuRequest:
             self.mig_profile,
             self.cpu_milli,
             self.host_memory_mib,
-            self.user if self.may_use_mps else None,
         )

@@ -10,7 +10,7 @@ and recomputes only nodes whose state changed since (the ledger bumps a node's v
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -19,7 +19,7 @@ import numpy.typing as npt
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment, Mechanism
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.mechanism import UsablePlan, make_share
+from sharegpu.placement.mechanism import UsablePlan, make_share, tenant_gpus
 from sharegpu.placement.reasons import (
     FilterReason,
     NodeRoom,
@@ -182,8 +182,27 @@ class Scheduler:
     def feasible(self, req: GpuRequest) -> tuple[BoolArray, BoolArray]:
         """(N,) nodes that can host ``req`` and the (N,G) GPUs that can host one of its shares (the caller's own
         copies)."""
+        ok, usable = self._filtered(req)
+        return (ok.copy(), usable.copy()) if ok is self._entry(req).ok else (ok, usable)
+
+    def _filtered(self, req: GpuRequest) -> tuple[BoolArray, BoolArray]:
+        """The filter for ``req``: its shape's (shared with the cache, not to be written) and, where its tenant runs
+        daemons on units at the cap, those units added (fresh arrays)."""
         f = self._feasibility(req)
-        return f.ok.copy(), f.usable.copy()
+        extra = tenant_gpus(self.ledger, req, f.plan)
+        if not extra:
+            return f.ok, f.usable
+        ok, usable = f.ok.copy(), f.usable.copy()
+        led = self.ledger
+        for n, g in extra:
+            usable[n, g] = True
+        for n in {n for n, _ in extra}:
+            ok[n] = (
+                led.cpu_free[n] >= req.cpu_milli
+                and led.mem_free[n] >= req.host_memory_mib
+                and int(usable[n].sum()) >= req.gpu_count
+            )
+        return ok, usable
 
     def _feasibility(self, req: GpuRequest) -> _Feasibility:
         """The filter's result for ``req``'s shape, refreshed on the nodes that changed since it was last asked.
@@ -226,7 +245,9 @@ class Scheduler:
         f = self._entry(req)
         if f.seen[node] != self.ledger.version[node]:
             self._refresh(f, req, np.array([node], dtype=np.int64))
-        return bool(f.ok[node])
+        if f.ok[node]:
+            return True
+        return any(n == node for n, _ in tenant_gpus(self.ledger, req, f.plan)) and bool(self._filtered(req)[0][node])
 
     def plan(self, req: GpuRequest) -> UsablePlan:
         """How ``req``'s shape meets each GPU model of the ledger (built once per shape)."""
@@ -275,11 +296,11 @@ class Scheduler:
         return CycleState(req, usable, self.rng, memo=self.memo)
 
     def decide(self, req: GpuRequest) -> Decision | Unschedulable:
-        f = self._feasibility(req)
-        nodes = np.flatnonzero(f.ok)
-        state = self.cycle(req, f.usable)
+        ok, usable = self._filtered(req)
+        nodes = np.flatnonzero(ok)
+        state = self.cycle(req, usable)
         if len(nodes) == 0:
-            return self.explain(req, f.usable)
+            return self.explain(req, usable)
         scores = self.scores(state, nodes)
         node = self.pick(nodes, scores)
         return Decision(self.assignment_on(state, node), node, int(scores.max()), len(nodes))
@@ -297,22 +318,38 @@ class Scheduler:
     def assignment_on(self, state: CycleState, node: int) -> Assignment:
         """The assignment of ``state.request`` on ``node`` (which passed the filter): the selector picks GPUs."""
         req = state.request
-        gpus = self.policy.selector.select(self.ledger, state, node) if req.gpu_count else []
+        gpus = self.policy.selector.select(self.ledger, self._prefer_tenant(state, node), node) if req.gpu_count else []
         shares = tuple(make_share(self.ledger, node, g, req) for g in gpus)
-        # The user goes with MPS shares only: it keys their unit (an assignment without one reads as before).
-        user = req.user if any(s.sharing is Mechanism.MPS for s in shares) else None
-        return Assignment(req.name, self.ledger.nodes[node].name, shares, req.cpu_milli, req.host_memory_mib, user)
+        # The tenant goes with MPS shares only: it names the daemon they join (an assignment without one reads as any).
+        tenant = req.tenant if any(s.sharing is Mechanism.MPS for s in shares) else None
+        return Assignment(req.name, self.ledger.nodes[node].name, shares, req.cpu_milli, req.host_memory_mib, tenant)
+
+    def _prefer_tenant(self, state: CycleState, node: int) -> CycleState:
+        """The cycle as the GPU selector sees it on ``node``: where the request's tenant already runs a daemon on a GPU
+        it may take, only those GPUs (its clients then run together under one server instead of taking turns with
+        another daemon's); MIG instances prefer their tenant in :func:`mig_choice`."""
+        req = state.request
+        if req.gpu_count != 1 or not req.may_use_mps or req.tenant is None:
+            return state
+        led = self.ledger
+        mine = [g for n, g, start in led.units_of(req.tenant) if n == node and start is None and state.usable[n, g]]
+        if not mine or len(mine) == int(state.usable[node].sum()):
+            return state
+        usable = state.usable.copy()
+        usable[node] = False
+        usable[node, mine] = True
+        return replace(state, usable=usable)
 
     def decide_on(self, req: GpuRequest, node: int) -> Decision | Unschedulable:
         """Like :meth:`decide`, but on the one node that something else (the kube-scheduler) chose."""
-        f = self._feasibility(req)
-        if not f.ok[node]:
-            reason = self.explain_nodes(req, f.usable, np.array([node], dtype=np.int64))[0]
+        ok, usable = self._filtered(req)
+        if not ok[node]:
+            reason = self.explain_nodes(req, usable, np.array([node], dtype=np.int64))[0]
             kinds = {reason.kind: 1} if reason.kind is not None else {}
             return Unschedulable(req, f"{self.ledger.nodes[node].name}: {reason.text}", kinds)
-        state = self.cycle(req, f.usable)
+        state = self.cycle(req, usable)
         nodes = np.array([node], dtype=np.int64)
-        return Decision(self.assignment_on(state, node), node, int(self.scores(state, nodes)[0]), int(f.ok.sum()))
+        return Decision(self.assignment_on(state, node), node, int(self.scores(state, nodes)[0]), int(ok.sum()))
 
     def explain_nodes(self, req: GpuRequest, usable: BoolArray, nodes: IntArray) -> list[FilterReason]:
         """Why each of ``nodes`` (rejected by :meth:`feasible`) cannot host ``req``, in words a user can act on.

@@ -10,11 +10,16 @@ Rules (DESIGN §2):
   on several GPUs goes to MIG instances, since a process is the client of one MPS daemon and each unit has its own;
 - ``none`` → time-slicing or MPS: it joins a GPU already shared either way (both serve it), and opens an idle
   GPU as MPS where the model has MPS, since an MPS GPU can later take memory-isolated shares too (it fragments
-  less), and as time-slicing where it has not. A share whose pod does not declare its Unix user, or on several
-  GPUs, stays on time-slicing: it could join no MPS unit and would hold the one it opened alone.
+  less), and as time-slicing where it has not. A share on several GPUs stays on time-slicing (a process is the
+  client of one MPS daemon).
 
-One mechanism per GPU (or per MIG instance) and one Unix user per MPS unit are ledger invariants, so a share can
-only join a GPU whose current mode and MPS user it is compatible with.
+One mechanism per GPU (or per MIG instance) is a ledger invariant, and so is the MPS daemon count: a share joins its
+tenant's daemon on a unit (sharegpu.model.tenant) or opens one, at most ``MpsTenancy.daemons_per_unit`` per unit,
+each taking its server's memory. The filter a scheduler keeps per request shape assumes the share opens a daemon
+(the cap and the daemon's memory both apply); :func:`tenant_gpus` adds the units at the cap that run the share's own
+tenant, so that one cached filter serves every pod of a shape whoever it runs as. Joining a daemon of its tenant
+needs no daemon memory, which the per-shape filter still asks for: it can turn away a share whose memory fits its
+tenant's unit within a daemon's 66 MiB, never offer one that does not fit.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger, mps_join_key, slot_mask
+from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger, MigInstanceState, Unit, slot_mask
 from sharegpu.model.assignment import GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import GpuModel, MigProfile
 from sharegpu.model.request import FULL_MILLI, GpuRequest, Isolation, Sharing
@@ -69,7 +74,7 @@ def share_modes(req: GpuRequest, model: GpuModel) -> tuple[GpuMode, ...]:
         return (GpuMode.TIME_SLICING,)
     if req.sharing is Sharing.MPS or req.isolation is Isolation.MEMORY:
         return (GpuMode.MPS,)
-    if model.mps_capable and req.user is not None and req.gpu_count == 1:
+    if model.mps_capable and req.gpu_count == 1:
         return (GpuMode.MPS, GpuMode.TIME_SLICING)
     return (GpuMode.TIME_SLICING,)
 
@@ -95,11 +100,13 @@ class MigChoice:
     existing: bool  # joins an instance that is already there
 
 
-def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | None:
+def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest, tenant: bool = True) -> MigChoice | None:
     """Where a MIG share of ``req`` goes on GPU (n, g): an instance to share (memory isolation) or a new one.
 
-    A new instance goes where the partition planner says: at the free valid start that keeps the most MIG
-    layouts reachable, since the driver's own choice can leave no aligned room for a later 3g.
+    An MPS share prefers an instance that runs its tenant's daemon. A new instance goes where the partition planner
+    says: at the free valid start that keeps the most MIG layouts reachable, since the driver's own choice can leave
+    no aligned room for a later 3g. ``tenant=False`` decides for any tenant (the per-shape filter): an MPS share
+    then joins an instance only where it could open a daemon.
     """
     model = ledger.gpu_model(n, g)
     mode = GpuMode(int(ledger.mode[n, g]))
@@ -109,22 +116,38 @@ def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | N
     insts = ledger.instances_on(n, g)
     profiles = mig_profiles_for(req, model)
     names = {p.name for p in profiles}
+    fresh = _fresh_profiles(ledger, req, profiles)
+    joinable: list[tuple[bool, int, MigInstanceState]] = []
     for start, inst in sorted(insts.items()):
         if inst.profile.name not in names:
             continue
         if inst.clients == 0 and inst.inner is None:
-            return MigChoice(inst.profile, start, True)
-        if inner is Mechanism.EXCLUSIVE or inst.inner is not inner:
+            if inst.profile in fresh:
+                joinable.append((False, start, inst))
             continue
-        if inner is Mechanism.MPS and inst.mps_user != mps_join_key(req.user):
+        if inner is Mechanism.EXCLUSIVE or inst.inner is not inner:
             continue
         compute = _mig_compute(req, model, inst.profile)
         mem = req.memory_mib or 0
-        if inst.free_milli >= compute and inst.free_mem >= mem and inst.clients < MPS_MAX_CLIENTS:
-            return MigChoice(inst.profile, start, True)
+        if inst.free_milli < compute or inst.clients >= MPS_MAX_CLIENTS:
+            continue
+        if inner is not Mechanism.MPS:
+            if inst.free_mem >= mem:
+                joinable.append((False, start, inst))
+            continue
+        unit = (n, g, start)
+        if tenant and not ledger.opens_daemon(unit, req.tenant):
+            if inst.free_mem >= mem:
+                joinable.append((True, start, inst))
+        elif _daemon_room(ledger, unit) and inst.free_mem >= mem + ledger.tenancy.daemon_memory_mib:
+            joinable.append((False, start, inst))
+    if joinable:
+        # Its tenant's daemon first (true MPS concurrency), else the first in slot order as before.
+        _, start, inst = min(joinable, key=lambda j: (not j[0], j[1]))
+        return MigChoice(inst.profile, start, True)
     used = int(ledger.mig_slots_used[n, g])
     free_slices = model.compute_slices - int(ledger.mig_slices_used[n, g])
-    for p in profiles:
+    for p in fresh:
         if p.compute_slices > free_slices:
             continue
         starts = [s for s in p.starts if not used & slot_mask(s, p.memory_slots)]
@@ -132,6 +155,22 @@ def mig_choice(ledger: Ledger, n: int, g: int, req: GpuRequest) -> MigChoice | N
             existing = [(i.profile.name, st) for st, i in insts.items()]
             return MigChoice(p, best_start(model, existing, p, starts), False)
     return None
+
+
+def _fresh_profiles(ledger: Ledger, req: GpuRequest, profiles: list[MigProfile]) -> list[MigProfile]:
+    """The profiles an empty instance for ``req`` may have: an MPS share's first client also brings its daemon's
+    server, which takes memory of the instance."""
+    if _mig_inner(req) is not Mechanism.MPS or req.memory_mib is None:
+        return profiles
+    return [p for p in profiles if p.memory_mib >= req.memory_mib + ledger.tenancy.daemon_memory_mib]
+
+
+def _daemon_room(ledger: Ledger, unit: Unit) -> bool:
+    """Whether ``unit`` can run one more MPS daemon (on a multi-user node, whether its one daemon is there or can be)."""
+    daemons = ledger.daemons_on(unit)
+    if ledger.multi_user[unit[0]]:
+        return True  # one daemon for every user: a share joins it or opens the first
+    return daemons < ledger.tenancy.daemons_per_unit
 
 
 def _mig_inner(req: GpuRequest) -> Mechanism:
@@ -187,7 +226,6 @@ class UsablePlan:
     memory: int
     mig_models: tuple[int, ...]  # model ids reached through MIG (checked per model: placements differ)
     least_compute: int  # a lower bound of the free compute a GPU needs to host a share, on any model
-    mps_user: int  # the MPS unit key a share may join (ledger.mps_join_key)
     mps_into_mig: tuple[int, ...]  # model ids whose MIG-pinned GPUs take the share inside an instance (mps_into_mig)
 
     @classmethod
@@ -227,7 +265,6 @@ class UsablePlan:
             req.memory_mib or 0,
             tuple(mig),
             least,
-            mps_join_key(req.user),
             tuple(into_mig),
         )
 
@@ -240,16 +277,13 @@ class UsablePlan:
         usable: BoolMatrix = base & (route == _WHOLE) & (mode == GpuMode.FREE)
         share = base & (route == _SHARE)
         if share.any():
+            free_mem = ledger.free_mem[nodes]
             usable |= (
                 share
                 & (ledger.free_milli[nodes] >= self.compute[mid])
-                & (ledger.free_mem[nodes] >= self.memory)
+                & (free_mem >= self.memory)
                 & self.mode_ok[mid, mode]
-                & (
-                    ~self.mps_limit[mid]
-                    | (mode != GpuMode.MPS)
-                    | ((ledger.clients[nodes] < MPS_MAX_CLIENTS) & (ledger.mps_user[nodes] == self.mps_user))
-                )
+                & (~self.mps_limit[mid] | (mode == GpuMode.TIME_SLICING) | self._opens(ledger, nodes, free_mem))
             )
         for m in self.mig_models:
             on_model = base & (mid == m)
@@ -270,13 +304,65 @@ class UsablePlan:
                     usable |= _mig_usable(ledger, req, ledger.models[m], pinned, nodes)
         return usable
 
+    def _opens(self, ledger: Ledger, nodes: npt.NDArray[np.int64], free_mem: npt.NDArray[np.int64]) -> BoolMatrix:
+        """GPUs (free or MPS) where an MPS share could open a daemon: fewer clients and daemons than the caps, and
+        room for the share and its server (on a multi-user node, its one daemon is shared once it runs)."""
+        daemons = ledger.daemons[nodes]
+        ok: BoolMatrix = (
+            (ledger.clients[nodes] < MPS_MAX_CLIENTS)
+            & (daemons < ledger.tenancy.daemons_per_unit)
+            & (free_mem >= self.memory + ledger.tenancy.daemon_memory_mib)
+        )
+        multi = ledger.multi_user[nodes]
+        if multi.any():
+            ok[multi] |= (ledger.clients[nodes][multi] < MPS_MAX_CLIENTS) & (daemons[multi] > 0)
+        return ok
+
+
+def tenant_gpus(ledger: Ledger, req: GpuRequest, plan: UsablePlan) -> list[tuple[int, int]]:
+    """GPUs (node, GPU) that a share of ``req`` can take only because its tenant already runs a daemon there: units at
+    the daemon cap, which the per-shape filter closes to every share (few: the cap is 16 daemons by default)."""
+    if not req.may_use_mps or not ledger.full_units:
+        return []
+    mine = ledger.units_of(req.tenant)
+    if not mine:
+        return []
+    full = ledger.full_units
+    units = [u for u in mine if u in full] if len(mine) <= len(full) else [u for u in full if u in mine]
+    out = []
+    for n, g, start in units:
+        if not (ledger.present[n, g] and ledger.healthy[n, g]):
+            continue
+        mid = int(ledger.model_id[n, g])
+        if start is not None:
+            if (mid in plan.mig_models or mid in plan.mps_into_mig) and mig_choice(ledger, n, g, req) is not None:
+                out.append((n, g))
+            continue
+        if (
+            plan.route[mid] == _SHARE
+            and plan.mps_limit[mid]
+            and ledger.mode[n, g] == GpuMode.MPS
+            and ledger.free_milli[n, g] >= plan.compute[mid]
+            and ledger.free_mem[n, g] >= plan.memory
+            and ledger.clients[n, g] < MPS_MAX_CLIENTS
+        ):
+            out.append((n, g))
+    return out
+
 
 def usable_gpus(ledger: Ledger, req: GpuRequest, nodes: npt.NDArray[np.int64] | None = None) -> BoolMatrix:
     """(nodes × GPU slots) mask of the GPUs that can host one share of ``req`` now; rows of ``nodes`` only when
-    given (a node's row depends on that node's state alone, so callers may refresh the rows that changed)."""
+    given (a node's row depends on that node's state alone, so callers may refresh the rows that changed), with the
+    units at the daemon cap that run its tenant."""
     if nodes is None:
         nodes = np.arange(ledger.present.shape[0], dtype=np.int64)
-    return UsablePlan.of(ledger, req).usable(ledger, req, nodes)
+    plan = UsablePlan.of(ledger, req)
+    usable = plan.usable(ledger, req, nodes)
+    row_of = {n: i for i, n in enumerate(nodes.tolist())}
+    for n, g in tenant_gpus(ledger, req, plan):
+        if n in row_of:
+            usable[row_of[n], g] = True
+    return usable
 
 
 def _mig_usable(
@@ -288,7 +374,7 @@ def _mig_usable(
     ok = np.zeros_like(candidates)
     slots_used = ledger.mig_slots_used[nodes]
     free_slices = model.compute_slices - ledger.mig_slices_used[nodes].astype(np.int64)
-    for p in mig_profiles_for(req, model):
+    for p in _fresh_profiles(ledger, req, mig_profiles_for(req, model)):
         fits = free_slices >= p.compute_slices
         for start in p.starts:
             ok |= fits & ((slots_used & slot_mask(start, p.memory_slots)) == 0)
@@ -299,7 +385,7 @@ def _mig_usable(
     for n, g in ledger.instances:
         i = row_of.get(n)
         if i is not None and candidates[i, g] and not ok[i, g]:
-            ok[i, g] = mig_choice(ledger, n, g, req) is not None
+            ok[i, g] = mig_choice(ledger, n, g, req, tenant=False) is not None
     return ok
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sharegpu.model.request import GpuRequest
+from sharegpu.model.tenant import user_tenant
 from sharegpu.sim.openb import TraceTask
 
 _SEED_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
@@ -83,7 +84,9 @@ def with_users(requests: Sequence[GpuRequest], users: int, seed: int) -> list[Gp
     if not 1 <= users <= MAX_USERS:
         raise ValueError(f"users {users} must be from 1 to {MAX_USERS:,}")
     if users == 1:
-        return [r if r.user == 0 else dataclasses.replace(r, user=0) for r in requests]
+        return list(requests)
     rng = np.random.default_rng([seed, 0x0515])
     uids = rng.integers(users, size=len(requests)) + 1000
-    return [dataclasses.replace(r, user=int(u)) for r, u in zip(requests, uids.tolist(), strict=True)]
+    return [
+        dataclasses.replace(r, tenant=user_tenant("sim", int(u))) for r, u in zip(requests, uids.tolist(), strict=True)
+    ]

@@ -190,7 +190,9 @@ class Reservations:
             return
         try:
             # The preemptor's user goes with the part it holds: an MPS unit serves one user (ledger).
-            self.view.keep_room(r.pod, None, Assignment(r.pod, r.node, tuple(shares), user=r.assignment.user), expires)
+            self.view.keep_room(
+                r.pod, None, Assignment(r.pod, r.node, tuple(shares), tenant=r.assignment.tenant), expires
+            )
         except (LedgerError, ValueError) as e:  # taken in the same step: the pod's own hold will say so
             log.info("cannot hold the free part of %s's room on %s: %s", r.pod, r.node, e)
 

@@ -211,19 +211,7 @@ def admit_pod(
             )
         op = "replace" if "schedulerName" in (raw.get("spec") or {}) else "add"
         ops.append({"op": op, "path": "/spec/schedulerName", "value": cfg.scheduler_name})
-    return Verdict(True, patch=tuple(ops), warnings=_user_warnings(req))
-
-
-def _user_warnings(req: GpuRequest | None) -> tuple[str, ...]:
-    """Why a pod whose Unix user the API does not show gets less of MPS (an admission warning, shown by kubectl)."""
-    if req is None or req.user is not None or not req.may_use_mps:
-        return ()
-    return (
-        "this pod does not declare securityContext.runAsUser, and one MPS server serves one Unix user at a time (a "
-        "client of another user waits until every client of the running server has exited): its MPS share gets a "
-        "GPU or MIG instance of its own, and with isolation none it is time-sliced; set runAsUser to the UID its "
-        "image runs as to share MPS GPUs with the pods of that user",
-    )
+    return Verdict(True, patch=tuple(ops))
 
 
 def _admit_update(pod: Pod, old: dict[str, Any] | None, username: str, cfg: WebhookConfig) -> Verdict:
