@@ -1,13 +1,21 @@
-"""The MPS manager: one MPS control daemon per GPU or MIG instance that hosts MPS shares.
+"""The MPS manager: one MPS control daemon per (GPU or MIG instance, tenant) that hosts MPS shares.
 
-Each daemon has its own pipe and log directories under ``<root>/<unit UUID>/`` so that a client selects its
-daemon with ``CUDA_MPS_PIPE_DIRECTORY`` alone. Daemons are started when an assignment first needs them,
-health-checked on every reconcile, restarted after a failure and stopped when no assignment uses their unit.
+An MPS server serves one Unix user at a time, and its clients share one fault domain; two control daemons on one
+GPU, each with its own pipe directory, serve two users at once and take turns on the GPU (measured on an H200). So a
+unit runs one daemon per tenant (:mod:`sharegpu.model.tenant`: the pods of one namespace and one declared UID, or a
+pod alone), each with its own pipe and log directories under ``<root>/<unit UUID>/<tenant dir>/``, so that a client
+selects its daemon with ``CUDA_MPS_PIPE_DIRECTORY`` alone and a container is given only its tenant's pipe. Daemons
+are started when a grant first needs them, health-checked on every reconcile, restarted after a failure and stopped
+when their tenant has no client pod left on the unit. In multi-user mode (an administrator's opt-in, Volta or later)
+a unit runs one ``-M`` daemon for every user instead.
 
 Limits are set on the daemon, not only in the client's environment: right after a daemon starts, and whenever
-the shares on its unit change, the manager sends it ``set_default_active_thread_percentage`` and
-``set_default_device_pinned_mem_limit`` (and the per-server forms for servers already running) with the largest
-share on the unit. A client's own ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` can lower its share below that, never raise it.
+its tenant's shares on the unit change, the manager sends it ``set_default_active_thread_percentage`` and
+``set_default_device_pinned_mem_limit`` (and the per-server forms for servers already running). A daemon's clients
+run together and the unit's daemons take turns, so a client's thread cap is its share against the other clients of
+its daemon only (:func:`thread_percentage`), not against tenants it never runs beside: a cap below 100 % on a daemon
+alone in its turn would leave SMs idle (H200: 25 % and 50 % caps on two daemons ran at 45 % of their solo rates).
+A client's own ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` can lower its share below the daemon's, never raise it.
 The daemon itself sits behind :class:`MpsDaemon`: :class:`NvidiaMpsDaemon` drives ``nvidia-cuda-mps-control``
 on a real node; :class:`SimMpsDaemon` stands in for it with the simulated backend.
 """
@@ -20,11 +28,12 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from sharegpu.model.contract import MPS_MEMORY_LIMIT_ENV, MPS_PIPE_DIRECTORY_ENV, MPS_THREAD_PERCENTAGE_ENV
+from sharegpu.model.tenant import MULTI_USER_TENANT, NO_TENANT, describe, tenant_dir
 from sharegpu.node.errors import NodeError
 
 if TYPE_CHECKING:
@@ -40,24 +49,51 @@ class MpsError(NodeError):
     """An MPS daemon cannot be started or stopped; the message carries what the daemon said."""
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class DaemonKey:
+    """One daemon: the unit it serves and the tenant whose clients it serves there."""
+
+    unit_uuid: str  # GPU-… or MIG-…
+    tenant: str  # sharegpu.model.tenant key (MULTI_USER_TENANT for a multi-user daemon)
+
+    def __str__(self) -> str:
+        return f"{self.unit_uuid} ({describe(self.tenant)})"
+
+
 @dataclass(frozen=True, slots=True)
 class MpsDaemonSpec:
     unit_uuid: str  # GPU-… or MIG-…: the one device the daemon serves
     pipe_dir: Path
     log_dir: Path
+    tenant: str = NO_TENANT
+    multi_user: bool = False  # started with -M: one root-owned server for clients of every user
+
+    @property
+    def key(self) -> DaemonKey:
+        return DaemonKey(self.unit_uuid, self.tenant)
+
+
+def thread_percentage(compute_milli: int, tenant_milli: int) -> int:
+    """A client's cap of SM threads: its share of compute against its daemon's other clients (``tenant_milli``: the
+    compute of every share of the daemon's tenant on the unit, its own included), rounded down, never below what was
+    asked: the daemon's clients run together, and the unit's daemons take turns."""
+    if tenant_milli <= 0:
+        return min(100, max(1, compute_milli // 10))
+    return min(100, max(1, compute_milli // 10, compute_milli * 100 // max(tenant_milli, compute_milli)))
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class MpsLimits:
-    """The ceiling a daemon puts on each of its clients: the largest share on its unit."""
+    """The ceiling a daemon puts on each of its clients: the largest share of its tenant on its unit."""
 
     thread_percentage: int  # 1..100
-    pinned_mem_mib: int | None  # None: no memory limit (some share on the unit has none)
+    pinned_mem_mib: int | None  # None: no memory limit (some share of the daemon has none)
 
     @staticmethod
-    def of_share(compute_milli: int, memory_mib: int) -> MpsLimits:
-        # Rounded down, as in the client's environment: a client may use less than promised, never more.
-        return MpsLimits(min(100, max(1, compute_milli // 10)), memory_mib if memory_mib > 0 else None)
+    def of_share(compute_milli: int, memory_mib: int, tenant_milli: int = 0) -> MpsLimits:
+        """The limits of one share; ``tenant_milli`` as in :func:`thread_percentage` (0: the share's own, as a
+        fraction of the whole unit)."""
+        return MpsLimits(thread_percentage(compute_milli, tenant_milli), memory_mib if memory_mib > 0 else None)
 
     def union(self, other: MpsLimits | None) -> MpsLimits:
         """The limits that hold both: the larger thread percentage, and the larger memory limit (None wins)."""
@@ -71,12 +107,14 @@ class MpsLimits:
         return MpsLimits(max(self.thread_percentage, other.thread_percentage), mem)
 
 
-def mps_client_env(pipe_dir: str, compute_milli: int, memory_mib: int) -> dict[str, str]:
+def mps_client_env(pipe_dir: str, compute_milli: int, memory_mib: int, tenant_milli: int = 0) -> dict[str, str]:
     """The MPS settings a client of a share of ``compute_milli`` and ``memory_mib`` (0: no memory limit) runs with:
     its daemon's pipe and its own limits, which can only lower what the daemon enforces (Allocate and
-    ``sharegpu bench`` give a client exactly this)."""
-    # Rounded down, as in MpsLimits.of_share: a client may use less than promised, never more.
-    env = {MPS_PIPE_DIRECTORY_ENV: pipe_dir, MPS_THREAD_PERCENTAGE_ENV: str(max(1, compute_milli // 10))}
+    ``sharegpu bench`` give a client exactly this); ``tenant_milli`` as in :func:`thread_percentage`."""
+    env = {
+        MPS_PIPE_DIRECTORY_ENV: pipe_dir,
+        MPS_THREAD_PERCENTAGE_ENV: str(thread_percentage(compute_milli, tenant_milli)),
+    }
     if memory_mib > 0:
         env[MPS_MEMORY_LIMIT_ENV] = f"0={memory_mib}M"  # device 0: the client sees only its unit
     return env
@@ -99,140 +137,191 @@ class MpsDaemonStatus:
     unit_uuid: str
     up: bool
     restarts: int
+    tenant: str = NO_TENANT
+
+
+TENANT_FILE = "tenant"  # in a daemon's directory: the tenant it serves (a directory name cannot be read back as one)
 
 
 class MpsManager:
-    def __init__(self, root: Path, daemon: MpsDaemon) -> None:
+    """The node's MPS daemons, one per (unit, tenant); ``multi_user``: one -M daemon per unit for every tenant."""
+
+    def __init__(self, root: Path, daemon: MpsDaemon, multi_user: bool = False) -> None:
         self.root = root
+        self.multi_user = multi_user
         self._daemon = daemon
-        self._running: set[str] = set()
-        self._restarts: dict[str, int] = {}
-        self._limits: dict[str, MpsLimits] = {}  # what each running daemon was last told
+        self._running: set[DaemonKey] = set()
+        self._restarts: dict[DaemonKey, int] = {}
+        self._limits: dict[DaemonKey, MpsLimits] = {}  # what each running daemon was last told
         self._lock = asyncio.Lock()  # Allocate and the reconcile loop must not start one daemon twice
 
-    def spec(self, unit_uuid: str) -> MpsDaemonSpec:
+    def tenant_key(self, tenant: str) -> str:
+        """The daemon that serves ``tenant`` on this node: its own, or the one multi-user daemon."""
+        return MULTI_USER_TENANT if self.multi_user else tenant
+
+    def key(self, unit_uuid: str, tenant: str) -> DaemonKey:
+        return DaemonKey(unit_uuid, self.tenant_key(tenant))
+
+    def spec(self, unit_uuid: str, tenant: str = NO_TENANT) -> MpsDaemonSpec:
         if not unit_uuid or "/" in unit_uuid or unit_uuid.startswith("."):
             raise MpsError(f"{unit_uuid!r} is not a GPU or MIG UUID")
-        base = self.root / unit_uuid
-        return MpsDaemonSpec(unit_uuid, base / "pipe", base / "log")
+        tenant = self.tenant_key(tenant)
+        base = self.root / unit_uuid / tenant_dir(tenant)
+        return MpsDaemonSpec(unit_uuid, base / "pipe", base / "log", tenant, tenant == MULTI_USER_TENANT)
 
-    async def recover(self) -> set[str]:
-        """After a restart: adopt the daemons that still answer, so their clients are not disturbed."""
-        found: set[str] = set()
+    def spec_of(self, key: DaemonKey) -> MpsDaemonSpec:
+        return self.spec(key.unit_uuid, key.tenant)
+
+    def _on_disk(self) -> dict[DaemonKey, Path]:
+        """The daemons whose directories exist, by the tenant file each holds."""
+        found: dict[DaemonKey, Path] = {}
         if not self.root.is_dir():
             return found
-        async with self._lock:
-            for entry in sorted(self.root.iterdir()):
-                if entry.is_dir() and await self._daemon.healthy(self.spec(entry.name)):
-                    self._running.add(entry.name)
-                    found.add(entry.name)
-        if found:
-            log.info("adopted running MPS daemons for %s", ", ".join(sorted(found)))
+        for unit in sorted(self.root.iterdir()):
+            if not unit.is_dir():
+                continue
+            for entry in sorted(unit.iterdir()):
+                try:
+                    tenant = (entry / TENANT_FILE).read_text().strip()
+                except OSError:
+                    continue
+                if tenant_dir(tenant) == entry.name:
+                    found[DaemonKey(unit.name, tenant)] = entry
         return found
 
-    def limits(self, unit_uuid: str) -> MpsLimits | None:
-        """The limits the daemon for ``unit_uuid`` enforces now (None: none set, or no daemon)."""
-        return self._limits.get(unit_uuid)
+    async def recover(self) -> set[DaemonKey]:
+        """After a restart: adopt the daemons that still answer, so their clients are not disturbed."""
+        found: set[DaemonKey] = set()
+        async with self._lock:
+            for key, entry in self._on_disk().items():
+                spec = replace(self.spec_of(key), pipe_dir=entry / "pipe", log_dir=entry / "log")
+                spec = replace(spec, tenant=key.tenant, multi_user=key.tenant == MULTI_USER_TENANT)
+                if await self._daemon.healthy(spec):
+                    self._running.add(key)
+                    found.add(key)
+        if found:
+            log.info("adopted running MPS daemons for %s", ", ".join(str(k) for k in sorted(found)))
+        return found
 
-    async def ensure(self, unit_uuid: str, limits: MpsLimits | None = None, *, grow: bool = True) -> MpsDaemonSpec:
-        """A healthy daemon for ``unit_uuid``, started if needed (what Allocate calls before it answers).
+    def limits(self, key: DaemonKey) -> MpsLimits | None:
+        """The limits daemon ``key`` enforces now (None: none set, or no daemon)."""
+        return self._limits.get(key)
+
+    async def ensure(
+        self, unit_uuid: str, tenant: str, limits: MpsLimits | None = None, *, grow: bool = True
+    ) -> MpsDaemonSpec:
+        """A healthy daemon of ``tenant`` for ``unit_uuid``, started if needed (what Allocate calls before it answers).
 
         With ``limits`` the daemon is made to enforce them before this returns; ``grow`` (Allocate) only ever
         widens what the daemon already enforces, so the clients already admitted keep their room, while the
-        reconcile loop passes the exact limits of the unit's shares. Raises :class:`MpsError` when the daemon
+        reconcile loop passes the exact limits of the tenant's shares. Raises :class:`MpsError` when the daemon
         cannot be started or refuses its limits: a client must never be told to use a daemon that does not
         hold it to its share.
         """
-        spec = self.spec(unit_uuid)
+        spec = self.spec(unit_uuid, tenant)
+        key = spec.key
         async with self._lock:
-            if unit_uuid in self._running and not await self._daemon.healthy(spec):
-                self._restarts[unit_uuid] = self._restarts.get(unit_uuid, 0) + 1
-                log.warning("MPS daemon for %s failed its health check; restarting it", unit_uuid)
+            if key in self._running and not await self._daemon.healthy(spec):
+                self._restarts[key] = self._restarts.get(key, 0) + 1
+                log.warning("MPS daemon for %s failed its health check; restarting it", key)
                 await self._stop_quietly(spec)
-            if unit_uuid not in self._running:
-                self._limits.pop(unit_uuid, None)  # a new daemon starts with the driver's defaults
+            if key not in self._running:
+                self._limits.pop(key, None)  # a new daemon starts with the driver's defaults
                 await self._start(spec)
             if limits is not None:
-                current = self._limits.get(unit_uuid)
+                current = self._limits.get(key)
                 wanted = limits.union(current) if grow else limits
                 if wanted != current:
-                    self._limits.pop(unit_uuid, None)  # unknown until the daemon has taken them
+                    self._limits.pop(key, None)  # unknown until the daemon has taken them
                     try:
                         await self._daemon.set_limits(spec, wanted)
                     except MpsError as e:
-                        raise MpsError(f"the MPS daemon for {unit_uuid} refused its limits: {e}") from None
-                    self._limits[unit_uuid] = wanted
+                        raise MpsError(f"the MPS daemon for {key} refused its limits: {e}") from None
+                    self._limits[key] = wanted
                     log.info(
                         "MPS daemon for %s: clients limited to %d%% of threads, %s pinned memory",
-                        unit_uuid,
+                        key,
                         wanted.thread_percentage,
                         f"{wanted.pinned_mem_mib} MiB" if wanted.pinned_mem_mib is not None else "unlimited",
                     )
         return spec
 
     async def reconcile(
-        self, needed: Iterable[str], limits: Mapping[str, MpsLimits] | None = None, keep: Iterable[str] = ()
+        self,
+        needed: Iterable[DaemonKey],
+        limits: Mapping[DaemonKey, MpsLimits] | None = None,
+        keep: Iterable[DaemonKey] = (),
     ) -> list[str]:
-        """Start or restart daemons for ``needed`` units and stop the others; returns the errors met.
+        """Start or restart the ``needed`` daemons and stop the others; returns the errors met.
 
-        ``limits`` are the exact limits per unit (the largest share on it); ``keep`` names units that must not be
-        stopped although ``needed`` lacks them (Allocate just handed them out).
+        ``limits`` are the exact limits per daemon (the largest share of its tenant on its unit); ``keep`` names
+        daemons that must not be stopped although ``needed`` lacks them (Allocate just handed them out).
         """
-        needed = set(needed)
-        limits = limits or {}
+        wanted = {self.key(k.unit_uuid, k.tenant) for k in needed}
+        exact = {self.key(k.unit_uuid, k.tenant): v for k, v in (limits or {}).items()}
         errors: list[str] = []
-        for unit in sorted(needed):
+        for key in sorted(wanted):
             try:
-                await self.ensure(unit, limits.get(unit), grow=False)
+                await self.ensure(key.unit_uuid, key.tenant, exact.get(key), grow=False)
             except MpsError as e:
                 errors.append(str(e))
-        needed |= set(keep)
+        wanted |= {self.key(k.unit_uuid, k.tenant) for k in keep}
         async with self._lock:
-            on_disk = {e.name for e in self.root.iterdir() if e.is_dir()} if self.root.is_dir() else set()
-            for unit in sorted((self._running | on_disk) - needed):
-                spec = self.spec(unit)
+            on_disk = self._on_disk()
+            for key in sorted((self._running | set(on_disk)) - wanted):
+                spec = self.spec_of(key)
                 try:
-                    if unit in self._running or await self._daemon.healthy(spec):
+                    if key in self._running or await self._daemon.healthy(spec):
                         await self._daemon.stop(spec)
-                        log.info("stopped MPS daemon for %s: no assignment uses it", unit)
-                    shutil.rmtree(self.root / unit, ignore_errors=True)
-                except MpsError as e:
+                        log.info("stopped MPS daemon for %s: no client pod of its tenant is left", key)
+                    shutil.rmtree(on_disk.get(key, spec.pipe_dir.parent), ignore_errors=True)
+                    unit_dir = self.root / key.unit_uuid
+                    if unit_dir.is_dir() and not any(unit_dir.iterdir()):
+                        unit_dir.rmdir()
+                except (MpsError, OSError) as e:
                     errors.append(str(e))
                     continue
-                self._running.discard(unit)
-                self._limits.pop(unit, None)
+                self._running.discard(key)
+                self._limits.pop(key, None)
         for message in errors:
             log.warning("MPS reconcile: %s", message)
         return errors
 
-    def running_units(self) -> frozenset[str]:
-        """The units whose daemon this manager started or adopted and has not stopped."""
+    def running(self) -> frozenset[DaemonKey]:
+        """The daemons this manager started or adopted and has not stopped."""
         return frozenset(self._running)
 
+    def running_units(self) -> frozenset[str]:
+        """The units with at least one running daemon."""
+        return frozenset(k.unit_uuid for k in self._running)
+
     def status(self) -> tuple[MpsDaemonStatus, ...]:
-        units = self._running | set(self._restarts)
-        return tuple(MpsDaemonStatus(u, u in self._running, self._restarts.get(u, 0)) for u in sorted(units))
+        keys = self._running | set(self._restarts)
+        return tuple(
+            MpsDaemonStatus(k.unit_uuid, k in self._running, self._restarts.get(k, 0), k.tenant) for k in sorted(keys)
+        )
 
     async def _start(self, spec: MpsDaemonSpec) -> None:
         try:
             spec.pipe_dir.mkdir(parents=True, exist_ok=True)
             spec.log_dir.mkdir(parents=True, exist_ok=True)
+            (spec.pipe_dir.parent / TENANT_FILE).write_text(spec.tenant + "\n")
         except OSError as e:
             raise MpsError(f"cannot create the MPS directories under {self.root}: {e.strerror or e}") from None
         await self._daemon.start(spec)
         if not await self._daemon.healthy(spec):
-            self._running.discard(spec.unit_uuid)
-            raise MpsError(f"the MPS daemon for {spec.unit_uuid} started but does not answer; see {spec.log_dir}")
-        self._running.add(spec.unit_uuid)
-        log.info("started MPS daemon for %s (pipe %s)", spec.unit_uuid, spec.pipe_dir)
+            self._running.discard(spec.key)
+            raise MpsError(f"the MPS daemon for {spec.key} started but does not answer; see {spec.log_dir}")
+        self._running.add(spec.key)
+        log.info("started MPS daemon for %s (pipe %s)", spec.key, spec.pipe_dir)
 
     async def _stop_quietly(self, spec: MpsDaemonSpec) -> None:
         try:
             await self._daemon.stop(spec)
         except MpsError as e:
-            log.warning("stopping the failed MPS daemon for %s: %s", spec.unit_uuid, e)
-        self._running.discard(spec.unit_uuid)
-        self._limits.pop(spec.unit_uuid, None)
+            log.warning("stopping the failed MPS daemon for %s: %s", spec.key, e)
+        self._running.discard(spec.key)
+        self._limits.pop(spec.key, None)
 
 
 class NvidiaMpsDaemon:
@@ -243,7 +332,8 @@ class NvidiaMpsDaemon:
         self._timeout_s = timeout_s
 
     async def start(self, spec: MpsDaemonSpec) -> None:
-        code, out = await self._run(spec, ["-d"], None)
+        # -M: multi-user mode, one root-owned server for clients of every user (isolation between users disregarded).
+        code, out = await self._run(spec, ["-d", "-M"] if spec.multi_user else ["-d"], None)
         if code != 0:
             raise MpsError(f"{self._control} -d for {spec.unit_uuid} exited with {code}: {out.strip() or 'no output'}")
 

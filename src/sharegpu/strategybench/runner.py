@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from sharegpu.model.contract import MPS_ENV_PREFIX
+from sharegpu.model.tenant import NO_TENANT
 from sharegpu.node.backends.base import GpuBackend
 from sharegpu.node.mps import MpsDaemon, MpsError, MpsLimits, MpsManager, mps_client_env
 from sharegpu.strategybench.results import Measurement
@@ -292,7 +293,7 @@ class Orchestrator:
             else None
         )
         try:
-            spec = await self.mps.ensure(unit.uuid, limits, grow=False)
+            spec = await self.mps.ensure(unit.uuid, NO_TENANT, limits, grow=False)  # one user: the bench
         except MpsError as e:
             raise BenchError(
                 f"cannot start the MPS daemon for {unit.uuid}: {e} (MPS needs root and nvidia-cuda-mps-control on "
