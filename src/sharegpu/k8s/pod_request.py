@@ -203,11 +203,9 @@ def gpu_tenant(pod: Pod) -> str:
     Raises :class:`InvalidPodRequest` when they declare different UIDs: the clients of one MPS share would wait on
     each other (one MPS server serves one UID at a time).
     """
-    users = [
-        (echo(c.name), pod.run_as_user(c))
-        for c in _gpu_containers(pod)
-        if any(resource_text(c, r) is not None for r in RESOURCES)
-    ]
+    # The containers that hold a GPU (the node reads the same ones: node.kube.PodInfo.tenant); a sidecar without
+    # one runs no MPS client and decides nothing.
+    users = [(echo(c.name), pod.run_as_user(c)) for c in _gpu_containers(pod) if _container_ask(c).gpus]
     try:
         return tenant_of(pod.metadata.namespace, pod.metadata.uid or pod.key, users, pod.spec.host_users)
     except TenantConflict as e:

@@ -18,6 +18,7 @@ from sharegpu.kube.errors import ConfigError
 from sharegpu.kube.quantity import asked_whole, capacity_mib, capacity_milli, quantity_or_zero
 from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.model.demand import ContainerDemand, pod_demand
+from sharegpu.model.tenant import tenant_of
 
 if TYPE_CHECKING:
     # Imported where an object is parsed (LightkubeApi): the GPU check (bench/gpu_node_check.py) imports the node
@@ -30,6 +31,7 @@ class ContainerInfo:
     name: str
     gpus: int  # the container's sharegpu.io/gpu (ResourceRequirements.amount: its limit, else its request)
     sidecar: bool = False  # an init container with restartPolicy: Always
+    user: int | None = None  # the UID it runs as where the pod declares it (kube.schema.Pod.run_as_user)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +49,19 @@ class PodInfo:
     init_containers: tuple[ContainerInfo, ...] = ()
     deleting: bool = False
     reason: str = ""  # status.reason: set when the kubelet rejected or evicted the pod
+    host_users: bool | None = None  # spec.hostUsers: false runs it in a user namespace of its own
 
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def tenant(self) -> str:
+        """Who may share an MPS daemon with it (sharegpu.model.tenant), from the containers that hold a GPU, as the
+        control plane computes it (k8s.pod_request.gpu_tenant). Raises TenantConflict when they declare different
+        UIDs (the webhook refuses such a pod)."""
+        users = [(c.name, c.user) for c in (*self.init_containers, *self.containers) if c.gpus]
+        return tenant_of(self.namespace, self.uid or self.key, users, self.host_users)
 
     @property
     def finished(self) -> bool:
@@ -105,10 +116,11 @@ def pod_info(pod: Pod) -> PodInfo:
         phase=pod.status.phase or "Pending",
         created=pod.metadata.creation_timestamp,
         annotations=dict(pod.metadata.annotations),
-        containers=tuple(_container(c) for c in pod.spec.containers),
-        init_containers=tuple(_container(c, init=True) for c in pod.spec.init_containers),
+        containers=tuple(_container(c, pod.run_as_user(c)) for c in pod.spec.containers),
+        init_containers=tuple(_container(c, pod.run_as_user(c), init=True) for c in pod.spec.init_containers),
         deleting=pod.metadata.deletion_timestamp is not None,
         reason=pod.status.reason,
+        host_users=pod.spec.host_users,
     )
 
 
@@ -125,10 +137,10 @@ def node_info(node: Node) -> NodeInfo:
     )
 
 
-def _container(c: Container, init: bool = False) -> ContainerInfo:
+def _container(c: Container, user: int | None, init: bool = False) -> ContainerInfo:
     # The count the control plane reads too (kube.schema.ResourceRequirements.amount: the limit, else the request).
     gpus = asked_whole(quantity_or_zero(c.resources.amount(GPU_RESOURCE)))
-    return ContainerInfo(c.name, gpus, sidecar=init and c.restart_policy == "Always")
+    return ContainerInfo(c.name, gpus, sidecar=init and c.restart_policy == "Always", user=user)
 
 
 class LightkubeApi:
