@@ -117,7 +117,9 @@ def reference_usable(ledger: Ledger, req: GpuRequest) -> BoolArray:
                     and ledger.free_mem[n, g] >= (req.memory_mib or 0)
                     and (mode is GpuMode.FREE or mode in modes)
                     and not (mode is GpuMode.MPS and ledger.clients[n, g] >= MPS_MAX_CLIENTS)
-                    and not (GpuMode.MPS in modes and mode is not GpuMode.TIME_SLICING and not mps_room(ledger, n, g, req))
+                    and not (
+                        GpuMode.MPS in modes and mode is not GpuMode.TIME_SLICING and not mps_room(ledger, n, g, req)
+                    )
                 )
             elif route == Route.MIG:
                 out[n, g] = mig_choice(ledger, n, g, req) is not None

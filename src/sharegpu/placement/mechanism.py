@@ -335,7 +335,9 @@ def tenant_gpus(ledger: Ledger, req: GpuRequest, plan: UsablePlan) -> list[tuple
             continue
         mid = int(ledger.model_id[n, g])
         if start is not None:
-            if (mid in plan.mig_models or mid in plan.mps_into_mig) and mig_choice(ledger, n, g, req) is not None:
+            # Into an instance only where the share goes through MIG on this GPU (make_share decides the same way).
+            via_mig = mid in plan.mig_models or (mid in plan.mps_into_mig and ledger.mig_pinned[n, g])
+            if via_mig and mig_choice(ledger, n, g, req) is not None:
                 out.append((n, g))
             continue
         if (
