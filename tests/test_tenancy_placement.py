@@ -50,7 +50,9 @@ def offer_and_place(seed: int, cap: int) -> tuple[int, int]:
                 try:
                     ledger.place(a)
                 except LedgerConflict as e:
-                    raise AssertionError(f"the filter offered GPU {g} of node {n} to {req}, the ledger says: {e}")
+                    raise AssertionError(
+                        f"the filter offered GPU {g} of node {n} to {req}, the ledger says: {e}"
+                    ) from e
                 ledger.release(a.pod)
                 offered += 1
         d = sched.decide(req)
