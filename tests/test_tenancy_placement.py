@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from sharegpu.ledger import Ledger, LedgerConflict, MpsTenancy
 from sharegpu.model.assignment import Assignment
+from sharegpu.model.catalog import GIB
 from sharegpu.model.inventory import NodeSpec
+from sharegpu.model.request import GpuRequest, Isolation, Sharing
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Scheduler, Unschedulable
 from sharegpu.placement.mechanism import make_share, usable_gpus
@@ -32,13 +34,26 @@ def cluster(rnd: random.Random) -> list[NodeSpec]:
     return [dataclasses.replace(n, mps_multi_user=rnd.random() < 0.2) for n in nodes]
 
 
+def request(rnd: random.Random, name: str) -> GpuRequest:
+    """Any request, or (often) a small MPS share: plain, or inside a MIG instance, so that units reach the cap."""
+    pick = rnd.random()
+    if pick < 0.4:
+        return random_request(rnd, name)
+    memory = rnd.choice([None, GIB, 4 * GIB])
+    if pick < 0.7:
+        return GpuRequest(name, 1, compute_milli=rnd.choice([50, 100, 200]), memory_mib=memory, sharing=Sharing.MPS)
+    return GpuRequest(
+        name, 1, compute_milli=rnd.choice([50, 100]), memory_mib=memory, sharing=Sharing.MIG, isolation=Isolation.MEMORY
+    )
+
+
 def offer_and_place(seed: int, cap: int) -> tuple[int, int]:
     """Random requests of random tenants: each GPU the filter offers is tried in the ledger, then the scheduler's
     choice is placed. Returns how many offers were tried and how many steps ended with a unit at the cap."""
     rnd = random.Random(seed)
     nodes = cluster(rnd)
     ledger = Ledger(nodes, tenancy=MpsTenancy(daemons_per_unit=cap))
-    reqs = [dataclasses.replace(random_request(rnd, f"p{i}"), tenant=rnd.choice(TENANTS)) for i in range(40)]
+    reqs = [dataclasses.replace(request(rnd, f"p{i}"), tenant=rnd.choice(TENANTS)) for i in range(40)]
     sched = Scheduler(ledger, make_policy("sharegpu", PolicyContext(Workload.from_requests(reqs))))
     offered = at_cap = 0
     for req in reqs:
@@ -83,7 +98,7 @@ def test_the_offers_are_many_and_reach_the_cap() -> None:
 def test_a_unit_at_the_cap_is_offered_to_its_own_tenants_only(seed: int) -> None:
     rnd = random.Random(seed)
     ledger = Ledger(random_cluster(rnd, 2), tenancy=MpsTenancy(daemons_per_unit=2))
-    reqs = [dataclasses.replace(random_request(rnd, f"p{i}"), tenant=rnd.choice(TENANTS[1:])) for i in range(60)]
+    reqs = [dataclasses.replace(request(rnd, f"p{i}"), tenant=rnd.choice(TENANTS[1:])) for i in range(60)]
     sched = Scheduler(ledger, make_policy("bestfit", PolicyContext(Workload.from_requests(reqs))))
     for req in reqs:
         d = sched.decide(req)
