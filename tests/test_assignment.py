@@ -89,9 +89,10 @@ def test_to_dict_schema() -> None:
     [
         (EXCL, True, True),
         (TS, False, False),  # time-slicing enforces nothing, and the assignment says so
-        (MPS, True, True),
+        # MPS: memory held per client; compute capped against the daemon's own clients only, daemons take turns.
+        (MPS, True, False),
         (MIG_EXCL, True, True),
-        (MIG_MPS, True, True),
+        (MIG_MPS, True, False),
         (MIG_TS, True, False),  # the instance bounds memory; compute inside it is time-sliced
     ],
 )

@@ -125,7 +125,7 @@ def test_memory_isolation_uses_mps_with_enforced_limits() -> None:
         s, GpuRequest("p", 1, compute_milli=300, memory_mib=8 * GIB, isolation=Isolation.MEMORY)
     ).assignment.shares
     assert share.mechanism is Mechanism.MPS
-    assert share.memory_enforced and share.compute_enforced
+    assert share.memory_enforced and not share.compute_enforced  # compute is shared in time with other daemons
     assert (share.compute_milli, share.memory_mib) == (300, 8 * GIB)
 
 

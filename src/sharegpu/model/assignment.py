@@ -86,8 +86,10 @@ class GpuShare:
 
     @property
     def compute_enforced(self) -> bool:
-        # MPS caps SMs per client; MIG and whole GPUs are hardware boundaries; time-slicing enforces nothing.
-        return self.sharing is not Mechanism.TIME_SLICING
+        # A whole GPU or MIG instance is a hardware boundary. An MPS client's SM cap is its share against its own
+        # daemon's other clients, and the unit's daemons take turns (sharegpu.node.mps): its compute is shared, not
+        # held to the share. Time-slicing enforces nothing.
+        return self.sharing is Mechanism.EXCLUSIVE
 
 
 @dataclass(frozen=True, slots=True)
