@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sharegpu.model.catalog import DEFAULT_CATALOG, GIB, Catalog, GpuModel
+from sharegpu.model.catalog import DEFAULT_CATALOG, GIB, Catalog, GpuModel, MigProfile
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest, Isolation, Sharing
 
 LARGEST = 141 * GIB  # H200-141GB
@@ -131,8 +131,6 @@ def test_valid_requests_construct(kwargs: dict[str, object]) -> None:
             {"isolation": Isolation.MEMORY, "gpu_count": 2, "compute_milli": 300, "allowed_models": frozenset({"T4"})},
             ["memory", "2 GPUs", "MIG"],
         ),
-        ({"user": -1}, ["user -1", "Unix UID"]),
-        ({"user": 2**40}, ["Unix UID"]),
     ],
 )
 def test_invalid_requests_name_the_problem(kwargs: dict[str, object], fragments: list[str]) -> None:
@@ -291,5 +289,74 @@ def test_requests_are_valid_or_invalid_request(
         assert any(m.mig_capable for m in candidates)
     if r.mig_profile:
         assert any(r.mig_profile in {p.name for p in m.mig_profiles} for m in candidates)
+        if r.memory_mib is not None:  # the instance is all the memory the share gets
+            assert any(
+                p.name == r.mig_profile and r.memory_mib <= p.memory_mib for m in candidates for p in m.mig_profiles
+            )
     if r.sharing is Sharing.MPS:
         assert any(m.mps_capable for m in candidates)
+
+
+# ----- issue 33: memory above the named MIG profile's instance is refused, not bound short ---------------------
+PROFILED = [(m, p) for m in DEFAULT_CATALOG for p in m.mig_profiles]
+
+
+@pytest.mark.parametrize(("model", "profile"), PROFILED, ids=[f"{m.name}-{p.name}" for m, p in PROFILED])
+def test_memory_above_the_named_mig_profile_is_refused_on_every_model(model: GpuModel, profile: MigProfile) -> None:
+    only = frozenset({model.name})
+    fits = GpuRequest("job", memory_mib=profile.memory_mib, mig_profile=profile.name, allowed_models=only)
+    assert fits.memory_mib == profile.memory_mib
+    with pytest.raises(InvalidRequest) as e:
+        GpuRequest("job", memory_mib=profile.memory_mib + 1, mig_profile=profile.name, allowed_models=only)
+    msg = str(e.value)
+    if profile.memory_mib >= model.memory_mib:  # the whole GPU's profile: the GPU's own memory check says it first
+        assert "above the largest allowed GPU" in msg, msg
+        return
+    assert f"MIG profile {profile.name!r} holds ({profile.memory_mib}Mi on {model.name})" in msg, msg
+    assert f"at most {profile.memory_mib}Mi" in msg, msg
+    larger = [p for p in model.mig_profiles if p.memory_mib > profile.memory_mib]
+    if larger:  # names a profile that holds it, the smallest one
+        smallest = min(larger, key=lambda p: (p.compute_slices, p.memory_mib))
+        assert f"e.g. {smallest.name}" in msg, msg
+
+
+def test_issue33_thirty_gib_on_a_1g_10gb_instance_is_refused_with_what_to_change() -> None:
+    with pytest.raises(InvalidRequest) as e:
+        GpuRequest("default/p", memory_mib=30 * GIB, mig_profile="1g.10gb")
+    msg = str(e.value)
+    assert "GPU memory 30720Mi is more than MIG profile '1g.10gb' holds (10240Mi" in msg, msg
+    assert "e.g. 3g.40gb" in msg and "at most 10240Mi" in msg, msg
+    # through MPS inside the instance too (isolation memory, sharing mig): the instance is all there is
+    with pytest.raises(InvalidRequest, match="more than MIG profile"):
+        GpuRequest("p", memory_mib=11 * GIB, mig_profile="1g.10gb", sharing=Sharing.MIG, isolation=Isolation.MEMORY)
+    # no profile large enough on the allowed model: says to ask for less
+    with pytest.raises(InvalidRequest, match=r"no MIG profile of A100-40GB holds that much; ask for at most 5120Mi"):
+        GpuRequest("p", memory_mib=40 * GIB + 1, mig_profile="1g.5gb", allowed_models=frozenset({"A100-40GB", "H200"}))
+    # one allowed model's profile of that name holds it: valid
+    GpuRequest("p", memory_mib=10 * GIB, mig_profile="1g.10gb")
+
+
+def test_issue33_pod_asking_more_memory_than_its_mig_profile_is_refused_at_creation() -> None:
+    from sharegpu.k8s.pod_request import pod_request
+    from sharegpu.kube.schema import Pod
+
+    def pod(memory: str) -> Pod:
+        limits = {"sharegpu.io/gpu": "1", "sharegpu.io/gpu-memory": memory}
+        return Pod.model_validate(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": "p",
+                    "namespace": "default",
+                    "annotations": {"sharegpu.io/mig-profile": "1g.10gb"},
+                },
+                "spec": {"containers": [{"name": "main", "image": "x", "resources": {"limits": limits}}]},
+            }
+        )
+
+    with pytest.raises(InvalidRequest) as e:
+        pod_request(pod("30Gi"))
+    assert str(e.value).startswith("request 'default/p': GPU memory 30720Mi is more than MIG profile '1g.10gb'")
+    req = pod_request(pod("10Gi"))
+    assert req is not None and req.mig_profile == "1g.10gb" and req.memory_mib == 10 * GIB

@@ -152,6 +152,8 @@ class GpuRequest:
                     f"{who}MIG profile {self.mig_profile!r} exists on no allowed model; profiles are e.g. "
                     f"{', '.join(p.name for p in mig_models[0].mig_profiles)}"
                 )
+            if self.mig_profile:
+                self._validate_profile_memory(who, mig_models, self.mig_profile)
         if self.sharing is Sharing.MPS and not any(m.mps_capable for m in candidates):
             raise InvalidRequest(f"{who}MPS was asked but no allowed GPU model supports it (Volta or later)")
         if (
@@ -166,6 +168,37 @@ class GpuRequest:
                 "daemon) and no allowed GPU model supports MIG; ask for 1 GPU, for whole GPUs (drop the memory and "
                 "compute), or allow a MIG-capable model"
             )
+
+    def _validate_profile_memory(self, who: str, mig_models: list[GpuModel], name: str) -> None:
+        """The memory asked must fit the named MIG profile's instance on some allowed model that has it: the
+        instance is all the memory the pod will get (a bigger ask would be placed and bound short)."""
+        if self.memory_mib is None:
+            return
+        having = [m for m in mig_models if any(p.name == name for p in m.mig_profiles)]
+        holds = max(m.profile(name).memory_mib for m in having)
+        if self.memory_mib <= holds:
+            return
+        # Profiles of the same models that would hold it, smallest first (fewest slices, then memory).
+        bigger = sorted(
+            {
+                (p.compute_slices, p.memory_mib, p.name)
+                for m in having
+                for p in m.mig_profiles
+                if p.memory_mib >= self.memory_mib
+            }
+        )
+        models = ", ".join(m.name for m in having)
+        if bigger:
+            change = (
+                f"ask for a profile that holds at least {self.memory_mib}Mi (e.g. {bigger[0][2]}) or for at most "
+                f"{holds}Mi of GPU memory"
+            )
+        else:
+            change = f"no MIG profile of {models} holds that much; ask for at most {holds}Mi of GPU memory"
+        raise InvalidRequest(
+            f"{who}GPU memory {self.memory_mib}Mi is more than MIG profile {name!r} holds ({holds}Mi on {models}); "
+            f"{change}"
+        )
 
     def candidate_models(self) -> list[GpuModel]:
         """Catalog models this request may run on (unknown allowed names resolve to generic entries)."""
