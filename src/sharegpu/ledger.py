@@ -8,9 +8,10 @@ raises :class:`LedgerConflict` and leaves the ledger exactly as it was.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import numpy as np
@@ -275,6 +276,21 @@ class Ledger:
         if check_health and not self.healthy[n, s.gpu_index]:
             raise LedgerConflict(f"GPU {s.gpu_uuid} is unhealthy")
         return self.gpu_model(n, s.gpu_index)
+
+    def copy(self) -> Ledger:
+        """An independent copy to plan on: the immutable parts (catalog, node specs, assignments, which are frozen) are
+        shared, every mutable container copied. Far cheaper than rebuilding by replay (one place per pod)."""
+        out = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray):
+                setattr(out, name, value.copy())
+        out.instances = {key: {s: replace(i) for s, i in insts.items()} for key, insts in self.instances.items()}
+        out.assignments = dict(self.assignments)
+        out.node_pods = [set(p) for p in self.node_pods]
+        out.unit_tenants = {unit: dict(clients) for unit, clients in self.unit_tenants.items()}
+        out.tenant_units = {tenant: set(units) for tenant, units in self.tenant_units.items()}
+        out.full_units = set(self.full_units)
+        return out
 
     # ----- MPS tenants ----------------------------------------------------------------------------------------
     def tenant_key(self, n: int, tenant: str | None) -> str:

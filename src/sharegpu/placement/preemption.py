@@ -18,10 +18,9 @@ removed: no fit rule is restated here. The caller's ledger is never changed. Pur
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
@@ -115,17 +114,8 @@ class PodFacts:
 
 # ----- shared with consolidation -------------------------------------------------------------------------------
 def copy_ledger(ledger: Ledger) -> Ledger:
-    """An independent copy of ``ledger`` to plan on: the immutable parts (catalog, node specs, assignments, which
-    are frozen) are shared, the mutable state is copied. Far cheaper than rebuilding by replay (one place per pod),
-    which matters because a plan is made while pods wait."""
-    out = copy.copy(ledger)
-    for name, value in vars(ledger).items():
-        if isinstance(value, np.ndarray):
-            setattr(out, name, value.copy())
-    out.instances = {key: {s: replace(i) for s, i in insts.items()} for key, insts in ledger.instances.items()}
-    out.assignments = dict(ledger.assignments)
-    out.node_pods = [set(p) for p in ledger.node_pods]
-    return out
+    """An independent copy of ``ledger`` to plan on (:meth:`Ledger.copy`): a plan is made while pods wait."""
+    return ledger.copy()
 
 
 def room_bound(ledger: Ledger, req: GpuRequest, removable: Iterable[str], sched: Scheduler) -> npt.NDArray[np.bool_]:
@@ -154,7 +144,9 @@ def room_bound(ledger: Ledger, req: GpuRequest, removable: Iterable[str], sched:
                 mig_touched[i, s.gpu_index] = True
             else:
                 milli[i, s.gpu_index] += s.compute_milli
-                gmem[i, s.gpu_index] += s.memory_mib
+                # An MPS client may take its daemon's server with it: counted as freed (a bound may be generous).
+                daemon = ledger.tenancy.daemon_memory_mib if s.mechanism is Mechanism.MPS else 0
+                gmem[i, s.gpu_index] += s.memory_mib + daemon
                 freed_clients[i, s.gpu_index] += 1
     emptied = (freed_clients == ledger.clients) & (ledger.mode != GpuMode.MIG)
     whole = mig_touched | emptied
