@@ -21,6 +21,7 @@ from sharegpu.cli import app
 from sharegpu.kube.schema import Node, ResourceClaim, ResourceSlice
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG
+from sharegpu.model.tenant import own_tenant
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup, parse_sim_config
 from sharegpu.node.cdi import CdiWriter
@@ -32,7 +33,7 @@ from sharegpu.node.dra.health import HealthService
 from sharegpu.node.dra.plugin import DraPluginServer, SocketPaths
 from sharegpu.node.dra.service import DraDriverService, ServiceConfig
 from sharegpu.node.mig import MigManager
-from sharegpu.node.mps import MpsManager, SimMpsDaemon
+from sharegpu.node.mps import DaemonKey, MpsLimits, MpsManager, SimMpsDaemon
 from sharegpu.node.proto import (
     dra_health_v1alpha1_pb2,
     dra_health_v1alpha1_pb2_grpc,
@@ -220,15 +221,18 @@ def test_mps_inside_a_mig_instance_is_prepared_and_released(short_tmp: Path) -> 
         assert env["NVIDIA_VISIBLE_DEVICES"] == inst.uuid and env["SHAREGPU_MECHANISM"] == "mps"
         mib = DEFAULT_CATALOG.get("H100-80GB").profile("3g.40gb").memory_mib
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={mib}M"  # the instance's whole memory
+        # The instance's daemon of the claim's tenant (a claim reserved for no pod: its own).
+        daemon = DaemonKey(inst.uuid, own_tenant("u1"))
+        assert driver.checkpoint.claims["u1"].tenant == daemon.tenant
         assert spec["devices"][0]["containerEdits"]["mounts"][0]["hostPath"] == str(
-            short_tmp / "mps" / inst.uuid / "pipe"
+            short_tmp / "mps" / inst.uuid / "pod_u1" / "pipe"
         )
-        limits = driver._mps.limits(inst.uuid)
-        assert limits is not None and limits.thread_percentage == 100
+        assert driver._mps.limits(daemon) == MpsLimits(100, mib)
         await driver.reconcile()  # the instance stays while its MPS claim is prepared
         assert len(backend.mig_instances(0)) == 1
         await driver.unprepare([ClaimRef("ns", "u1", "c")])
-        assert backend.mig_instances(0) == () and driver._mps.limits(inst.uuid) is None
+        assert backend.mig_instances(0) == () and driver._mps.limits(daemon) is None
+        assert driver._mps.running() == frozenset()
 
     asyncio.run(main())
 

@@ -10,7 +10,7 @@ from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.extender.dra_steer import DraSteering, NotSteered, Steer, claim_names, claim_request
 from sharegpu.k8s.extender.server import Extender
 from sharegpu.kube.schema import ExtenderArgs, Node, Pod, ResourceClaim, ResourceSlice
-from sharegpu.ledger import Ledger
+from sharegpu.ledger import MPS_DAEMON_MEMORY_MIB, Ledger
 from sharegpu.model.request import GpuRequest
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.slices import build_slices, resource_slice
@@ -148,7 +148,8 @@ def test_ledger_holds_the_dra_nodes_gpus_and_what_claims_consume() -> None:
     assert [n.name for n in led.nodes] == ["a", "b", "c"]  # a node not on the DRA path is left out
     b = led.index["b"]
     assert led.free_milli[b].tolist()[:2] == [1000, 700]
-    assert led.free_mem[b].tolist()[:2] == [81920, 81920 - 10240]
+    # The claim's share and the server of the MPS daemon that serves it (the ledger counts each daemon's).
+    assert led.free_mem[b].tolist()[:2] == [81920, 81920 - 10240 - MPS_DAEMON_MEMORY_MIB]
 
 
 def test_steer_packs_onto_the_used_gpu_and_holds_the_choice() -> None:

@@ -47,9 +47,18 @@ class ObjectMeta(K8sModel):
     owner_references: list[OwnerReference] = Field(default_factory=list, alias="ownerReferences")
 
 
+class ContainerClaim(K8sModel):
+    """One entry of a container's ``resources.claims``: the pod's claim it uses (a ``spec.resourceClaims`` name) and
+    which of its requests (empty: all)."""
+
+    name: str = ""
+    request: str = ""
+
+
 class ResourceRequirements(K8sModel):
     limits: dict[str, str | int | float] = Field(default_factory=dict)
     requests: dict[str, str | int | float] = Field(default_factory=dict)
+    claims: list[ContainerClaim] = Field(default_factory=list)  # DRA: the pod's claims this container uses
 
     def amount(self, name: str) -> str | int | float | None:
         """The quantity of resource ``name`` as written, None when neither list names it: its limit, else its
@@ -191,6 +200,16 @@ class Pod(K8sModel):
             return claim.resource_claim_name
         made = (s.resource_claim_name for s in self.status.resource_claim_statuses if s.name == claim.name)
         return next((n for n in made if n), None)
+
+    def claim_containers(self, claim_name: str) -> list[Container]:
+        """The containers (init, sidecar and app) that use the ResourceClaim named ``claim_name`` through one of the
+        pod's ``spec.resourceClaims`` entries; a container that names no such entry does not use it."""
+        entries = {pc.name for pc in self.spec.resource_claims if self.claim_name(pc) == claim_name}
+        return [
+            c
+            for c in (*self.spec.init_containers, *self.spec.containers)
+            if any(cc.name in entries for cc in c.resources.claims)
+        ]
 
 
 class NodeStatus(K8sModel):

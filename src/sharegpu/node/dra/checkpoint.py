@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from sharegpu.model.assignment import Mechanism
+from sharegpu.model.tenant import NO_TENANT, own_tenant, user_tenant
 from sharegpu.node.dra.claims import ClaimPlan, DevicePlan
 from sharegpu.node.dra.config import TimeSlice
 from sharegpu.node.durable import RecordError, load_record, save_record
 from sharegpu.node.errors import NodeError
 
 KIND = "sharegpu-dra-checkpoint"
-VERSION = 2  # 1: a plain JSON file {"version": 1, "claims"} before records, claims without their pods' user
+# 1: a plain JSON file {"version": 1, "claims"} before records, claims without their pods' user; 2: a claim's "user"
+# (the one UID its pods declared, or none); 3: its "tenant" (sharegpu.model.tenant), whose MPS daemon serves it.
+VERSION = 3
 
 
 class CheckpointError(NodeError):
@@ -56,7 +59,7 @@ class Checkpoint:
                     "name": p.name,
                     "devices": [asdict(d) for d in p.devices],
                     "units": list(self.units[uid]),
-                    **({"user": p.user} if p.user is not None else {}),
+                    **({"tenant": p.tenant} if p.tenant != NO_TENANT else {}),
                 }
                 for uid, p in self.claims.items()
             },
@@ -68,7 +71,7 @@ class Checkpoint:
 
     def _load(self) -> None:
         try:
-            data: Any = load_record(self.path, KIND, VERSION, {1: dict}, _version_1)
+            data: Any = load_record(self.path, KIND, VERSION, {1: dict, 2: _user_to_tenant}, _version_1)
             for uid, c in data["claims"].items():
                 devices = tuple(
                     DevicePlan(
@@ -76,10 +79,10 @@ class Checkpoint:
                     )
                     for d in c["devices"]
                 )
-                user = c.get("user")  # absent: written before claims carried their pods' user, or unknown
-                if user is not None and (isinstance(user, bool) or not isinstance(user, int)):
-                    raise ValueError(f"claim {uid}: user {user!r} is not a UID")
-                self.claims[uid] = ClaimPlan(uid, c["namespace"], c["name"], devices, user)
+                tenant = c.get("tenant", NO_TENANT)  # absent: a claim without MPS
+                if not isinstance(tenant, str):
+                    raise ValueError(f"claim {uid}: tenant {tenant!r} is not a tenant key")
+                self.claims[uid] = ClaimPlan(uid, c["namespace"], c["name"], devices, tenant)
                 self.units[uid] = tuple(str(u) for u in c["units"])
         except (RecordError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise CheckpointError(
@@ -93,3 +96,22 @@ def _version_1(raw: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
     if raw.get("version") == 1 and isinstance(raw.get("claims"), dict):
         return 1, {"claims": raw["claims"]}
     return None
+
+
+def _user_to_tenant(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 → 3: a claim's user becomes its tenant.
+
+    An MPS claim whose pods declared one UID served that UID's pods of its namespace: their tenant. One without a
+    user (its pods left it to the image) becomes a tenant of its own, named after the claim (its UID is no pod's),
+    so that it never shares a daemon with a claim prepared later. A claim without MPS has no tenant.
+    """
+    claims: dict[str, Any] = {}
+    for uid, c in data["claims"].items():
+        c = dict(c)
+        user = c.pop("user", None)
+        if user is not None and (isinstance(user, bool) or not isinstance(user, int)):
+            raise ValueError(f"claim {uid}: user {user!r} is not a UID")
+        if any(d.get("mechanism") == Mechanism.MPS.value for d in c["devices"]):
+            c["tenant"] = user_tenant(c["namespace"], user) if user is not None else own_tenant(uid)
+        claims[uid] = c
+    return {**data, "claims": claims}

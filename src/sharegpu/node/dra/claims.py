@@ -17,6 +17,7 @@ from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import CAPACITY_COMPUTE, CAPACITY_MEMORY, COMPUTE_FULL, DRIVER
 from sharegpu.model.request import Isolation
+from sharegpu.model.tenant import NO_TENANT
 from sharegpu.node.backends.base import DeviceInfo
 from sharegpu.node.dra.config import ConfigError, EffectiveConfig, Sharing, TimeSlice, configs_for_request
 from sharegpu.node.dra.slices import PublishedDevice, node_devices
@@ -56,9 +57,9 @@ class ClaimPlan:
     namespace: str
     name: str
     devices: tuple[DevicePlan, ...]
-    # The Unix UID of the pods the claim is reserved for, where they declare it (None: unknown); an MPS unit serves
-    # one UID at a time, so MPS claims of different (or unknown) users never share a unit.
-    user: int | None = None
+    # Whose MPS daemon serves the claim's device (sharegpu.model.tenant): the tenant of the pods whose containers use
+    # the claim, or the node's one multi-user tenant; NO_TENANT for a claim without MPS.
+    tenant: str = NO_TENANT
 
     @property
     def key(self) -> str:
@@ -146,6 +147,12 @@ def _plan_device(
                 "or use sharing: MPS to let the claim's pods share it through an MPS daemon"
             )
         if config.sharing is Sharing.MPS:
+            if config.isolation in (Isolation.FAULT, Isolation.HARDWARE):
+                raise ClaimError(
+                    f"{where}: isolation: {config.isolation.value} cannot be met by MPS inside the instance (a fault "
+                    "in one MPS client ends every client of its server, i.e. the claim's other pods); leave sharing "
+                    "out (each pod of the claim then holds its own context in the instance), or lower the isolation"
+                )
             # MPS inside the instance: the pods that share this claim run concurrently on it, each held to the
             # instance's memory (the instance itself is the hardware limit towards other claims).
             return replace(mig, mechanism=Mechanism.MPS)

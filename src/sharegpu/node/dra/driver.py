@@ -1,10 +1,14 @@
 """Prepare and unprepare claims: make each allocated device ready, write its CDI spec, remember it; undo it.
 
 The node agent's GPU backend, MIG manager and MPS manager do the work, so a claim is enforced exactly as a
-device-plugin assignment is: a MIG instance created at the allocated placement, an MPS daemon told the largest
-share on its unit (the client's environment can only lower it), the time-slice setting of the GPU. Calls are
-serialised by one lock; each claim succeeds or fails on its own. What was made for claims that are gone (a failed
-Prepare half-way, an Unprepare) is released by deriving what the remaining claims need from the checkpoint.
+device-plugin assignment is: a MIG instance created at the allocated placement, the MPS daemon of the claim's tenant
+on its unit (:mod:`sharegpu.model.tenant`: the pods of one namespace and one declared UID, or a pod alone), told the
+largest share of that tenant there (the client's environment can only lower it), the time-slice setting of the GPU.
+A claim's tenant is that of the pods whose containers use it; the kubelet prepares a claim once for all its pods and
+hands every one of them the same CDI devices, so a claim whose pods are of different tenants is refused (with what to
+change) rather than given one daemon for users it cannot serve at once. Calls are serialised by one lock; each claim
+succeeds or fails on its own. What was made for claims that are gone (a failed Prepare half-way, an Unprepare) is
+released by deriving what the remaining claims need from the checkpoint.
 """
 
 from __future__ import annotations
@@ -21,23 +25,27 @@ from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
     MECHANISM_ENV,
-    MPS_MEMORY_LIMIT_ENV,
-    MPS_PIPE_DIRECTORY_ENV,
-    MPS_THREAD_PERCENTAGE_ENV,
     NVIDIA_VISIBLE_DEVICES_ENV,
     cdi_claim_device_name,
     cdi_device_id,
 )
+from sharegpu.model.tenant import MULTI_USER_TENANT, TenantConflict, describe, own_tenant, tenant_of
 from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter
 from sharegpu.node.dra.checkpoint import Checkpoint, CheckpointError
 from sharegpu.node.dra.claims import ClaimError, ClaimPlan, DevicePlan, plan_claim
 from sharegpu.node.dra.config import TimeSlice
+from sharegpu.node.errors import NodeError
 from sharegpu.node.mig import MigError, MigManager, MigNeed
-from sharegpu.node.mps import MpsError, MpsLimits, MpsManager
+from sharegpu.node.mps import DaemonKey, MpsError, MpsLimits, MpsManager, mps_client_env
 
 log = logging.getLogger(__name__)
+
+
+class DriverSetupError(NodeError):
+    """The driver cannot serve with these settings (its MPS mode against the node or the checkpoint); the message says
+    what to change."""
 
 
 class ClaimSource(Protocol):
@@ -213,7 +221,12 @@ class DraDriver:
 
     # ----- life cycle ------------------------------------------------------------------------------------------
     async def recover(self) -> None:
-        """After a restart: adopt MPS daemons, drop CDI specs no checkpointed claim owns, release the rest."""
+        """After a restart: adopt MPS daemons, drop CDI specs no checkpointed claim owns, release the rest.
+
+        Raises :class:`DriverSetupError` where the MPS mode is not the one the checkpointed MPS claims were prepared
+        in (their containers use those daemons).
+        """
+        self.check_mps_mode()
         await self._mps.recover()
         async with self.lock:
             for uid in self._cdi.claim_uids() - set(self.checkpoint.claims):
@@ -223,6 +236,23 @@ class DraDriver:
     async def reconcile(self) -> None:
         async with self.lock:
             await self._release()
+
+    def check_mps_mode(self) -> None:
+        """Raise :class:`DriverSetupError` where the MPS mode is not the checkpointed claims': see :meth:`recover`."""
+        other = sorted(
+            plan.key
+            for plan in self.checkpoint.claims.values()
+            if any(d.mechanism is Mechanism.MPS for d in plan.devices)
+            and (plan.tenant == MULTI_USER_TENANT) != self._mps.multi_user
+        )
+        if other:
+            was = "in multi-user mode" if not self._mps.multi_user else "with a daemon per tenant"
+            raise DriverSetupError(
+                f"MPS claims prepared {was} remain on this node ({', '.join(other[:5])}"
+                f"{', …' if len(other) > 5 else ''}); their containers use those daemons. Start the driver as "
+                f"before ({'with' if not self._mps.multi_user else 'without'} --mps-multi-user), delete the pods of "
+                "those claims and let it unprepare them, then change the setting"
+            )
 
     # ----- internals -------------------------------------------------------------------------------------------
     async def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
@@ -235,7 +265,7 @@ class DraDriver:
             raise ClaimError(f"cannot read claim {ref.namespace}/{ref.name}: {e}") from None
         plan = plan_claim(claim, ref.uid, self.node_name, self.backend.devices(), self._catalog)
         if any(d.mechanism is Mechanism.MPS for d in plan.devices):
-            plan = replace(plan, user=await self._claim_user(plan, claim))
+            plan = replace(plan, tenant=await self._claim_tenant(plan, claim))
         units = await self._make_ready(plan)
         self._cdi.write(plan.uid, self._cdi_devices(plan, units))
         self.checkpoint.add(plan, units)
@@ -247,47 +277,44 @@ class DraDriver:
         )
         return self._answer(plan, units)
 
-    async def _claim_user(self, plan: ClaimPlan, claim: ResourceClaim) -> int | None:
-        """The one Unix UID the pods the claim is reserved for declare for all their containers, or None."""
-        users: set[int | None] = set()
+    async def _claim_tenant(self, plan: ClaimPlan, claim: ResourceClaim) -> str:
+        """Whose MPS daemon serves the claim: the one tenant of the pods whose containers use it.
+
+        A pod's tenant here is read from the containers that use this claim (a sidecar that uses none decides
+        nothing). The kubelet prepares a claim once and gives all its pods the same CDI devices, so pods of two
+        tenants cannot each reach their own daemon through one claim: such a claim is refused with what to change.
+        """
+        if self._mps.multi_user:
+            return MULTI_USER_TENANT
+        tenants: dict[str, list[str]] = {}
         for r in claim.status.reserved_for:
             if r.resource != "pods":
-                users.add(None)
+                # Not a pod (a workload reserving for its pods): which containers use the claim, as whom, is not
+                # known here. The claim is a tenant of its own (its UID is no pod's).
+                tenants.setdefault(own_tenant(plan.uid), []).append(f"{r.resource} {r.name}")
                 continue
             try:
                 pod = await self._claims.get_pod(plan.namespace, r.name)
             except Exception as e:
                 raise ClaimError(f"claim {plan.key}: cannot read its pod {r.name!r}: {e}") from None
-            users |= {pod.run_as_user(c) for c in (*pod.spec.init_containers, *pod.spec.containers)}
-        known = {u for u in users if u is not None}
-        if len(known) > 1:
+            if r.uid and pod.metadata.uid and pod.metadata.uid != r.uid:
+                continue  # the pod it was reserved for is gone; another pod has its name
+            try:
+                tenant = claim_tenant(pod, plan.name)
+            except TenantConflict as e:
+                raise ClaimError(f"claim {plan.key}: pod {r.name}: {e}") from None
+            if tenant is not None:
+                tenants.setdefault(tenant, []).append(f"pod {r.name}")
+        if len(tenants) > 1:
+            listed = "; ".join(f"{', '.join(who)}: {describe(t)}" for t, who in sorted(tenants.items()))
             raise ClaimError(
-                f"claim {plan.key}: its pods run as Unix users {sorted(known)}; one MPS server serves one user at a "
-                "time, so they would wait on each other: run them as one user (securityContext.runAsUser)"
+                f"claim {plan.key} is used by pods of different MPS tenants ({listed}). The kubelet prepares a claim "
+                "once and gives all its pods the same devices, so they would all reach one MPS server, which serves "
+                "one Unix user at a time: declare the same securityContext.runAsUser in every pod that uses the claim "
+                "(and leave hostUsers unset), give each pod a claim of its own (a ResourceClaimTemplate), or run the "
+                "driver with --mps-multi-user"
             )
-        return None if None in users or not known else known.pop()
-
-    def _mps_conflict(self, plan: ClaimPlan, unit: str) -> str | None:
-        """Why an MPS client of ``plan`` cannot join the MPS clients already prepared on ``unit``, if it cannot."""
-        for uid, other in self.checkpoint.claims.items():
-            if uid == plan.uid:
-                continue
-            shares_unit = any(
-                d.mechanism is Mechanism.MPS and u == unit
-                for d, u in zip(other.devices, self.checkpoint.units[uid], strict=True)
-            )
-            if not shares_unit:
-                continue
-            if other.user is None or plan.user is None or other.user != plan.user:
-                theirs = f"user {other.user}" if other.user is not None else "a user it does not declare"
-                mine = f"user {plan.user}" if plan.user is not None else "a user they do not declare"
-                return (
-                    f"the MPS unit {unit} serves claim {other.key} of {theirs}, and this claim's pods run as {mine}; "
-                    "one MPS server serves one Unix user at a time, so they would wait until every client of the "
-                    "other has exited. This claim waits until that unit is free; set securityContext.runAsUser to "
-                    "the same UID in both pods to let them share it"
-                )
-        return None
+        return next(iter(tenants), own_tenant(plan.uid))
 
     async def _make_ready(self, plan: ClaimPlan) -> tuple[str, ...]:
         if any(d.mechanism is Mechanism.MPS for d in plan.devices) and len(plan.devices) > 1:
@@ -295,11 +322,6 @@ class DraDriver:
                 f"claim {plan.key}: an MPS client talks to one MPS daemon, which serves one GPU or MIG instance; "
                 "put each MPS share in its own claim"
             )
-        for d in plan.devices:
-            if d.mechanism is Mechanism.MPS:
-                target = self._mps_unit_of(d)
-                if target is not None and (why := self._mps_conflict(plan, target)):
-                    raise ClaimError(f"claim {plan.key}: {why}")
         gpus = {g.index: g for g in self.backend.devices()}
         # The scheduler never allocates a partition beside a whole or shared GPU (they share counters); an
         # allocation that does anyway (a stale pool generation) is refused rather than allowed to break the other.
@@ -326,22 +348,36 @@ class DraDriver:
                         )
                 unit = d.gpu_uuid
             if d.mechanism is Mechanism.MPS:
-                # The daemon holds the client to (at least) its share before the container can start.
-                await self._mps.ensure(unit, MpsLimits.of_share(d.compute_percent * 10, d.memory_mib))
+                # The tenant's daemon holds the client to (at least) its share before the container can start.
+                limits = MpsLimits.of_share(d.compute_percent * 10, d.memory_mib, self._daemon_milli(plan, d, unit))
+                await self._mps.ensure(unit, plan.tenant, limits)
             if d.mechanism is Mechanism.TIME_SLICING:
                 await self._time_slicer.set(d.gpu_uuid, d.time_slice)
                 self._sliced.add(d.gpu_uuid)
             units.append(unit)
         return tuple(units)
 
-    def _mps_unit_of(self, d: DevicePlan) -> str | None:
-        """The unit an MPS device will run on, before it is made ready: the GPU, or its MIG instance if prepared."""
-        if not d.on_mig:
-            return d.gpu_uuid
-        for other, unit in self.checkpoint.devices():
-            if (other.gpu_index, other.mig_start, other.on_mig) == (d.gpu_index, d.mig_start, True):
-                return unit
-        return None  # a new instance: nobody else uses it
+    def _daemon_milli(self, plan: ClaimPlan, device: DevicePlan, unit: str) -> int:
+        """The compute (milli) of every MPS share the daemon of ``plan``'s tenant on ``unit`` serves, ``device``
+        included: a client's thread cap is its share against these (:func:`sharegpu.node.mps.thread_percentage`)."""
+        key = self._mps.key(unit, plan.tenant)
+        others = sum(
+            d.compute_percent * 10
+            for uid, key_d in self._daemon_devices().items()
+            if uid != plan.uid
+            for k, d in key_d
+            if k == key
+        )
+        return device.compute_percent * 10 + others
+
+    def _daemon_devices(self) -> dict[str, list[tuple[DaemonKey, DevicePlan]]]:
+        """Per prepared claim, its MPS devices with the daemon that serves each."""
+        out: dict[str, list[tuple[DaemonKey, DevicePlan]]] = {}
+        for uid, plan in self.checkpoint.claims.items():
+            for d, unit in zip(plan.devices, self.checkpoint.units[uid], strict=True):
+                if d.mechanism is Mechanism.MPS:
+                    out.setdefault(uid, []).append((self._mps.key(unit, plan.tenant), d))
+        return out
 
     def _cdi_devices(self, plan: ClaimPlan, units: tuple[str, ...]) -> tuple[CdiDevice, ...]:
         # Every device of the claim names all its units, so that merging their edits never hides one of them.
@@ -351,10 +387,10 @@ class DraDriver:
             env = [visible, (MECHANISM_ENV, d.mechanism.value)]
             mounts: list[CdiMount] = []
             if d.mechanism is Mechanism.MPS:
-                spec = self._mps.spec(unit)
-                env.append((MPS_PIPE_DIRECTORY_ENV, MPS_PIPE_IN_CONTAINER))
-                env.append((MPS_THREAD_PERCENTAGE_ENV, str(d.compute_percent)))
-                env.append((MPS_MEMORY_LIMIT_ENV, f"0={d.memory_mib}M"))
+                # Only its tenant's pipe directory: a client reaches its own daemon and no other tenant's.
+                spec = self._mps.spec(unit, plan.tenant)
+                milli = self._daemon_milli(plan, d, unit)
+                env += mps_client_env(MPS_PIPE_IN_CONTAINER, d.compute_percent * 10, d.memory_mib, milli).items()
                 mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
             nodes = self.backend.device_nodes(d.gpu_index)  # only nodes the host has: the runtime stats each one
             out.append(
@@ -391,10 +427,15 @@ class DraDriver:
             self._mig.reconcile(needs, non_mig)
         except BackendError as e:
             log.warning("MIG reconcile failed: %s", e)
-        limits: dict[str, MpsLimits] = {}
-        for d, unit in prepared:
-            if d.mechanism is Mechanism.MPS:
-                limits[unit] = MpsLimits.of_share(d.compute_percent * 10, d.memory_mib).union(limits.get(unit))
+        daemons: dict[DaemonKey, list[DevicePlan]] = {}
+        for devices in self._daemon_devices().values():
+            for key, d in devices:
+                daemons.setdefault(key, []).append(d)
+        limits: dict[DaemonKey, MpsLimits] = {}
+        for key, ds in daemons.items():
+            milli = sum(d.compute_percent * 10 for d in ds)
+            for d in ds:
+                limits[key] = MpsLimits.of_share(d.compute_percent * 10, d.memory_mib, milli).union(limits.get(key))
         await self._mps.reconcile(set(limits), limits)
         in_use = {d.gpu_uuid for d, _ in prepared if d.mechanism is Mechanism.TIME_SLICING}
         for gpu in sorted(self._sliced - in_use):
@@ -403,3 +444,12 @@ class DraDriver:
                 self._sliced.discard(gpu)
             except BackendError as e:
                 log.warning("cannot reset the time slice of %s: %s", gpu, e)
+
+
+def claim_tenant(pod: Pod, claim_name: str) -> str | None:
+    """The tenant of ``pod`` as a user of ResourceClaim ``claim_name``: from the containers that use the claim only
+    (None: none does). Raises :class:`~sharegpu.model.tenant.TenantConflict` when they declare different UIDs."""
+    users = [(c.name, pod.run_as_user(c)) for c in pod.claim_containers(claim_name)]
+    if not users:
+        return None
+    return tenant_of(pod.metadata.namespace, pod.metadata.uid or pod.key, users, pod.spec.host_users)
