@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sharegpu.ledger import Ledger, MpsTenancy
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, GIB, GpuModel, MigProfile
-from sharegpu.model.inventory import NodeSpec, sim_gpus
+from sharegpu.model.inventory import GpuDevice, NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest, Isolation, Sharing
 from sharegpu.placement.fragmentation import Workload, node_fragmentation
 from sharegpu.placement.framework import Decision, NoFit, Scheduler, Unschedulable
@@ -385,3 +385,69 @@ def test_cached_scores_equal_fresh_scores(shapes: list[tuple[int, int | None, in
             assert d1.assignment == d2.assignment and d1.score == d2.score
             cached.ledger.place(d1.assignment)
         cached.ledger.check_invariants()
+
+
+# ----- issue 33: the nearest miss is among the GPUs the request may use, and names the MPS daemon cap ----------
+H100_ONLY = frozenset({"H100-80GB"})
+
+
+def _capped_cluster(extra: list[NodeSpec] | None = None) -> Scheduler:
+    """gpu-a: an idle A10 (not allowed to the pods below); gpu-b: one H100 whose MPS daemon (cap 1) runs tenant T1."""
+    nodes = [node("gpu-a", "A10", 1), node("gpu-b", "H100-80GB", 1), *(extra or [])]
+    led = Ledger(nodes, tenancy=MpsTenancy(daemons_per_unit=1))
+    s = Scheduler(led, make_policy("bestfit", PolicyContext(Workload.from_requests([GpuRequest("w", 1, 500)]))))
+    mps = GpuRequest("x", 1, 200, 10 * GIB, sharing=Sharing.MPS, allowed_models=H100_ONLY, tenant=T1)
+    assert place(s, mps).assignment.node == "gpu-b"
+    return s
+
+
+def test_a_pending_mps_share_is_told_the_daemon_cap_on_its_allowed_gpus_not_an_idle_gpu_it_may_not_use() -> None:
+    s = _capped_cluster()
+    req = GpuRequest("p", 1, 200, 10 * GIB, sharing=Sharing.MPS, allowed_models=H100_ONLY, tenant=T2)
+    d = s.decide(req)
+    assert isinstance(d, Unschedulable)
+    assert d.kinds == {ReasonKind.NO_ALLOWED_MODEL: 1, ReasonKind.GPU_ROOM: 1}
+    assert "gpu-a" not in d.reason and "100%" not in d.reason, d.reason
+    assert (
+        "1 GPU(s) of an allowed model with room for the share, e.g. on gpu-b, already run 1 MPS daemon(s)" in d.reason
+    )
+    assert "one per tenant" in d.reason, d.reason
+    # the node's own reason says the cap is one of the ways a GPU with room is closed to it
+    (why,) = s.explain_nodes(req, s.feasible(req)[1], np.array([s.ledger.index["gpu-b"]], dtype=np.int64))
+    assert why.code is ReasonCode.NO_ROOM_FOR_MECHANISM and "the most MPS daemons a GPU may" in why.text
+    # its own tenant joins the daemon: no cap for it
+    assert isinstance(s.decide(replace(req, tenant=T1)), Decision)
+
+
+def test_the_nearest_miss_of_full_allowed_gpus_is_theirs_and_skips_unhealthy_ones() -> None:
+    sick = NodeSpec("gpu-c", 64_000, 256 * GIB, (_sick_h100("gpu-c"),))
+    s = _capped_cluster([sick, node("gpu-d", "H200", 1)])  # gpu-d: an idle H200, not allowed either
+    # room, not the cap: the H100 has 80% compute left, the share asks for 90%
+    req = GpuRequest("p", 1, 900, GIB, sharing=Sharing.MPS, allowed_models=H100_ONLY, tenant=T2)
+    d = s.decide(req)
+    assert isinstance(d, Unschedulable)
+    assert d.reason.endswith("(most free compute is 80% of a GPU on gpu-b)"), d.reason  # not gpu-a's idle A10
+    big = GpuRequest("q", 1, memory_mib=75 * GIB, sharing=Sharing.MPS, allowed_models=H100_ONLY, tenant=T2)
+    d = s.decide(big)
+    assert isinstance(d, Unschedulable)
+    # not gpu-d's idle H200 nor gpu-c's sick H100; gpu-b's 70Gi less its daemon's server
+    assert d.reason.endswith("(largest free share is 69.9Gi on gpu-b, 75Gi asked)"), d.reason
+    # nothing it may use at all: no hint beyond the counts
+    d = s.decide(GpuRequest("r", 1, 100, allowed_models=frozenset({"L4"})))
+    assert isinstance(d, Unschedulable) and d.reason == "4 node(s): no GPU of an allowed model", d.reason
+
+
+def _sick_h100(name: str) -> GpuDevice:
+    """An idle H100 that reports unhealthy."""
+    return replace(sim_gpus(name, "H100-80GB", 1)[0], healthy=False)
+
+
+def test_a_mig_instance_at_the_daemon_cap_is_named_as_the_cause() -> None:
+    led = Ledger([node("gpu-a", "A10", 1), node("gpu-b", "H100-80GB", 1)], tenancy=MpsTenancy(daemons_per_unit=1))
+    s = Scheduler(led, make_policy("bestfit", PolicyContext(Workload.from_requests([GpuRequest("w", 1, 500)]))))
+    shape = {"memory_mib": 10 * GIB, "isolation": Isolation.MEMORY, "mig_profile": "7g.80gb"}
+    first = place(s, GpuRequest("x", 1, allowed_models=H100_ONLY, tenant=T1, **shape))  # type: ignore[arg-type]
+    assert first.assignment.shares[0].inner is Mechanism.MPS
+    d = s.decide(GpuRequest("p", 1, allowed_models=H100_ONLY, tenant=T2, **shape))  # type: ignore[arg-type]
+    assert isinstance(d, Unschedulable)
+    assert "e.g. on gpu-b, already run 1 MPS daemon(s), the most a GPU may" in d.reason, d.reason

@@ -19,13 +19,15 @@ import numpy.typing as npt
 from sharegpu.ledger import Ledger
 from sharegpu.model.assignment import Assignment, Mechanism
 from sharegpu.model.request import GpuRequest
-from sharegpu.placement.mechanism import UsablePlan, make_share, tenant_gpus
+from sharegpu.placement.mechanism import UsablePlan, make_share, route_for, tenant_gpus
 from sharegpu.placement.reasons import (
     FilterReason,
     NodeRoom,
     ReasonCode,
     ReasonKind,
     RoomArrays,
+    capped_gpus,
+    fmt_mib,
     node_kinds,
     node_reason,
 )
@@ -263,14 +265,32 @@ class Scheduler:
         return Unschedulable(req, f"{summary or ReasonKind.NO_NODES.sentence}{hint}", kinds)
 
     def _nearest_miss(self, req: GpuRequest) -> str:
+        """The GPU nearest to taking ``req``, among those it may use (present, healthy, of a model that can host it
+        at all): where GPUs with room are closed to it by the MPS daemon cap alone, that; else the largest free
+        memory where memory is short; else the most free compute."""
         led = self.ledger
         if req.gpu_count == 0 or led.free_mem.size == 0:
             return ""
-        free = np.where(led.healthy, led.free_mem, 0)
+        capped = capped_gpus(led, req, self.plan(req))
+        if capped:
+            first = led.nodes[capped[0][0]].name
+            return (
+                f" ({len(capped)} GPU(s) of an allowed model with room for the share, e.g. on {first}, "
+                f"already run {led.tenancy.daemons_per_unit} MPS daemon(s), the most a GPU may: one per tenant (pods "
+                "of one namespace and runAsUser, or a pod alone), and this pod's would be another)"
+            )
+        hosts = np.array([route_for(req, m) is not None for m in led.models] + [False], dtype=bool)
+        may = hosts[led.model_id] & led.present & led.healthy
+        if not may.any():
+            return ""  # no GPU it may use: the counts say so
+        free = np.where(may, led.free_mem, -1)
         if req.memory_mib is not None and free.max() < req.memory_mib:
             n, g = np.unravel_index(int(free.argmax()), free.shape)
-            return f" (largest free share is {int(free[n, g]) // 1024}Gi on {led.nodes[int(n)].name}, {req.memory_mib // 1024}Gi asked)"
-        milli = np.where(led.healthy, led.free_milli, 0)
+            return (
+                f" (largest free share is {fmt_mib(int(free[n, g]))} on {led.nodes[int(n)].name}, "
+                f"{fmt_mib(req.memory_mib)} asked)"
+            )
+        milli = np.where(may, led.free_milli, -1)
         n, g = np.unravel_index(int(milli.argmax()), milli.shape)
         return f" (most free compute is {int(milli[n, g]) / 10:g}% of a GPU on {led.nodes[int(n)].name})"
 

@@ -16,13 +16,15 @@ and explaining one node agree by construction; the finer rules inside a kind onl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
 import numpy.typing as npt
 
+from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger
 from sharegpu.model.request import GpuRequest
+from sharegpu.placement.mechanism import UsablePlan, mig_choice
 
 BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
@@ -229,8 +231,8 @@ RULES: tuple[_Rule, ...] = (
         False,
         lambda q, r: r.n_usable == 0,
         lambda q, r: (
-            "no GPU has room for this share as its mechanism needs (GPUs with room are shared another way, "
-            "or no free MIG placement fits)"
+            "no GPU has room for this share as its mechanism needs (GPUs with room are shared another way, run "
+            "the most MPS daemons a GPU may, or no free MIG placement fits)"
         ),
     ),
     _Rule(
@@ -279,3 +281,45 @@ def node_reason(req: GpuRequest, room: NodeRoom, kind: ReasonKind | None) -> Fil
         if rule.kind is kind and rule.applies(req, room):
             return FilterReason(rule.code, rule.words(req, room))
     raise AssertionError(f"no rule of kind {kind} applies")  # every kind ends with a rule that always applies
+
+
+def capped_gpus(ledger: Ledger, req: GpuRequest, plan: UsablePlan) -> list[tuple[int, int]]:
+    """GPUs (node, GPU) that would host a share of ``req`` as an MPS client but for the daemon cap: a unit there (the
+    GPU, or a MIG instance of it) already runs ``ledger.tenancy.daemons_per_unit`` daemons, none of the share's
+    tenant, and has room for the share and one more daemon's server (placement/mechanism.py's daemon rule). Few:
+    only units at the cap (``ledger.full_units``) are looked at."""
+    if not req.may_use_mps or not ledger.full_units:
+        return []
+    daemon = ledger.tenancy.daemon_memory_mib
+    memory = req.memory_mib or 0
+    out: set[tuple[int, int]] = set()
+    for unit in ledger.full_units:
+        n, g, start = unit
+        if (
+            (n, g) in out
+            or ledger.multi_user[n]  # one daemon serves every user there: the cap closes nothing
+            or not (ledger.present[n, g] and ledger.healthy[n, g])
+            or not ledger.opens_daemon(unit, req.tenant)
+        ):
+            continue
+        mid = int(ledger.model_id[n, g])
+        if start is None:
+            if (
+                plan.mps_limit[mid]
+                and ledger.mode[n, g] == GpuMode.MPS
+                and ledger.free_milli[n, g] >= plan.compute[mid]
+                and ledger.free_mem[n, g] >= memory + daemon
+                and ledger.clients[n, g] < MPS_MAX_CLIENTS
+            ):
+                out.add((n, g))
+            continue
+        via_mig = mid in plan.mig_models or (mid in plan.mps_into_mig and ledger.mig_pinned[n, g])
+        resident = next(iter(ledger.unit_tenants.get(unit, {})), None)
+        inst = ledger.instances_on(n, g).get(start)
+        if not via_mig or resident is None or inst is None or inst.free_mem < memory + daemon:
+            continue
+        # As a share of a tenant the instance runs: whether it joins this instance (profile, compute, clients).
+        choice = mig_choice(ledger, n, g, replace(req, tenant=resident))
+        if choice is not None and choice.existing and choice.start == start:
+            out.add((n, g))
+    return sorted(out)
