@@ -93,7 +93,10 @@ def pod(
     created: str = "2024-05-01T10:00:00+00:00",
     init: tuple[ContainerInfo, ...] = (),
     uid: str = "",
+    user: int | None = None,
+    host_users: bool | None = None,
 ) -> PodInfo:
+    """A pod; ``user``: the runAsUser its containers declare (None: the image decides, a tenant of its own)."""
     annotations = {}
     if isinstance(annotation, Assignment):
         annotations[ASSIGNMENT_ANNOTATION] = annotation.to_json()
@@ -107,8 +110,9 @@ def pod(
         phase=phase,
         created=created,
         annotations=annotations,
-        containers=tuple(ContainerInfo(f"c{i}", n) for i, n in enumerate(gpus)),
+        containers=tuple(ContainerInfo(f"c{i}", n, user=user) for i, n in enumerate(gpus)),
         init_containers=init,
+        host_users=host_users,
     )
 
 

@@ -96,7 +96,7 @@ def test_two_pods_created_in_one_order_and_started_in_the_other_get_their_own_sh
             "SHAREGPU_MECHANISM": "exclusive",
         }
         assert cdi_spec(n.cdi_dir, ["t-old"])["env"]["NVIDIA_VISIBLE_DEVICES"] == n.g[0]
-        assert cdi_spec(n.cdi_dir, ["t-old"])["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+        assert cdi_spec(n.cdi_dir, ["t-old"])["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
         assert n.agent.state.device_share == {young.uid: {"t-young": 0}, old.uid: {"t-old": 0}}
 
     _run(tmp_path, sock_dir, body)
@@ -183,8 +183,38 @@ def test_a_native_sidecar_and_an_app_container_running_together_get_different_sh
         app = await start_container(n.agent, n.record, p, "c0", ["a0"])
         assert (side.container, app.container) == ("proxy", "c0")  # the API lists sidecars: found by name
         assert side.units == (n.g[0],) and app.units == (n.g[1],)
-        assert cdi_spec(n.cdi_dir, ["s0"])["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20"
-        assert cdi_spec(n.cdi_dir, ["a0"])["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        assert cdi_spec(n.cdi_dir, ["s0"])["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
+        assert cdi_spec(n.cdi_dir, ["a0"])["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+
+    _run(tmp_path, sock_dir, body)
+
+
+def test_a_pod_whose_gpu_containers_declare_different_users_is_refused_with_the_reason(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """Clients of two UIDs would wait on each other on one MPS server: such a pod is refused before any daemon starts,
+    with what to change; a container without a GPU (a sidecar that runs no client) decides nothing."""
+
+    async def body(n: Node) -> None:
+        a = assignment("p", share(0, n.g[0], Mechanism.MPS, 200, 1024), share(1, n.g[1], Mechanism.MPS, 200, 1024))
+        p = n.kube.add(
+            replace(
+                pod("p", a, gpus=(1, 1)),
+                containers=(ContainerInfo("web", 1, user=1000), ContainerInfo("worker", 1, user=0)),
+            )
+        )
+        with pytest.raises(AllocationError, match=r"web: 1000, worker: 0.*runAsUser"):
+            await start_container(n.agent, n.record, p, "web", ["t0"])
+        assert n.agent.mps.running() == frozenset() and not n.spec_exists(["t0"])
+        # The same pod with a GPU-less log shipper of another user is one tenant: uid 1000 in its namespace.
+        ok = n.kube.add(
+            replace(
+                pod("q", assignment("q", share(0, n.g[0], Mechanism.MPS, 200, 1024)), gpus=(1,)),
+                containers=(ContainerInfo("web", 1, user=1000), ContainerInfo("logs", 0, user=0)),
+            )
+        )
+        grant = await start_container(n.agent, n.record, ok, "web", ["t1"])
+        assert grant.mounts[0].host_path == str(n.agent.mps.spec(n.g[0], "default/uid-1000").pipe_dir)
 
     _run(tmp_path, sock_dir, body)
 

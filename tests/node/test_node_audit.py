@@ -17,18 +17,29 @@ from test_node_nvml_backend import FakeGpu, FakeNvml
 from sharegpu.kube.api import PodEvent
 from sharegpu.kube.errors import EvictionBlocked
 from sharegpu.model.assignment import Mechanism, MigSlot
+from sharegpu.model.tenant import user_tenant
 from sharegpu.node.agent import NodeAgent
-from sharegpu.node.audit import FindingKind, GpuReading, Role, attribute, audit, pod_usage, read_gpu, unit_shares
-from sharegpu.node.backends.base import MPS_SERVER_NAME, XidEvent
+from sharegpu.node.audit import (
+    FindingKind,
+    GpuReading,
+    ProcView,
+    Role,
+    attribute,
+    audit,
+    pod_usage,
+    read_gpu,
+    unit_shares,
+)
+from sharegpu.node.backends.base import MPS_SERVER_NAME, BackendError, XidEvent
 from sharegpu.node.backends.nvml import NvmlBackend
 from sharegpu.node.backends.nvml_api import XID_CRITICAL_ERROR, NvmlCallError, NvmlEvent, NvmlProcess
 from sharegpu.node.backends.sim import MPS_SERVER_MEMORY_MIB, SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
 from sharegpu.node.enforcement import FAULT_MESSAGE, FAULT_REASON, EnforcementWatch
-from sharegpu.node.kube import NodeInfo
+from sharegpu.node.kube import NodeInfo, PodInfo
 from sharegpu.node.metrics import new_registry
-from sharegpu.node.mps import SimMpsDaemon
-from sharegpu.node.mps_faults import LogTail, MpsLogWatch, ServerWatch, fault_lines, is_fault, parse_line
+from sharegpu.node.mps import DaemonKey, SimMpsDaemon
+from sharegpu.node.mps_faults import FaultSignal, LogTail, MpsLogWatch, ServerWatch, fault_lines, is_fault, parse_line
 
 MIB = 2**20
 SERVER, CLIENT_A, CLIENT_B = 466, 503, 504  # the pids the H200 run showed
@@ -227,6 +238,9 @@ def test_each_finding_kind(tmp_path: Path) -> None:
 
 
 # ----- the sim backend through the agent's reconcile -------------------------------------------------------------------
+U1000 = user_tenant("default", 1000)  # infer-1 and infer-2: one tenant, one daemon
+
+
 def _agent(tmp: Path, sim: SimBackend, kube: FakeKube, notifier: FakeNotifier, **kw: object) -> NodeAgent:
     config = agent_config(tmp, tmp, tokens_per_gpu=2, **kw)
     return NodeAgent(config, sim, kube, SimMpsDaemon(sim), notifier=notifier)
@@ -236,9 +250,14 @@ def _mps_pair(tmp: Path, **kw: object) -> tuple[SimBackend, list[str], FakeKube,
     sim, g = _sim()
     kube = FakeKube(NodeInfo("node-a", {}, {}, 32000, 256 * 1024))
     for name in ("infer-1", "infer-2"):
-        kube.add(pod(name, assignment(name, share(0, g[0], Mechanism.MPS, 400, 8192)), phase="Running"))
+        kube.add(pod(name, assignment(name, share(0, g[0], Mechanism.MPS, 400, 8192)), phase="Running", user=1000))
     notifier = FakeNotifier()
     return sim, g, kube, notifier, _agent(tmp, sim, kube, notifier, **kw)
+
+
+def _pipe(agent: NodeAgent, unit: str, tenant: str) -> Path:
+    """The pipe directory of ``tenant``'s daemon on ``unit``: what its clients reach it by."""
+    return agent.mps.spec(unit, tenant).pipe_dir
 
 
 def _text(agent: NodeAgent) -> str:
@@ -251,8 +270,9 @@ def test_sim_under_mps_reports_like_the_h200_and_never_a_false_zero(tmp_path: Pa
     async def main() -> None:
         sim, g, _, _, agent = _mps_pair(tmp_path)
         await agent.reconcile_once()
-        sim.add_process(501, g[0], 500, "uid-default-infer-1", sm_percent=20, mps=True)
-        sim.add_process(502, g[0], 730, "uid-default-infer-2", sm_percent=16, mps=True)
+        daemon = _pipe(agent, g[0], U1000)
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", sm_percent=20, mps=True, daemon=daemon, user=1000)
+        sim.add_process(502, g[0], 730, "uid-default-infer-2", sm_percent=16, mps=True, daemon=daemon, user=1000)
         server = sim.mps_server_pid(g[0])
         assert server is not None
         assert {(p.pid, p.used_memory_mib) for p in sim.processes(0)} == {
@@ -267,7 +287,7 @@ def test_sim_under_mps_reports_like_the_h200_and_never_a_false_zero(tmp_path: Pa
         assert usage == {"infer-1": (500, None), "infer-2": (730, None)}
         text = _text(agent)
         assert "sharegpu_pod_gpu_sm_utilization_percent{" not in text  # unknown is absent, not 0
-        assert f'sharegpu_mps_unit_sm_utilization_percent{{UUID="{g[0]}",gpu="0"}} 36.0' in text
+        assert f'sharegpu_mps_unit_sm_utilization_percent{{UUID="{g[0]}",gpu="0",tenant="{U1000}"}} 36.0' in text
         assert agent.snapshot.findings == ()  # honest clients, in their shares
         sim.remove_process(502)  # one client pod left: the server's figure is its own
         await agent.reconcile_once()
@@ -276,11 +296,67 @@ def test_sim_under_mps_reports_like_the_h200_and_never_a_false_zero(tmp_path: Pa
     asyncio.run(main())
 
 
+def test_pods_of_different_tenants_on_one_gpu_each_get_their_own_servers_figure(tmp_path: Path) -> None:
+    """A daemon per tenant: two pods of different users on one GPU are each the one client pod of their own server,
+    so each has a real figure (an undeclared pod always has one), where one shared server left both unknown."""
+
+    async def main() -> None:
+        sim, g = _sim()
+        kube = FakeKube(NodeInfo("node-a", {}, {}, 32000, 256 * 1024))
+        a = kube.add(pod("a", assignment("a", share(0, g[0], Mechanism.MPS, 300, 8192)), phase="Running", user=1000))
+        anon = kube.add(pod("anon", assignment("anon", share(0, g[0], Mechanism.MPS, 300, 8192)), phase="Running"))
+        agent = _agent(tmp_path, sim, kube, FakeNotifier())
+        await agent.reconcile_once()
+        assert {k.tenant for k in agent.mps.running()} == {a.tenant, anon.tenant}
+        assert sim.add_process(501, g[0], 500, a.uid, 30, mps=True, daemon=_pipe(agent, g[0], a.tenant), user=1000)
+        # The undeclared pod's image runs as root; its own daemon serves it at once (no wait behind uid 1000).
+        assert sim.add_process(601, g[0], 700, anon.uid, 45, mps=True, daemon=_pipe(agent, g[0], anon.tenant))
+        servers = {p.pid for p in sim.processes(0)} - {501, 601}
+        assert len(servers) == 2  # two servers side by side on one GPU
+        await agent.reconcile_once()
+        assert {u.pod: (u.memory_used_mib, u.sm_util_percent) for u in agent.snapshot.pod_usage} == {
+            "a": (500, 30),
+            "anon": (700, 45),
+        }
+        assert {(u.tenant, u.sm_percent, u.client_pods) for u in agent.snapshot.mps_units} == {
+            (a.tenant, 30, 1),
+            (anon.tenant, 45, 1),
+        }
+        # A client of no pod on the anonymous pod's daemon: its server's figure is no longer that pod's alone.
+        sim.add_process(777, g[0], 100, None, 50, mps=True, daemon=_pipe(agent, g[0], anon.tenant))
+        await agent.reconcile_once()
+        assert {u.pod: u.sm_util_percent for u in agent.snapshot.pod_usage} == {"a": 30, "anon": None}
+
+    asyncio.run(main())
+
+
+def test_a_client_connected_to_another_tenants_daemon_is_found_and_told(tmp_path: Path) -> None:
+    async def main() -> None:
+        sim, g, kube, notifier, agent = _mps_pair(tmp_path)
+        other = kube.add(pod("other", assignment("other", share(0, g[0], Mechanism.MPS, 100, 1024)), phase="Running"))
+        await agent.reconcile_once()
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True, daemon=_pipe(agent, g[0], U1000), user=1000)
+        # "other" (a tenant of its own) reached uid 1000's daemon (say, a hostPath volume of the state directory).
+        sim.add_process(601, g[0], 500, other.uid, mps=True, daemon=_pipe(agent, g[0], U1000), user=1000)
+        await agent.reconcile_once()
+        (f,) = agent.snapshot.findings
+        assert (f.kind, f.pod, f.pids) == (FindingKind.MPS_OTHER_TENANT, "other", (601,))
+        assert "uid 1000 in default" in f.message and f"pod {other.uid} alone" in f.message
+        assert notifier.reasons("other") == ["GpuAuditMpsOtherTenant"] and notifier.reasons("infer-1") == []
+        # Its own daemon: nothing to find.
+        sim.remove_process(601)
+        sim.add_process(602, g[0], 500, other.uid, mps=True, daemon=_pipe(agent, g[0], other.tenant))
+        await agent.reconcile_once()
+        assert agent.snapshot.findings == ()
+
+    asyncio.run(main())
+
+
 def test_a_bypassing_client_gets_one_event_a_metric_and_no_eviction_by_default(tmp_path: Path) -> None:
     async def main() -> None:
         sim, g, _, notifier, agent = _mps_pair(tmp_path)
         await agent.reconcile_once()
-        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True)
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True, daemon=_pipe(agent, g[0], U1000), user=1000)
         sim.add_process(777, g[0], 500, "uid-default-infer-2")  # could not reach the daemon: no MPS, no limits
         for _ in range(3):
             await agent.reconcile_once()
@@ -320,35 +396,70 @@ def test_evict_on_audit_evicts_through_the_eviction_api_and_retries_a_blocked_on
     asyncio.run(main())
 
 
-def test_a_fault_tells_every_pod_of_the_unit_once_counts_it_and_restarts_a_dead_daemon(tmp_path: Path) -> None:
+def _three_tenants(tmp: Path) -> tuple[SimBackend, list[str], FakeKube, FakeNotifier, NodeAgent, PodInfo]:
+    """infer-1 and infer-2 (uid 1000) and "root" (uid 0) MPS on GPU 0, "solo" time-sliced on GPU 1."""
+    sim, g, kube, notifier, agent = _mps_pair(tmp)
+    root = kube.add(pod("root", assignment("root", share(0, g[0], Mechanism.MPS, 200, 4096)), phase="Running", user=0))
+    kube.add(pod("solo", assignment("solo", share(1, g[1], Mechanism.TIME_SLICING, 500)), phase="Running"))
+    return sim, g, kube, notifier, agent, root
+
+
+def test_a_fault_ends_only_its_own_daemons_clients_and_tells_only_its_pods(tmp_path: Path) -> None:
+    """As on the H200 with driver 580: the server log gets the driver's two lines, no Xid is reported, every client
+    of that server ends, and the daemon serves the next client; the unit's other daemon and a time-sliced neighbour
+    run on, and their pods are not told."""
+
     async def main() -> None:
-        sim, g, kube, notifier, agent = _mps_pair(tmp_path)
-        kube.add(pod("solo", assignment("solo", share(1, g[1], Mechanism.TIME_SLICING, 500)), phase="Running"))
+        sim, g, kube, notifier, agent, root = _three_tenants(tmp_path)
         await agent.reconcile_once()
-        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True)
-        sim.add_process(502, g[0], 730, "uid-default-infer-2", mps=True)
+        ours, theirs = _pipe(agent, g[0], U1000), _pipe(agent, g[0], root.tenant)
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True, daemon=ours, user=1000)
+        sim.add_process(502, g[0], 730, "uid-default-infer-2", mps=True, daemon=ours, user=1000)
+        sim.add_process(503, g[0], 300, root.uid, mps=True, daemon=theirs, user=0)
         sim.add_process(601, g[1], 300, "uid-default-solo")
         await agent.reconcile_once()
-        spec = agent.mps.spec(g[0])
-        ended = sim.mps_fault(g[0], spec.log_dir)  # log line, Xid, clients and server gone: three signs
-        assert set(ended) >= {501, 502}
-        agent.mps._daemon.crash(spec)  # type: ignore[attr-defined]
+        server = sim.mps_server_pid(g[0], ours)
+        assert sim.mps_fault(g[0], daemon=ours, client=502) == (501, 502)
+        assert {p.pid for p in sim.processes(0)} == {server, sim.mps_server_pid(g[0], theirs), 503}
+        assert sim.xid_events() == ()
         kube.set_phase("uid-default-infer-1", "Failed")  # its container died of it; the pod is finished already
         result = await agent.reconcile_once()
         (fault,) = result.faults
-        assert fault.unit_uuid == g[0] and set(fault.sources) == {"log", "xid", "server-gone"}
+        assert (fault.unit_uuid, fault.tenant, fault.sources) == (g[0], U1000, ("log",))
         assert sorted(fault.pods) == ["default/infer-1", "default/infer-2"]
         for name in ("infer-1", "infer-2"):
             (event,) = [e for e in notifier.events if e.pod == name]
             assert event.reason == FAULT_REASON and event.type == "Warning"
-            assert event.message.startswith(FAULT_MESSAGE)
-        assert notifier.reasons("solo") == []  # the time-sliced neighbour on another GPU is nobody's business
-        assert await agent.mps._daemon.healthy(spec)  # type: ignore[attr-defined]
-        assert [s.restarts for s in agent.mps.status() if s.unit_uuid == g[0]] == [1]
-        assert f'sharegpu_mps_faults_total{{UUID="{g[0]}",gpu="0"}} 1.0' in _text(agent)
-        assert f'sharegpu_gpu_xid_errors_total{{UUID="{g[0]}",gpu="0",xid="31"}} 1.0' in _text(agent)
+            assert event.message.startswith(FAULT_MESSAGE) and "encountered a fatal GPU error" in event.message
+        assert notifier.reasons("root") == [] and notifier.reasons("solo") == []
+        # The daemon was healthy: left alone, and the same server serves the next client at once.
+        assert [s.restarts for s in agent.mps.status() if s.tenant == U1000] == [0]
+        assert sim.add_process(504, g[0], 100, "uid-default-infer-2", mps=True, daemon=ours, user=1000)
+        assert sim.mps_server_pid(g[0], ours) == server
+        text = _text(agent)
+        assert f'sharegpu_mps_faults_total{{UUID="{g[0]}",gpu="0",tenant="{U1000}"}} 1.0' in text
+        assert "sharegpu_gpu_xid_errors_total{" not in text
         await agent.reconcile_once()
         assert len(notifier.events) == 2  # told once
+
+    asyncio.run(main())
+
+
+def test_a_crashed_daemon_is_restarted_alone_and_its_pods_told(tmp_path: Path) -> None:
+    async def main() -> None:
+        sim, g, _, notifier, agent, root = _three_tenants(tmp_path)
+        await agent.reconcile_once()
+        ours, theirs = _pipe(agent, g[0], U1000), _pipe(agent, g[0], root.tenant)
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True, daemon=ours, user=1000)
+        sim.add_process(503, g[0], 300, root.uid, mps=True, daemon=theirs, user=0)
+        await agent.reconcile_once()
+        agent.mps._daemon.crash(agent.mps.spec(g[0], U1000))  # type: ignore[attr-defined]
+        assert {p.pid for p in sim.mps_processes(0) or ()} == {503}  # its server and clients ended; root's run on
+        (fault,) = (await agent.reconcile_once()).faults
+        assert (fault.tenant, fault.sources) == (U1000, ("server-gone",))
+        assert sorted(fault.pods) == ["default/infer-1", "default/infer-2"] and notifier.reasons("root") == []
+        assert {(s.tenant, s.restarts, s.up) for s in agent.mps.status()} == {(U1000, 1, True), (root.tenant, 0, True)}
+        assert await agent.mps._daemon.healthy(agent.mps.spec(g[0], U1000))  # type: ignore[attr-defined]
 
     asyncio.run(main())
 
@@ -357,13 +468,13 @@ def test_a_server_stopped_by_the_agent_is_no_fault(tmp_path: Path) -> None:
     async def main() -> None:
         sim, g, kube, notifier, agent = _mps_pair(tmp_path)
         await agent.reconcile_once()
-        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True)
+        sim.add_process(501, g[0], 500, "uid-default-infer-1", mps=True, daemon=_pipe(agent, g[0], U1000), user=1000)
         await agent.reconcile_once()
         kube.pods.clear()  # every pod gone: the agent stops the daemon, and its server ends
         sim.remove_process(501)
         result = await agent.reconcile_once()
         assert result.faults == () and notifier.events == []
-        assert sim.mps_server_pid(g[0]) is None
+        assert sim.mps_server_pid(g[0]) is None and sim.mps_daemons() == ()
 
     asyncio.run(main())
 
@@ -414,36 +525,67 @@ def test_log_tail_reads_each_complete_line_once(tmp_path: Path) -> None:
 
 def test_log_watch_reads_a_file_that_appears_later_from_its_start(tmp_path: Path) -> None:
     watch = MpsLogWatch()
+    key = DaemonKey("GPU-x", U1000)
     logs = tmp_path / "GPU-x" / "log"
-    assert watch.scan({"GPU-x": logs}) == []
+    assert watch.scan({key: logs}) == []
     logs.mkdir(parents=True)
     (logs / "control.log").write_text("[t Control 1] Server 2 exited with status 139\n[t Control 1] NEW UI\n")
-    (signal,) = watch.scan({"GPU-x": logs})
-    assert (signal.unit_uuid, signal.source) == ("GPU-x", "log") and "status 139" in signal.detail
+    (signal,) = watch.scan({key: logs})
+    assert (signal.daemon, signal.source) == (key, "log") and "status 139" in signal.detail
 
 
-def test_fault_lines_reads_a_units_logs_whole(tmp_path: Path) -> None:
+RECORDED = [
+    line
+    for line in (Path(__file__).parent / "fixtures" / "mps_fault_driver580.txt").read_text().splitlines()
+    if line and not line.startswith("#")
+]
+
+
+def test_the_recorded_driver_580_fault_lines_are_faults() -> None:
+    """What driver 580 wrote on the H200 (a fixture copied from the run's record, not the simulator's output)."""
+    assert RECORDED == [
+        "Client {PID: 910, Context: 1} encountered a fatal GPU error.",
+        "Server is handling a fatal GPU error.",
+    ]
+    for text in RECORDED:
+        line = parse_line("server.log", f"[2026-11-26 10:00:00.000 Server 466] {text}")
+        assert (line.writer, line.pid, line.text) == ("Server", 466, text)
+        assert is_fault(line), text
+
+
+def test_the_simulated_fault_writes_the_recorded_lines_and_the_watch_reads_them(tmp_path: Path) -> None:
     sim, g = _sim()
-    sim.add_process(501, g[0], 500, "uid-x", mps=True)
-    sim.add_process(502, g[0], 500, "uid-y", mps=True)
-    server = sim.mps_server_pid(g[0])
-    (tmp_path / "control.log").write_text(
+    sim.start_mps_daemon(g[0], tmp_path / "a" / "pipe", log_dir=tmp_path / "a" / "log")
+    sim.start_mps_daemon(g[0], tmp_path / "b" / "pipe", log_dir=tmp_path / "b" / "log")
+    sim.add_process(501, g[0], 500, "uid-x", mps=True, daemon=tmp_path / "a" / "pipe")
+    sim.add_process(502, g[0], 500, "uid-y", mps=True, daemon=tmp_path / "a" / "pipe")
+    sim.add_process(503, g[0], 500, "uid-z", mps=True, daemon=tmp_path / "b" / "pipe", user=1000)
+    server = sim.mps_server_pid(g[0], tmp_path / "a" / "pipe")
+    (tmp_path / "a" / "log" / "control.log").parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "a" / "log" / "control.log").write_text(
         "[t Control 9] Cmd:get_server_list\n[t Control 9] Server 5 exited with status 0\n"
     )
-    assert fault_lines(tmp_path) == []
-    sim.mps_fault(g[0], tmp_path)  # the line the simulated server writes is one the patterns know
-    (line,) = fault_lines(tmp_path)
-    assert (line.file, line.writer, line.pid) == ("server.log", "Server", server)
-    assert sim.mps_processes(0) == () and sim.mps_server_pid(g[0]) is None
+    assert fault_lines(tmp_path / "a" / "log") == []
+    with pytest.raises(BackendError, match="name the daemon"):
+        sim.mps_fault(g[0])  # two daemons with clients: whose client faulted must be said
+    assert sim.mps_fault(g[0], daemon=tmp_path / "a" / "pipe", client=502) == (501, 502)
+    lines = fault_lines(tmp_path / "a" / "log")
+    assert [(ln.file, ln.writer, ln.pid) for ln in lines] == [("server.log", "Server", server)] * 2
+    assert [ln.text.replace("PID: 502,", "PID: 910,") for ln in lines] == RECORDED
+    assert fault_lines(tmp_path / "b" / "log") == []  # the other daemon's server saw nothing
+    # Only that server's clients ended; it stays (same pid); no Xid; the other daemon's client runs on.
+    assert {p.pid for p in sim.mps_processes(0) or ()} == {503}
+    assert sim.mps_server_pid(g[0], tmp_path / "a" / "pipe") == server and sim.xid_events() == ()
 
 
 def test_server_watch() -> None:
     w = ServerWatch()
-    assert w.update({"U": [5]}, ["U"], ["U"]) == []
-    assert w.update({}, ["U"], []) == []  # no pod shares the unit any more: a normal end
-    w.update({"U": [6]}, ["U"], ["U"])
-    (s,) = w.update({}, ["U"], ["U"])
-    assert s.source == "server-gone" and "6" in s.detail
+    u, v = DaemonKey("U", U1000), DaemonKey("U", "pod/x")
+    assert w.update({u: [5], v: [7]}, [u, v], [u, v]) == []
+    assert w.update({v: [7]}, [u, v], [v]) == []  # no pod of u's tenant shares the unit any more: a normal end
+    w.update({u: [6], v: [7]}, [u, v], [u, v])
+    (s,) = w.update({v: [7]}, [u, v], [u, v])
+    assert (s.source, s.daemon) == ("server-gone", u) and "6" in s.detail
 
 
 def test_fault_signals_within_the_window_are_one_incident() -> None:
@@ -452,16 +594,26 @@ def test_fault_signals_within_the_window_are_one_incident() -> None:
         notifier = FakeNotifier()
         watch = EnforcementWatch(notifier, fault_window_s=60, clock=lambda: clock[0])
         p = pod("p", None, uid="u")
+        gpu0 = DaemonKey("GPU-0", U1000)
         xid = XidEvent(0, "GPU-0", 31)
-        assert len(await watch.faults([], [xid], {"GPU-0": 0}, {"GPU-0": [p]})) == 1
+        assert len(await watch.faults([], [xid], {gpu0: 0}, {gpu0: [p]})) == 1  # the GPU's one daemon
         clock[0] = 30
-        assert await watch.faults([], [xid], {"GPU-0": 0}, {"GPU-0": [p]}) == []
+        assert await watch.faults([], [xid], {gpu0: 0}, {gpu0: [p]}) == []
         clock[0] = 200
-        assert len(await watch.faults([], [xid], {"GPU-0": 0}, {"GPU-0": [p]})) == 1
-        assert watch.counts().faults == ((0, "GPU-0", 2),) and watch.counts().xids == ((0, "GPU-0", 31, 3),)
-        # An Xid on a GPU in MIG mode that names no instance counts for each MPS unit on that GPU.
-        faults = await watch.faults([], [XidEvent(1, "GPU-1", 79)], {"MIG-a": 1, "MIG-b": 1, "GPU-0": 0}, {})
-        assert sorted(f.unit_uuid for f in faults) == ["MIG-a", "MIG-b"]
+        assert len(await watch.faults([], [xid], {gpu0: 0}, {gpu0: [p]})) == 1
+        assert watch.counts().faults == ((0, "GPU-0", U1000, 2),) and watch.counts().xids == ((0, "GPU-0", 31, 3),)
+        # An Xid on a GPU with several daemons cannot say whose client faulted: it is told to none of them alone…
+        a, b, other = DaemonKey("MIG-a", U1000), DaemonKey("MIG-b", "pod/x"), DaemonKey("GPU-0", "pod/y")
+        daemons = {a: 1, b: 1, other: 0}
+        assert await watch.faults([], [XidEvent(1, "GPU-1", 79)], daemons, {}) == []
+        # …and adds to the daemon that shows a sign of its own.
+        sign = FaultSignal("MIG-b", "log", "server.log: Server is handling a fatal GPU error.", "pod/x")
+        (f,) = await watch.faults([sign], [XidEvent(1, "GPU-1", 79)], daemons, {})
+        assert (f.daemon, f.sources) == (b, ("log", "xid"))
+        # An Xid that names a MIG instance without an MPS daemon is no other instance's fault.
+        clock[0] = 400
+        assert await watch.faults([], [XidEvent(1, "MIG-c", 31)], daemons, {}) == []
+        assert len(await watch.faults([], [XidEvent(1, "MIG-a", 31)], daemons, {})) == 1
 
     asyncio.run(main())
 
@@ -472,3 +624,26 @@ def test_no_per_process_figures_on_a_mig_gpu_are_unknown_not_zero(tmp_path: Path
     views = attribute(r, backend.pod_uid_of, backend.process_name)
     rows, units = pod_usage(views, {}, _pods("pod-a", "pod-b"), sm_known=False)  # type: ignore[arg-type]
     assert [(row.memory_mib, row.sm_percent) for row in rows] == [(500, None), (730, None)] and units == ()
+
+
+def test_a_client_whose_daemon_cannot_be_read_leaves_a_unit_of_several_servers_unknown() -> None:
+    a, b = DaemonKey("GPU-0", U1000), DaemonKey("GPU-0", "pod/x")
+    pods = _pods("pod-a", "pod-b")
+    ua, ub = sorted(pods)
+
+    def views(client_b: DaemonKey | None, server_b: DaemonKey | None) -> list[ProcView]:
+        return [
+            ProcView(1, 0, "GPU-0", 66, Role.SERVER, None, a),
+            ProcView(2, 0, "GPU-0", 66, Role.SERVER, None, server_b),
+            ProcView(10, 0, "GPU-0", 500, Role.MPS_CLIENT, ua, a),
+            ProcView(11, 0, "GPU-0", 700, Role.MPS_CLIENT, ub, client_b),
+        ]
+
+    sm = {1: 30, 2: 45}
+    rows, units = pod_usage(views(b, b), sm, pods)  # type: ignore[arg-type]
+    assert [r.sm_percent for r in rows] == [30, 45] and {u.tenant for u in units} == {U1000, "pod/x"}
+    rows, _ = pod_usage(views(None, b), sm, pods)  # type: ignore[arg-type]
+    assert [r.sm_percent for r in rows] == [None, None]  # which server it runs on cannot be told: nothing is claimed
+    # Its server's daemon unread, its own read: the one server of unknown daemon is its.
+    rows, _ = pod_usage(views(b, None), sm, pods)  # type: ignore[arg-type]
+    assert [r.sm_percent for r in rows] == [30, 45]

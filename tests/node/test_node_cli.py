@@ -98,3 +98,47 @@ def test_evict_on_audit_flag_reaches_the_watch(tmp_path: Path, monkeypatch: pyte
     assert agent.config.evict_on_audit is True and agent.watch.evict is True
     result = CliRunner().invoke(_app(), ["node-agent", "--help"], terminal_width=200)
     assert "--evict-on-audit" in result.output
+
+
+def test_mps_multi_user_is_off_by_default_and_reaches_the_mps_manager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "sim.yaml").write_text(SIM_YAML)  # H100s and an A30: Hopper and Ampere
+    monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
+    off = build_agent("node-a", None, BackendKind.SIM, tmp_path / "sim.yaml", tmp_path / "dp", "", FakeKube())
+    assert off.config.mps_multi_user is False and off.mps.multi_user is False
+    on = build_agent(
+        "node-a", None, BackendKind.SIM, tmp_path / "sim.yaml", tmp_path / "dp", "", FakeKube(), mps_multi_user=True
+    )
+    assert on.config.mps_multi_user is True and on.mps.multi_user is True
+    result = CliRunner().invoke(_app(), ["node-agent", "--help"], terminal_width=200)
+    assert "--mps-multi-user" in result.output and "isolation between users" in result.output
+
+
+@pytest.mark.parametrize("model", ["P100", "GTX-9000-unknown"])
+def test_mps_multi_user_is_refused_on_a_gpu_older_than_volta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    """On Pascal -M is accepted, but clients that are not root fail in cuInit; a GPU the catalog does not know is
+    not known to be Volta."""
+    (tmp_path / "sim.yaml").write_text(f"gpus: [{{model: H100-80GB}}, {{model: {model}}}]\n")
+    if model != "P100":
+        # The simulated backend takes catalog models only: play an unknown card through the NVML backend's resolution.
+        from sharegpu.node.backends.base import DeviceInfo
+        from sharegpu.node.cli import AgentSetupError, check_multi_user
+
+        class Unknown:
+            def devices(self) -> tuple[DeviceInfo, ...]:
+                return (DeviceInfo(0, "GPU-x", "NVIDIA GTX 9000", model, 8192, 40, False),)
+
+        with pytest.raises(AgentSetupError, match=r"GPU 0 \(NVIDIA GTX 9000, compute capability 0.0.0\)"):
+            check_multi_user(Unknown())  # type: ignore[arg-type]
+        return
+    monkeypatch.setenv("SHAREGPU_STATE_DIR", str(tmp_path / "state"))
+    argv = ["node-agent", "--node-name", "node-a", "--cdi-dir", str(tmp_path / "cdi"), "--backend", "sim"]
+    argv += ["--sim-config", str(tmp_path / "sim.yaml"), "--mps-multi-user", "--kubeconfig", str(tmp_path / "none")]
+    result = CliRunner().invoke(_app(), argv)
+    assert result.exit_code == 2, result.output
+    assert "--mps-multi-user needs Volta or later" in result.output
+    assert "GPU 1 (Simulated P100, compute capability 6.0.0)" in result.output and "GPU 0" not in result.output
+    assert "Traceback" not in result.output

@@ -17,6 +17,7 @@ from node_fakes import SIM_YAML, FakeKube, FakeKubelet, KubeletRecord, assignmen
 
 from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.model.contract import cdi_allocation_name
+from sharegpu.model.tenant import tenant_dir
 from sharegpu.node.allocation import MPS_PIPE_IN_CONTAINER, Allocator
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import parse_sim_config
@@ -203,12 +204,14 @@ def test_mps_share_gets_the_daemon_pipe_and_limits_in_its_cdi_spec(sock_dir: Pat
             "NVIDIA_VISIBLE_DEVICES": rig.uuid(0),
             "SHAREGPU_MECHANISM": "mps",
             "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_IN_CONTAINER,
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
+            # The only share of its tenant on the GPU: its daemon's turn is all its own (daemons take turns).
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100",
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10240M",
         }
         (mount,) = spec["mounts"]
         assert mount["containerPath"] == MPS_PIPE_IN_CONTAINER and "rw" in mount["options"]
-        assert Path(mount["hostPath"]) == rig.mps_root / rig.uuid(0) / "pipe"
+        # Its tenant's daemon: the pod declares no user, so it is a tenant of its own.
+        assert Path(mount["hostPath"]) == rig.mps_root / rig.uuid(0) / tenant_dir("pod/uid-default-infer") / "pipe"
         assert rig.mps_daemon.starts == 1 and (Path(mount["hostPath"]) / SimMpsDaemon.MARKER).exists()
         assert spec["deviceNodes"] == []  # the simulated backend has no device nodes (a runtime stats each one)
         assert rig.state.allocations == {"uid-default-infer": {"c0": (rig.uuid(0),)}}
@@ -261,8 +264,9 @@ def test_mps_inside_a_mig_instance_gets_its_own_daemon(sock_dir: Path) -> None:
         spec = await rig.start(rig.kube.add(pod("m", assignment("m", s))))
         (inst,) = rig.sim.mig_instances(0)
         assert spec["env"]["NVIDIA_VISIBLE_DEVICES"] == inst.uuid
-        assert spec["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
-        assert spec["mounts"][0]["hostPath"] == str(rig.mps_root / inst.uuid / "pipe")
+        assert spec["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"  # alone in its daemon
+        assert spec["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=5120M"
+        assert spec["mounts"][0]["hostPath"] == str(rig.mps_root / inst.uuid / tenant_dir("pod/uid-default-m") / "pipe")
 
     run(sock_dir, body)
 

@@ -81,7 +81,7 @@ def test_running_agent_serves_kubelet_inventory_and_metrics(sock_dir: Path) -> N
             ids = [tokens.devices[0].ID]  # the kubelet hands out one of the advertised tokens
             answer = await kubelet.run_container(record, infer, "c0", ids)
             assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": "void"}
-            assert cdi_spec(config.cdi_dir, ids)["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+            assert cdi_spec(config.cdi_dir, ids)["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
             sim.add_process(4242, g[0], 3000, pod_uid="uid-default-infer", sm_percent=27)
             sim.set_utilization(0, 64, 12)
             while agent.snapshot.pod_usage == () or INVENTORY_ANNOTATION not in kube.nodes["node-a"].annotations:
@@ -100,7 +100,7 @@ def test_running_agent_serves_kubelet_inventory_and_metrics(sock_dir: Path) -> N
             assert _value(s, "sharegpu_gpu_shares", UUID=g[1]) == 1
             assert _value(s, "sharegpu_gpu_compute_promised_ratio", UUID=g[1]) == pytest.approx(3 / 7)
             assert _value(s, "sharegpu_gpu_memory_present_bytes", UUID=g[1]) == 80 * 1024 * 2**20
-            assert _value(s, "sharegpu_mps_daemon_up", UUID=g[0]) == 1
+            assert _value(s, "sharegpu_mps_daemon_up", UUID=g[0], tenant=infer.tenant) == 1
             assert _value(s, "sharegpu_mig_instance", profile="3g.40gb", start="4", managed="true") == 1
             assert (await _get(agent.metrics_server.port, "/nope"))[0] == "HTTP/1.1 404 Not Found"
         finally:

@@ -260,3 +260,39 @@ def test_device_nodes_name_only_nodes_the_host_has(tmp_path: Path) -> None:
     backend = NvmlBackend(FakeNvml(FakeGpu("NVIDIA H100 80GB HBM3"), FakeGpu("NVIDIA H100 80GB HBM3")), dev_root=dev)
     assert backend.device_nodes(1) == ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia11")
     assert backend.device_nodes(0) == ("/dev/nvidiactl", "/dev/nvidia-uvm")  # no /dev/nvidia10 here
+
+
+# What /proc/<pid>/mountinfo shows for a container that CDI gave its tenant's pipe directory (the host's state
+# directory on the root filesystem), and for the agent's own MPS server (the state directory on a filesystem of its own,
+# mounted at the same path: its root there is /sharegpu/...).
+CONTAINER_MOUNTS = """\
+1200 1100 0:52 / / rw,relatime - overlay overlay rw,lowerdir=/x
+1201 1200 0:53 / /proc rw,nosuid - proc proc rw
+1210 1200 259:1 /var/lib/sharegpu/mps/GPU-1/team-a_uid-1000/pipe /run/sharegpu/mps rw,relatime - ext4 /dev/nvme0n1p1 rw
+1211 1200 259:1 /var/lib/x\\040y /mnt/with\\040space rw - ext4 /dev/nvme0n1p1 rw
+"""
+SERVER_MOUNTS = """\
+22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p1 rw
+40 22 259:2 /sharegpu /var/lib/sharegpu rw,relatime shared:9 - xfs /dev/nvme1n1 rw
+"""
+
+
+def test_the_pipe_directory_a_process_uses_is_read_through_its_own_mounts(tmp_path: Path) -> None:
+    from sharegpu.node.backends.nvml import host_pipe_dir
+
+    env = b"PATH=/bin\0CUDA_MPS_PIPE_DIRECTORY=/run/sharegpu/mps\0HOME=/root\0"
+    assert host_pipe_dir(env, CONTAINER_MOUNTS) == "/var/lib/sharegpu/mps/GPU-1/team-a_uid-1000/pipe"
+    assert host_pipe_dir(b"CUDA_MPS_PIPE_DIRECTORY=/run/sharegpu/mps/", CONTAINER_MOUNTS).endswith("uid-1000/pipe")
+    assert host_pipe_dir(b"CUDA_MPS_PIPE_DIRECTORY=/mnt/with space/p", CONTAINER_MOUNTS) == "/var/lib/x y/p"
+    assert host_pipe_dir(b"", CONTAINER_MOUNTS) == "/tmp/nvidia-mps"  # CUDA's default, through the overlay root
+    server_env = b"CUDA_MPS_PIPE_DIRECTORY=/var/lib/sharegpu/mps/GPU-1/team-a_uid-1000/pipe\0"
+    assert host_pipe_dir(server_env, SERVER_MOUNTS) == "/sharegpu/mps/GPU-1/team-a_uid-1000/pipe"
+    assert host_pipe_dir(env, "") is None
+    # Through the backend: /proc/<pid>/environ and mountinfo, and None where either cannot be read.
+    backend = NvmlBackend(FakeNvml(FakeGpu("NVIDIA H100 80GB HBM3")), proc_root=tmp_path)
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "environ").write_bytes(env)
+    (tmp_path / "77" / "mountinfo").write_text(CONTAINER_MOUNTS)
+    assert backend.mps_pipe_dir(77) == "/var/lib/sharegpu/mps/GPU-1/team-a_uid-1000/pipe"
+    (tmp_path / "77" / "environ").unlink()  # no hostPID, or not root: unknown
+    assert backend.mps_pipe_dir(77) is None and backend.mps_pipe_dir(78) is None

@@ -73,7 +73,7 @@ def test_reconcile_with_a_stale_pod_list_keeps_what_prestart_just_made(tmp_path:
             await rec
             assert [i.uuid for i in sim.mig_instances(1)] == [unit]
             assert Path(grant.mounts[0].host_path).is_dir()
-            assert await SimMpsDaemon().healthy(agent.mps.spec(unit))
+            assert await SimMpsDaemon().healthy(agent.mps.spec(unit, pp.tenant))
             assert agent.state.allocated_containers("uid-default-p") == {"c0"}
             assert cdi_spec(agent.config.cdi_dir, ["tp"])["env"]["NVIDIA_VISIBLE_DEVICES"] == unit
             # q arrives while p is still Pending: q's container gets q's share, and p's tie is untouched.

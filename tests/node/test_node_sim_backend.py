@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from sharegpu.node.backends.base import (
+    BackendError,
     InstanceInUse,
     InsufficientResources,
     InvalidPlacement,
@@ -161,3 +162,97 @@ def test_bad_config_gives_a_clear_error(text: str, message: str) -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(SimConfigError, match="cannot read"):
         load_sim_config(tmp_path / "nope.yaml")
+
+
+# ----- MPS as the H200 (driver 580) showed it ------------------------------------------------------------------------
+def test_one_mps_server_serves_one_user_and_another_users_client_waits_until_it_is_free() -> None:
+    """H200: a root client beside a running uid-1000 client on one daemon waited in CUDA initialisation until the
+    uid-1000 client had exited, then ran alone on a new server; a client of the running user joins at once."""
+    sim = _sim()
+    g = sim.devices()[0].uuid
+    assert sim.add_process(10, g, 500, "pod-a", 20, mps=True, daemon="/d/pipe", user=1000)
+    first = sim.mps_server_pid(g)
+    assert sim.mps_server_user("/d/pipe") == 1000
+    assert sim.add_process(11, g, 500, "pod-b", 10, mps=True, daemon="/d/pipe", user=1000)  # same user: joins
+    assert not sim.add_process(12, g, 700, "pod-c", 30, mps=True, daemon="/d/pipe", user=0)  # root: waits
+    assert not sim.add_process(13, g, 300, "pod-d", 5, mps=True, daemon="/d/pipe", user=1000)  # behind it
+    assert sim.mps_waiting("/d/pipe") == (12, 13)
+    # Waiting clients hold no context: listed nowhere, counted nowhere.
+    assert {p.pid for p in sim.processes(0)} == {first, 10, 11}
+    assert {p.pid for p in sim.mps_processes(0) or ()} == {10, 11}
+    assert sim.process_utilization(0) == {first: 30}
+    sim.remove_process(10)
+    assert sim.mps_waiting() == (12, 13)  # uid 1000 still runs there
+    sim.remove_process(11)
+    # The last uid-1000 client is gone: a new server for root runs root's client; uid 1000's later one waits again.
+    second = sim.mps_server_pid(g)
+    assert second not in (None, first) and sim.mps_server_user("/d/pipe") == 0
+    assert {p.pid for p in sim.processes(0)} == {second, 12} and sim.mps_waiting() == (13,)
+    sim.remove_process(12)
+    assert sim.mps_server_user("/d/pipe") == 1000 and sim.mps_waiting() == ()
+    assert {p.pid for p in sim.mps_processes(0) or ()} == {13}
+
+
+def test_an_idle_server_of_another_user_is_replaced_at_once() -> None:
+    sim = _sim()
+    g = sim.devices()[0].uuid
+    sim.start_mps_daemon(g, "/d/pipe")
+    assert sim.add_process(10, g, 500, mps=True, daemon="/d/pipe", user=1000)
+    sim.remove_process(10)
+    idle = sim.mps_server_pid(g)
+    assert idle is not None  # an idle server stays up until its daemon quits…
+    assert sim.add_process(11, g, 500, mps=True, daemon="/d/pipe", user=0)  # …and gives way to another user's client
+    assert sim.mps_server_pid(g) not in (None, idle) and sim.mps_server_user("/d/pipe") == 0
+
+
+def test_daemons_side_by_side_each_run_their_own_server_and_users() -> None:
+    """H200: two control daemons on one GPU, each with its own pipe directory, served a root client and a uid-1000
+    client at the same time."""
+    sim = _sim()
+    g = sim.devices()[0].uuid
+    a = sim.start_mps_daemon(g, "/a/pipe")
+    b = sim.start_mps_daemon(g, "/b/pipe")
+    assert sim.mps_daemons(g) == (a, b)
+    with pytest.raises(BackendError, match="name the client's daemon"):
+        sim.add_process(9, g, 100, mps=True)  # two daemons: a client reaches one through its pipe directory
+    assert sim.add_process(10, g, 500, "pod-a", 25, mps=True, daemon=a, user=0)
+    assert sim.add_process(11, g, 600, "pod-b", 40, mps=True, daemon=b, user=1000)
+    sa, sb = sim.mps_server_pid(g, a), sim.mps_server_pid(g, b)
+    assert sa is not None and sb is not None and sa != sb
+    with pytest.raises(BackendError, match="name the daemon"):
+        sim.mps_server_pid(g)
+    assert {(p.pid, p.used_memory_mib) for p in sim.processes(0)} == {(sa, 66), (sb, 66), (10, 500), (11, 600)}
+    assert sim.process_utilization(0) == {sa: 25, sb: 40}  # each server's pid with its own clients' figure
+    assert (sim.mps_pipe_dir(10), sim.mps_pipe_dir(sb), sim.mps_pipe_dir(11)) == (a, b, b)
+    sim.stop_mps_daemon(a)  # the daemon quits: its server and clients end, the other daemon's run on
+    assert {p.pid for p in sim.processes(0)} == {sb, 11}
+
+
+def test_a_multi_user_daemon_serves_every_user_at_once() -> None:
+    sim = _sim()
+    g = sim.devices()[0].uuid
+    m = sim.start_mps_daemon(g, "/m/pipe", multi_user=True)
+    assert all(sim.add_process(10 + u, g, 100, mps=True, daemon=m, user=u) for u in (0, 1000, 4242))
+    assert sim.mps_waiting() == () and len(sim.processes(0)) == 4 and sim.mps_server_user(m) is None
+
+
+def test_a_fault_ends_its_servers_clients_only_reports_no_xid_and_the_daemon_serves_again(tmp_path: Path) -> None:
+    sim = _sim()
+    g = sim.devices()[0].uuid
+    a = sim.start_mps_daemon(g, tmp_path / "a" / "pipe", log_dir=tmp_path / "a" / "log")
+    b = sim.start_mps_daemon(g, tmp_path / "b" / "pipe", log_dir=tmp_path / "b" / "log")
+    sim.add_process(10, g, 100, "pod-a", mps=True, daemon=a)
+    sim.add_process(11, g, 100, "pod-a2", mps=True, daemon=a)
+    sim.add_process(12, g, 100, "pod-b", mps=True, daemon=b, user=1000)
+    sim.add_process(13, sim.devices()[1].uuid, 100, "pod-ts")  # a time-sliced process on another GPU
+    server = sim.mps_server_pid(g, a)
+    assert sim.mps_fault(g, daemon=a) == (10, 11)
+    assert sim.xid_events() == ()  # driver 580 reported none
+    assert {p.pid for p in sim.processes(0)} == {server, sim.mps_server_pid(g, b), 12}
+    assert {p.pid for p in sim.processes(1)} == {13}
+    assert sim.add_process(14, g, 100, "pod-c", mps=True, daemon=a) and sim.mps_server_pid(g, a) == server
+    assert (tmp_path / "a" / "log" / "server.log").read_text().count("\n") == 2
+    assert not (tmp_path / "b" / "log" / "server.log").exists()
+    # Where a test wants the Xid a fault may raise elsewhere, it asks for one.
+    sim.mps_fault(g, daemon=a, xid=31)
+    assert [x.xid for x in sim.xid_events()] == [31]

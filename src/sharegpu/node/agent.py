@@ -4,6 +4,10 @@ Every ``interval_s`` it reads the GPUs, lists the pods bound to this node, recon
 daemons with their assignments, publishes the inventory and refreshes the metrics. The device plugin serves
 the kubelet beside it. A restarted agent adopts what it finds (MIG instances it recorded as its own, MPS daemons
 that still answer, containers already allocated) and changes nothing a running pod depends on.
+
+MPS daemons are kept per (unit, tenant) (:mod:`sharegpu.model.tenant`; one per unit in multi-user mode): a daemon
+runs while a pod of its tenant holds an MPS share of its unit, with limits from its tenant's shares there, and its
+health, logs and server are watched apart from the unit's other daemons.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sharegpu.kube.errors import KubeError
-from sharegpu.model.assignment import Assignment, InvalidAssignment, Mechanism
+from sharegpu.model.assignment import Assignment, GpuShare, InvalidAssignment, Mechanism
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
+from sharegpu.model.tenant import TenantConflict
 from sharegpu.node.allocation import Allocator
 from sharegpu.node.attribution import CHECKPOINT_FILE, DEFAULT_POD_RESOURCES_SOCKET, Attributor, PodResourcesClient
 from sharegpu.node.audit import (
@@ -47,7 +52,7 @@ from sharegpu.node.metrics import (
     new_registry,
 )
 from sharegpu.node.mig import MigManager, MigNeed
-from sharegpu.node.mps import MpsDaemon, MpsError, MpsLimits, MpsManager
+from sharegpu.node.mps import DaemonKey, MpsDaemon, MpsError, MpsLimits, MpsManager
 from sharegpu.node.mps_faults import MpsLogWatch, ServerWatch
 from sharegpu.node.publish import InventoryPublisher, build_node_spec
 from sharegpu.node.state import AgentState, StateError
@@ -70,6 +75,8 @@ class AgentConfig:
     pod_resources_socket: Path = DEFAULT_POD_RESOURCES_SOCKET  # the kubelet's record of whose container starts
     cdi_dir: Path = DEFAULT_CDI_DIR  # where PreStartContainer writes each container's CDI spec
     evict_on_audit: bool = False  # evict a pod the enforcement audit finds breaking its share (Eviction API)
+    # One -M daemon per unit serving every user (checked Volta or later by the CLI), instead of a daemon per tenant.
+    mps_multi_user: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +92,8 @@ class ReconcileResult:
 class _Desired:
     mig: set[MigNeed] = field(default_factory=set)
     non_mig_users: dict[int, set[str]] = field(default_factory=dict)  # GPU index → pods that use it without MIG
-    mps_gpus: set[str] = field(default_factory=set)  # GPU UUIDs with MPS shares outside MIG
-    mps_mig: set[MigNeed] = field(default_factory=set)  # MIG instances whose shares use MPS
-    mps_limits: dict[str | MigNeed, MpsLimits] = field(default_factory=dict)  # per unit: its largest share
+    # (GPU UUID or MIG instance, tenant of the daemon) → the MPS shares its daemon serves
+    mps: dict[tuple[str | MigNeed, str], list[GpuShare]] = field(default_factory=dict)
 
 
 class NodeAgent:
@@ -108,7 +114,7 @@ class NodeAgent:
         self.catalog = catalog
         self.state = AgentState(config.state_dir / STATE_FILE)
         self.mig = MigManager(backend, self.state, catalog)
-        self.mps = MpsManager(config.state_dir / "mps", mps_daemon)
+        self.mps = MpsManager(config.state_dir / "mps", mps_daemon, multi_user=config.mps_multi_user)
         attributor = Attributor(
             GPU_RESOURCE, PodResourcesClient(config.pod_resources_socket), config.plugin_dir / CHECKPOINT_FILE
         )
@@ -134,8 +140,8 @@ class NodeAgent:
         self.watch = EnforcementWatch(notifier, evict=config.evict_on_audit)
         self.mps_logs = MpsLogWatch()
         self.mps_servers = ServerWatch()
-        self._sharers_before: dict[str, dict[str, PodInfo]] = {}  # MPS unit → pods that shared it, last reconcile
-        self._mps_units_before: dict[str, int] = {}
+        self._sharers_before: dict[DaemonKey, dict[str, PodInfo]] = {}  # daemon → pods it served, last reconcile
+        self._mps_daemons_before: dict[DaemonKey, int] = {}
         self.metrics_server: MetricsServer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -182,11 +188,12 @@ class NodeAgent:
         pods = [p for p in await self.kube.pods_on_node(self.config.node_name) if p.node_name == self.config.node_name]
         live = [p for p in pods if not p.finished]
         assignments, invalid = self._assignments(live)
+        tenants = self._tenants(live, assignments, invalid)
         # Everything below destroys, stops or forgets. It runs under the allocator's lock, so no Allocate runs in
         # between, and it counts what Allocate handed out since (or just before) ``pods`` was listed: that list
         # can predate a grant, and must never undo one.
         async with self.allocator.lock:
-            errors = await self._reconcile_units(pods, listed_at, assignments, invalid)
+            errors = await self._reconcile_units(pods, listed_at, assignments, invalid, tenants)
         spec = build_node_spec(
             self.config.node_name,
             self.backend,
@@ -195,13 +202,37 @@ class NodeAgent:
             node.cpu_milli,
             node.memory_mib,
             self.catalog,
+            mps_multi_user=self.config.mps_multi_user,
         )
         published = await self.publisher.publish(spec, node.labels, node.annotations)
         readings = self.read_gpus()
-        views = {r.device.index: attribute(r, self.backend.pod_uid_of, self.backend.process_name) for r in readings}
-        faults = await self._enforce(readings, views, live, assignments, errors)
+        views = {
+            r.device.index: attribute(r, self.backend.pod_uid_of, self.backend.process_name, self._daemon_of)
+            for r in readings
+        }
+        faults = await self._enforce(readings, views, live, assignments, errors, tenants)
         self.snapshot = self._snapshot(pods, assignments, readings, views, len(invalid), len(errors))
         return ReconcileResult(tuple(assignments), tuple(invalid), tuple(errors), published, tuple(faults))
+
+    def _daemon_of(self, pid: int) -> DaemonKey | None:
+        """The daemon (of this agent's) an MPS client or server is tied to by its pipe directory; None: unknown."""
+        return self.mps.daemon_of_pipe(self.backend.mps_pipe_dir(pid))
+
+    def _tenants(self, live: list[PodInfo], assignments: list[Assignment], invalid: list[str]) -> dict[str, str]:
+        """Per pod key, the tenant of the daemon that serves its MPS shares on this node (pods with MPS shares only);
+        a pod whose GPU containers declare different UIDs has none (it is refused at PreStartContainer)."""
+        by_key = {p.key: p for p in live}
+        out: dict[str, str] = {}
+        for a in assignments:
+            p = by_key.get(a.pod)
+            if p is None or not any(s.sharing is Mechanism.MPS for s in a.shares):
+                continue
+            try:
+                out[a.pod] = self.mps.tenant_key(p.tenant)
+            except TenantConflict as e:
+                invalid.append(f"pod {a.pod}: {e}")
+                log.warning("pod %s: %s", a.pod, e)
+        return out
 
     def read_gpus(self) -> list[GpuReading]:
         """Every GPU's processes, MPS clients, utilisation and MIG instances, read once per reconcile; a GPU that
@@ -221,8 +252,10 @@ class NodeAgent:
         live: list[PodInfo],
         assignments: list[Assignment],
         errors: list[str],
+        tenants: dict[str, str],
     ) -> list[MpsFault]:
-        """The enforcement audit and the MPS fault watch; faults get their unit's daemon checked (and restarted)."""
+        """The enforcement audit and the MPS fault watch, per daemon; a fault gets its daemon checked (and
+        restarted), the unit's other daemons are left alone."""
         by_uid = {p.uid: p for p in live}
         uid_of = {p.key: p.uid for p in live}
         instances = {r.device.index: r.instances for r in readings}
@@ -232,51 +265,66 @@ class NodeAgent:
                 shares[uid_of[a.pod]] = unit_shares(a, instances)
         procs = [p for r in readings for p in views[r.device.index]]
         known = {r.device.index: r.mps_clients is not None for r in readings}
-        await self.watch.findings(audit(procs, by_uid, shares, known))
+        tenant_by_uid = {uid_of[k]: t for k, t in tenants.items() if k in uid_of}
+        await self.watch.findings(audit(procs, by_uid, shares, known, tenant_by_uid))
 
-        sharers_now: dict[str, dict[str, PodInfo]] = {}
-        units_now: dict[str, int] = {}
+        sharers_now: dict[DaemonKey, dict[str, PodInfo]] = {}
+        daemons_now: dict[DaemonKey, int] = {}
         for uid, held in shares.items():
+            if uid not in tenant_by_uid:
+                continue
             for s in held:
                 if s.sharing is Mechanism.MPS:
-                    sharers_now.setdefault(s.unit_uuid, {})[uid] = by_uid[uid]
-                    units_now[s.unit_uuid] = s.gpu_index
+                    key = DaemonKey(s.unit_uuid, tenant_by_uid[uid])
+                    sharers_now.setdefault(key, {})[uid] = by_uid[uid]
+                    daemons_now[key] = s.gpu_index
         # Pods whose clients just died may be finished already: those of the last reconcile are told too.
-        units = self._mps_units_before | units_now
-        sharers = {u: [*(self._sharers_before.get(u, {}) | sharers_now.get(u, {})).values()] for u in units}
-        self._sharers_before, self._mps_units_before = sharers_now, units_now
-        daemons = self.mps.running_units()
+        daemons = self._mps_daemons_before | daemons_now
+        sharers = {k: [*(self._sharers_before.get(k, {}) | sharers_now.get(k, {})).values()] for k in daemons}
+        self._sharers_before, self._mps_daemons_before = sharers_now, daemons_now
+        running = self.mps.running()
         log_dirs = {}
-        for u in set(units) | daemons:
+        for k in set(daemons) | running:
             try:
-                log_dirs[u] = self.mps.spec(u).log_dir
+                log_dirs[k] = self.mps.spec_of(k).log_dir
             except MpsError:
                 continue
-        servers: dict[str, list[int]] = {}
+        servers: dict[DaemonKey, list[int]] = {}
         for p in procs:
-            if p.role is Role.SERVER:
-                servers.setdefault(p.unit_uuid, []).append(p.pid)
-        signals = self.mps_logs.scan(log_dirs) + self.mps_servers.update(servers, daemons, units)
+            if p.role is not Role.SERVER:
+                continue
+            key_of: DaemonKey | None = p.daemon
+            if key_of is None:  # its pipe directory unread: the unit's one daemon, where it runs one
+                here = [k for k in running if k.unit_uuid == p.unit_uuid]
+                key_of = here[0] if len(here) == 1 else None
+            if key_of is not None:
+                servers.setdefault(key_of, []).append(p.pid)
+        signals = self.mps_logs.scan(log_dirs) + self.mps_servers.update(servers, running, daemons)
         try:
             xids = self.backend.xid_events()
         except BackendError as e:
             log.warning("cannot read Xid events: %s", e)
             xids = ()
-        faults = await self.watch.faults(signals, xids, units, sharers)
+        faults = await self.watch.faults(signals, xids, daemons, sharers)
         for f in faults:
-            if f.unit_uuid not in self.mps.running_units():
+            if f.daemon not in self.mps.running():
                 continue
             try:
                 # A daemon that no longer answers is restarted with the limits it enforced (grow: an Allocate that
-                # widened them meanwhile is kept); a healthy one keeps its state: the daemon replaces the server that
-                # faulted when the next client connects.
-                await self.mps.ensure(f.unit_uuid, self.mps.limits(f.unit_uuid))
+                # widened them meanwhile is kept); a healthy one keeps its state: its server serves the next client
+                # once the faulting clients have exited (the H200's daemon did).
+                await self.mps.ensure(f.unit_uuid, f.tenant, self.mps.limits(f.daemon))
             except MpsError as e:
-                errors.append(f"after a fault on {f.unit_uuid}: {e}")
+                errors.append(f"after a fault on {f.daemon}: {e}")
         return faults
 
     async def _reconcile_units(
-        self, pods: list[PodInfo], listed_at: float, assignments: list[Assignment], invalid: list[str]
+        self,
+        pods: list[PodInfo],
+        listed_at: float,
+        assignments: list[Assignment],
+        invalid: list[str],
+        tenants: dict[str, str],
     ) -> list[str]:
         # A grant counts only when it is newer than the start of this pod list (a list is a quorum read, so one that
         # started after a grant shows its pod, unless the pod is already gone). Once such a list exists, the lists
@@ -284,16 +332,15 @@ class NodeAgent:
         # once, as the scheduler frees its share. (Counting grants until a list *showed* their pod kept a GPU out of
         # MIG mode for the whole grace period after a pod that ran, finished and was deleted between two lists.)
         recent = tuple(g for g in self.allocator.recent_grants() if g.at >= listed_at)
-        desired = self._desired(assignments, invalid)
-        granted_mps: dict[str, MpsLimits] = {}
+        desired = self._desired(assignments, invalid, tenants)
+        granted_mps: dict[DaemonKey, MpsLimits] = {}
         for g in recent:
             desired.mig |= g.mig
             for gpu in g.non_mig_gpus:
                 desired.non_mig_users.setdefault(gpu, set()).add(f"pod {g.pod_key} (just granted)")
-            for unit, limits in g.mps:
-                granted_mps[unit] = limits.union(granted_mps.get(unit))
+            for key, limits in g.mps:
+                granted_mps[key] = limits.union(granted_mps.get(key))
         errors = list(self.mig.reconcile(desired.mig, desired.non_mig_users).errors)
-        mps_units = set(desired.mps_gpus)
         instances: dict[MigNeed, str] = {}
         for d in self.backend.devices():
             if not d.mig_enabled:
@@ -302,18 +349,23 @@ class NodeAgent:
                 instances |= {MigNeed(d.index, i.start, i.profile): i.uuid for i in self.backend.mig_instances(d.index)}
             except BackendError as e:  # a lost GPU: the others are still served
                 errors.append(f"GPU {d.index}: cannot list MIG instances: {e}")
-        mps_limits = {u: desired.mps_limits[u] for u in desired.mps_gpus if u in desired.mps_limits}
-        for need in desired.mps_mig:
-            if need in instances:
-                mps_units.add(instances[need])
-                if need in desired.mps_limits:
-                    mps_limits[instances[need]] = desired.mps_limits[need]
+        # Each daemon's limits: the largest of its tenant's shares on the unit, each capped against the others.
+        mps_limits: dict[DaemonKey, MpsLimits] = {}
+        for (place, tenant), held in sorted(desired.mps.items(), key=lambda kv: str(kv[0])):
+            if isinstance(place, MigNeed):
+                if place not in instances:
+                    errors.append(f"GPU {place.gpu_index}: no {place.profile} instance at slot {place.start} for MPS")
+                    continue
+                unit = instances[place]
             else:
-                errors.append(f"GPU {need.gpu_index}: no {need.profile} instance at slot {need.start} for MPS")
-        for unit, limits in granted_mps.items():
-            mps_units.add(unit)
-            mps_limits[unit] = limits.union(mps_limits.get(unit))
-        errors += await self.mps.reconcile(mps_units, mps_limits)
+                unit = place
+            together = sum(s.compute_milli for s in held)
+            key = DaemonKey(unit, tenant)
+            for s in held:
+                mps_limits[key] = MpsLimits.of_share(s.compute_milli, s.memory_mib, together).union(mps_limits.get(key))
+        for key, limits in granted_mps.items():
+            mps_limits[key] = limits.union(mps_limits.get(key))
+        errors += await self.mps.reconcile(set(mps_limits), mps_limits)
         # Forget a pod's allocations only when two lists in a row lack it and no recent grant is its: a list
         # that predates the pod (or lags behind it) must not make its containers allocatable again.
         keep = {p.uid for p in pods} | {g.pod_uid for g in recent}
@@ -357,7 +409,7 @@ class NodeAgent:
             log.warning("%s", message)
         return out, invalid
 
-    def _desired(self, assignments: list[Assignment], invalid: list[str]) -> _Desired:
+    def _desired(self, assignments: list[Assignment], invalid: list[str], tenants: dict[str, str]) -> _Desired:
         by_index = {d.index: d for d in self.backend.devices()}
         want = _Desired()
         for a in assignments:
@@ -366,19 +418,14 @@ class NodeAgent:
                 if dev is None or dev.uuid != s.gpu_uuid:
                     invalid.append(f"pod {a.pod}: names GPU {s.gpu_index} ({s.gpu_uuid}), which this node lacks")
                     continue
+                place: str | MigNeed = s.gpu_uuid
                 if s.mig is not None:
-                    need = MigNeed(s.gpu_index, s.mig.start, s.mig.profile)
-                    want.mig.add(need)
-                    if s.sharing is Mechanism.MPS:
-                        want.mps_mig.add(need)
+                    place = MigNeed(s.gpu_index, s.mig.start, s.mig.profile)
+                    want.mig.add(place)
                 else:
                     want.non_mig_users.setdefault(s.gpu_index, set()).add(f"pod {a.pod}")
-                    if s.sharing is Mechanism.MPS:
-                        want.mps_gpus.add(s.gpu_uuid)
-                if s.sharing is Mechanism.MPS:
-                    unit: str | MigNeed = need if s.mig is not None else s.gpu_uuid
-                    limits = MpsLimits.of_share(s.compute_milli, s.memory_mib)
-                    want.mps_limits[unit] = limits.union(want.mps_limits.get(unit))
+                if s.sharing is Mechanism.MPS and a.pod in tenants:
+                    want.mps.setdefault((place, tenants[a.pod]), []).append(s)
         return want
 
     def _gpu_fraction(self, gpu_index: int, profile: str | None) -> float:

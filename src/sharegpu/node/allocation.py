@@ -11,6 +11,12 @@ so the work is split in two, and nothing is ever guessed:
   ``sharegpu.io/assignment``, makes the share ready (MIG instance, MPS daemon and its limits) and writes the CDI
   spec that the runtime then applies: the visible unit, the limits and the MPS pipe.
 
+An MPS share is served by its tenant's daemon on its unit (:mod:`sharegpu.model.tenant`: the pod's namespace and
+declared UID, or the pod alone; on a multi-user node the unit's one daemon): the CDI spec mounts that daemon's pipe
+directory only, so the container cannot reach another tenant's server. Its thread cap is its share against the other
+shares of its tenant on the unit (the daemon's clients run together, the unit's daemons take turns:
+:func:`~sharegpu.node.mps.thread_percentage`). A pod whose GPU containers declare different UIDs is refused.
+
 Which share a container gets: the kubelet gives a pod exactly as many device IDs as the kube-scheduler counts GPUs
 for it (:mod:`sharegpu.model.demand`), handing an init container's IDs on to later containers. So each device ID of a
 pod is tied to one share of its assignment the first time it is seen, for the pod's life (recorded in the agent's
@@ -37,13 +43,14 @@ from sharegpu.model.contract import (
     cdi_allocation_name,
     cdi_device_id,
 )
+from sharegpu.model.tenant import TenantConflict
 from sharegpu.node.attribution import AttributionError, Attributor, Owner
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import CdiDevice, CdiError, CdiMount, CdiWriter
 from sharegpu.node.errors import NodeError
 from sharegpu.node.kube import KubeApi, PodInfo
 from sharegpu.node.mig import MigError, MigInvalid, MigManager, MigNeed
-from sharegpu.node.mps import MpsError, MpsLimits, MpsManager, mps_client_env
+from sharegpu.node.mps import DaemonKey, MpsError, MpsLimits, MpsManager, mps_client_env
 from sharegpu.node.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -93,7 +100,25 @@ class RecentGrant:
     at: float  # time.monotonic() when it was made
     mig: frozenset[MigNeed] = frozenset()
     non_mig_gpus: frozenset[int] = frozenset()
-    mps: tuple[tuple[str, MpsLimits], ...] = ()  # unit UUID and the limits its daemon was given
+    mps: tuple[tuple[DaemonKey, MpsLimits], ...] = ()  # the daemon that serves it and the limits it was given
+
+
+def same_place(a: GpuShare, b: GpuShare) -> bool:
+    """Whether two shares sit on one unit: the same GPU, and the same MIG instance or none."""
+    return a.gpu_uuid == b.gpu_uuid and a.mig == b.mig
+
+
+def tenant_compute(share: GpuShare, tenant: str, pods: Sequence[tuple[Assignment, str]]) -> int:
+    """The compute of every MPS share of ``tenant`` on ``share``'s unit (``pods``: each pod's assignment and the tenant
+    of the daemon that serves it): what a client's thread cap is held against (at least ``share``'s own)."""
+    total = sum(
+        s.compute_milli
+        for a, t in pods
+        if t == tenant
+        for s in a.shares
+        if s.sharing is Mechanism.MPS and same_place(s, share)
+    )
+    return max(total, share.compute_milli)
 
 
 def share_text(s: GpuShare) -> str:
@@ -153,10 +178,10 @@ class Allocator:
                 owner = await self._attributor.owner(ids)
             except AttributionError as e:
                 raise AllocationError(str(e)) from None
-            pod = await self._pod_of(owner, deadline)
+            pod, pods = await self._pod_of(owner, deadline)
             assignment = self._assignment_of(pod)
             shares = self._shares_for(pod, assignment, ids)
-            grant = await self._grant(pod, owner.container, shares, deadline, cdi_allocation_name(ids))
+            grant = await self._grant(pod, owner.container, shares, deadline, cdi_allocation_name(ids), pods)
             try:
                 self.cdi.write_allocation(
                     CdiDevice(
@@ -168,7 +193,7 @@ class Allocator:
                 )
             except CdiError as e:
                 raise AllocationError(f"pod {pod.key}: {e}") from None
-            self._remember(pod, shares, grant)
+            self._remember(pod, shares, grant, pods)
             self._state.record_allocation(pod.uid, owner.container, grant.units, grant.cdi_name)
             log.info(
                 "prestart: %s container %s gets %s (device IDs %s)",
@@ -196,12 +221,21 @@ class Allocator:
         self._recent = [g for g in self._recent if g.at >= cutoff]
         return tuple(self._recent)
 
-    def _remember(self, pod: PodInfo, shares: tuple[GpuShare, ...], grant: ContainerGrant) -> None:
-        mps = tuple(
-            (unit, MpsLimits.of_share(s.compute_milli, s.memory_mib))
-            for s, unit in zip(shares, grant.units, strict=True)
-            if s.sharing is Mechanism.MPS
-        )
+    def _remember(
+        self, pod: PodInfo, shares: tuple[GpuShare, ...], grant: ContainerGrant, pods: Sequence[PodInfo]
+    ) -> None:
+        mps: tuple[tuple[DaemonKey, MpsLimits], ...] = ()
+        if any(s.sharing is Mechanism.MPS for s in shares):
+            tenant = self._tenant(pod)
+            peers = self.mps_peers(pods)
+            mps = tuple(
+                (
+                    self._mps.key(unit, tenant),
+                    MpsLimits.of_share(s.compute_milli, s.memory_mib, tenant_compute(s, tenant, peers)),
+                )
+                for s, unit in zip(shares, grant.units, strict=True)
+                if s.sharing is Mechanism.MPS
+            )
         self.recent_grants()  # prune
         self._recent.append(
             RecentGrant(
@@ -214,9 +248,35 @@ class Allocator:
             )
         )
 
+    # ----- whose tenant -----------------------------------------------------------------------------------------
+    def _tenant(self, pod: PodInfo) -> str:
+        """The tenant of the daemon that serves ``pod``'s MPS clients on this node."""
+        try:
+            return self._mps.tenant_key(pod.tenant)
+        except TenantConflict as e:
+            raise AllocationError(f"pod {pod.key}: {e}") from None
+
+    def mps_peers(self, pods: Sequence[PodInfo]) -> list[tuple[Assignment, str]]:
+        """The live pods of this node (``pods``: as the API lists them, the starting one included) with an MPS share,
+        as (assignment, tenant of the daemon that serves them); a pod whose assignment or tenant cannot be read is
+        left out (it is refused when its containers start)."""
+        out = []
+        for p in pods:
+            text = p.annotations.get(ASSIGNMENT_ANNOTATION)
+            if p.finished or p.node_name != self.node_name or text is None:
+                continue
+            try:
+                a = Assignment.from_json(text)
+                if a.node == self.node_name and a.pod == p.key and any(s.sharing is Mechanism.MPS for s in a.shares):
+                    out.append((a, self._mps.tenant_key(p.tenant)))
+            except (InvalidAssignment, TenantConflict):
+                continue
+        return out
+
     # ----- whose container -------------------------------------------------------------------------------------
-    async def _pod_of(self, owner: Owner, deadline: float) -> PodInfo:
-        """The pod the kubelet named, as the API has it (this agent's list may lag a moment: retry, bounded)."""
+    async def _pod_of(self, owner: Owner, deadline: float) -> tuple[PodInfo, list[PodInfo]]:
+        """The pod the kubelet named, as the API has it (this agent's list may lag a moment: retry, bounded), and the
+        node's pods as that list showed them."""
         last_error = ""
         while True:
             try:
@@ -230,7 +290,7 @@ class Allocator:
                 and (not owner.uid or p.uid == owner.uid)
             ]
             if len(found) == 1 and found[0].node_name == self.node_name:
-                return found[0]
+                return found[0], pods
             if time.monotonic() >= deadline:
                 why = f" (last API error: {last_error})" if last_error else ""
                 raise AllocationError(
@@ -284,7 +344,13 @@ class Allocator:
 
     # ----- what enforces it ------------------------------------------------------------------------------------
     async def _grant(
-        self, pod: PodInfo, container: str, shares: tuple[GpuShare, ...], deadline: float, cdi_name: str
+        self,
+        pod: PodInfo,
+        container: str,
+        shares: tuple[GpuShare, ...],
+        deadline: float,
+        cdi_name: str,
+        pods: Sequence[PodInfo],
     ) -> ContainerGrant:
         devices = {d.index: d for d in self._backend.devices()}
         units: list[str] = []
@@ -321,14 +387,20 @@ class Allocator:
                     "one GPU or MIG instance; give each MPS share its own container"
                 )
             i, s = mps[0]
+            tenant = self._tenant(pod)
+            # Its cap is held against its own tenant's shares on the unit: the clients it runs beside.
+            together = tenant_compute(s, tenant, self.mps_peers(pods))
             try:
-                # The daemon holds the client to its share (at least: to the largest share on the unit) before the
-                # container may start; the environment below can only lower that further.
-                spec = await self._mps.ensure(units[i], MpsLimits.of_share(s.compute_milli, s.memory_mib))
+                # Its tenant's daemon holds the client to its share (at least: to the largest of the tenant's shares on
+                # the unit) before the container may start; the environment below can only lower that further.
+                spec = await self._mps.ensure(
+                    units[i], tenant, MpsLimits.of_share(s.compute_milli, s.memory_mib, together)
+                )
             except MpsError as e:
                 raise AllocationError(f"pod {pod.key}: {e}") from None
+            # Only its own daemon's pipe directory: a container cannot reach another tenant's server.
             mounts.append(CdiMount(MPS_PIPE_IN_CONTAINER, str(spec.pipe_dir)))
-            envs |= mps_client_env(MPS_PIPE_IN_CONTAINER, s.compute_milli, s.memory_mib)
+            envs |= mps_client_env(MPS_PIPE_IN_CONTAINER, s.compute_milli, s.memory_mib, together)
         return ContainerGrant(
             pod.key, pod.uid, container, tuple(units), envs, tuple(mounts), tuple(dict.fromkeys(nodes)), cdi_name
         )

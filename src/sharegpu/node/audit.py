@@ -7,12 +7,17 @@ clients), ties each process to its pod (``/proc/<pid>/cgroup``) and reports what
 - ``wrong-unit``: a pod's process on a GPU or MIG instance the pod holds no share of (or a pod with no share at all);
 - ``mps-bypass``: a process of a pod whose share on the unit is MPS, holding its own context instead of being an MPS
   client: it runs without the daemon's limits (a client that cannot reach its control daemon runs without MPS);
+- ``mps-other-tenant``: a pod's MPS client connected to the daemon of another tenant (:mod:`sharegpu.model.tenant`)
+  than its own: it shares a server, and a fault domain, with pods that were never meant to be its neighbours (and
+  waits on them where they run as another user). The daemon is told by the pipe directory the process reaches
+  it by (:meth:`~sharegpu.node.backends.base.GpuBackend.mps_pipe_dir`); where that cannot be read, nothing is claimed;
 - ``memory-over-share``: a pod's processes on a unit use more memory than its share (shares with a memory figure);
 - ``no-pod``: a process on the GPU that belongs to no pod (the MPS servers themselves excepted).
 
 The same reading gives each pod's usage (:func:`pod_usage`): memory per process always; SM utilisation per process
-except under MPS, where NVML reports the server's pid only, so a pod's figure is known only when it is the unit's one
-client pod. Everything here is pure: the agent passes in what the backend read.
+except under MPS, where NVML reports each server's pid only, so a pod's figure is known only when it is the one client
+pod of its daemon's server (a unit runs a daemon per tenant). Everything here is pure: the agent passes in what the
+backend read.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from sharegpu.model.assignment import Assignment, Mechanism
+from sharegpu.model.tenant import describe
 from sharegpu.node.backends.base import (
     DeviceInfo,
     GpuBackend,
@@ -31,11 +37,13 @@ from sharegpu.node.backends.base import (
     is_mps_server_name,
 )
 from sharegpu.node.kube import PodInfo
+from sharegpu.node.mps import DaemonKey
 
 
 class FindingKind(StrEnum):
     WRONG_UNIT = "wrong-unit"
     MPS_BYPASS = "mps-bypass"
+    MPS_OTHER_TENANT = "mps-other-tenant"
     MEMORY_OVER_SHARE = "memory-over-share"
     NO_POD = "no-pod"
 
@@ -69,6 +77,7 @@ class ProcView:
     memory_mib: int
     role: Role
     pod_uid: str | None
+    daemon: DaemonKey | None = None  # the MPS daemon it is a client (or the server) of, where known
 
 
 def read_gpu(backend: GpuBackend, device: DeviceInfo) -> GpuReading:
@@ -87,9 +96,13 @@ def read_gpu(backend: GpuBackend, device: DeviceInfo) -> GpuReading:
 
 
 def attribute(
-    reading: GpuReading, pod_uid_of: Callable[[int], str | None], name_of: Callable[[int], str | None]
+    reading: GpuReading,
+    pod_uid_of: Callable[[int], str | None],
+    name_of: Callable[[int], str | None],
+    daemon_of: Callable[[int], DaemonKey | None] | None = None,
 ) -> tuple[ProcView, ...]:
-    """Each process of the plain list with its role and pod.
+    """Each process of the plain list with its role, its pod and (``daemon_of``, for MPS clients and servers) its
+    MPS daemon.
 
     An MPS server is a process the MPS-aware query does not list whose name is the server's; where the name cannot
     be read, one that belongs to no pod and sits on a unit that has MPS clients. Where the driver cannot list MPS
@@ -113,7 +126,8 @@ def attribute(
             role = Role.MPS_CLIENT
         else:
             role = Role.OWN_CONTEXT
-        out.append(ProcView(p.pid, p.gpu_index, p.unit_uuid, p.used_memory_mib, role, uid))
+        daemon = daemon_of(p.pid) if daemon_of is not None and role is not Role.OWN_CONTEXT else None
+        out.append(ProcView(p.pid, p.gpu_index, p.unit_uuid, p.used_memory_mib, role, uid, daemon))
     return tuple(out)
 
 
@@ -165,11 +179,14 @@ def audit(
     pods: Mapping[str, PodInfo],
     shares: Mapping[str, tuple[UnitShare, ...]],
     mps_known: Mapping[int, bool],
+    tenants: Mapping[str, str] | None = None,
 ) -> tuple[Finding, ...]:
     """The findings of one reading.
 
     ``pods``: the node's pods by UID; ``shares``: each pod's units by pod UID (a pod without an assignment has none);
-    ``mps_known``: per GPU index, whether the driver answered the MPS-aware query (a bypass can only be told then).
+    ``mps_known``: per GPU index, whether the driver answered the MPS-aware query (a bypass can only be told then);
+    ``tenants``: per pod UID, the tenant whose daemon serves it on this node (a client of another tenant's daemon is
+    told; a pod missing here is not checked).
     """
     findings: list[Finding] = []
     per_pod_unit: dict[tuple[str, str], list[ProcView]] = {}
@@ -197,12 +214,19 @@ def audit(
             )
         )
     for (uid, unit), ps in sorted(per_pod_unit.items()):
-        findings += _pod_findings(pods[uid], unit, ps, shares.get(uid, ()), mps_known.get(ps[0].gpu_index, False))
+        findings += _pod_findings(
+            pods[uid], unit, ps, shares.get(uid, ()), mps_known.get(ps[0].gpu_index, False), (tenants or {}).get(uid)
+        )
     return tuple(findings)
 
 
 def _pod_findings(
-    owner: PodInfo, unit: str, ps: list[ProcView], held: tuple[UnitShare, ...], mps_known: bool
+    owner: PodInfo,
+    unit: str,
+    ps: list[ProcView],
+    held: tuple[UnitShare, ...],
+    mps_known: bool,
+    tenant: str | None = None,
 ) -> list[Finding]:
     """The findings of one pod's processes on one unit."""
     pids = tuple(sorted(p.pid for p in ps))
@@ -235,6 +259,20 @@ def _pod_findings(
                     own,
                 )
             )
+    foreign = [p for p in ps if p.role is Role.MPS_CLIENT and p.daemon is not None and tenant is not None]
+    foreign = [p for p in foreign if p.daemon is not None and p.daemon.tenant != tenant]
+    for other in sorted({p.daemon for p in foreign if p.daemon is not None}):
+        which = tuple(sorted(p.pid for p in foreign if p.daemon == other))
+        out.append(
+            finding(
+                FindingKind.MPS_OTHER_TENANT,
+                f"process(es) {_pids(which)} of this pod on {share.label} are clients of the MPS daemon of "
+                f"{describe(other.tenant)}, not of its own ({describe(tenant or '')}): they share that server and its "
+                "fault domain with pods of another tenant; check the pod's volumes and CUDA_MPS_PIPE_DIRECTORY (only "
+                "its own daemon's pipe directory is mounted for it)",
+                which,
+            )
+        )
     used = sum(p.memory_mib for p in ps)
     if share.memory_mib > 0 and used > share.memory_mib:
         out.append(
@@ -264,36 +302,67 @@ class UsageRow:
 
 @dataclass(frozen=True, slots=True)
 class MpsUnitUsage:
-    """An MPS server's SM figure for its unit: all its clients together."""
+    """An MPS server's SM figure: all its clients together. A unit runs a server per daemon (per tenant)."""
 
     gpu_index: int
     unit_uuid: str
     sm_percent: int
     client_pods: int
+    tenant: str | None = None  # the tenant of the server's daemon (None: not known)
+
+
+_Server = tuple[str, DaemonKey | None]  # (unit, daemon): one MPS server
 
 
 def pod_usage(
     procs: Iterable[ProcView], sm_percent: Mapping[int, int], pods: Mapping[str, PodInfo], sm_known: bool = True
 ) -> tuple[tuple[UsageRow, ...], tuple[MpsUnitUsage, ...]]:
-    """Each pod's memory and SM use per unit, and each MPS unit's server figure.
+    """Each pod's memory and SM use per unit, and each MPS server's figure.
 
     Memory is per process under every mechanism. SM utilisation is per process too, except for MPS clients: NVML
-    gives the server's pid the figure of all its clients, so an MPS unit with one client pod gives that pod the
-    server's figure, and one with several leaves each pod's figure unknown (None), never 0. ``sm_known`` False (a
-    GPU in MIG mode that gave no figures: NVML keeps none there) leaves every SM figure unknown.
+    gives each server's pid the figure of all its clients, so a pod that is the one client pod of its daemon's server
+    gets the server's figure, and one that shares the server with another pod (or with a client of no pod) has an
+    unknown figure (None), never 0. A client is tied to its server by its daemon (:attr:`ProcView.daemon`); one
+    whose daemon (or its server's) is unknown belongs to the unit's server where the unit has one, and leaves every
+    figure of the unit unknown where it has several (or none is listed). ``sm_known`` False (a GPU in MIG mode that gave no figures: NVML keeps none there)
+    leaves every SM figure unknown.
     """
     procs = list(procs)
-    servers: dict[str, int] = {}
+    servers: dict[_Server, int] = {}
     for p in procs:
         if p.role is Role.SERVER:
-            servers[p.unit_uuid] = servers.get(p.unit_uuid, 0) + sm_percent.get(p.pid, 0)
-    client_pods: dict[str, set[str]] = {}
+            server = (p.unit_uuid, p.daemon)
+            servers[server] = servers.get(server, 0) + sm_percent.get(p.pid, 0)
+    on_unit: dict[str, list[_Server]] = {}
+    for server in servers:
+        on_unit.setdefault(server[0], []).append(server)
+
+    def server_of(p: ProcView) -> _Server | None:
+        """The server of client ``p``: its daemon's, else the one server of its unit it can be; None where it cannot
+        be told (several, or none listed)."""
+        here = on_unit.get(p.unit_uuid, [])
+        if p.daemon is not None:
+            if (p.unit_uuid, p.daemon) in servers:
+                return (p.unit_uuid, p.daemon)
+            here = [k for k in here if k[1] is None]  # servers whose daemon could not be read
+        return here[0] if len(here) == 1 else None
+
+    client_pods: dict[_Server, set[str]] = {}
+    shared: set[_Server] = set()  # servers with a client of no (known) pod beside their pods
+    unclear: set[str] = set()  # units with a client whose server cannot be told
     for p in procs:
-        if p.role is Role.MPS_CLIENT and p.pod_uid is not None and p.pod_uid in pods:
-            client_pods.setdefault(p.unit_uuid, set()).add(p.pod_uid)
+        if p.role is not Role.MPS_CLIENT:
+            continue
+        of = server_of(p)
+        if of is None:
+            unclear.add(p.unit_uuid)
+        elif p.pod_uid is not None and p.pod_uid in pods:
+            client_pods.setdefault(of, set()).add(p.pod_uid)
+        else:
+            shared.add(of)
     memory: dict[tuple[str, str], int] = {}
     own: dict[tuple[str, str], int] = {}  # SM of the pod's own contexts
-    mps: dict[tuple[str, str], int | None] = {}  # its part of the MPS server's SM (None: unknown)
+    via: dict[tuple[str, str], set[_Server | None]] = {}  # the servers its MPS clients run on (None: not told)
     gpu_of: dict[str, int] = {}
     for p in procs:
         if p.role is Role.SERVER or p.pod_uid is None or p.pod_uid not in pods:
@@ -301,22 +370,35 @@ def pod_usage(
         key = (p.pod_uid, p.unit_uuid)
         gpu_of[p.unit_uuid] = p.gpu_index
         memory[key] = memory.get(key, 0) + p.memory_mib
-        if not sm_known:
-            mps[key] = None
-        elif p.role is Role.MPS_CLIENT:
-            sole = len(client_pods.get(p.unit_uuid, ())) == 1
-            mps[key] = servers.get(p.unit_uuid, 0) if sole else None
+        if p.role is Role.MPS_CLIENT:
+            via.setdefault(key, set()).add(None if p.unit_uuid in unclear else server_of(p))
         else:
             own[key] = own.get(key, 0) + sm_percent.get(p.pid, 0)
+
+    def mps_part(key: tuple[str, str]) -> int | None:
+        """The pod's part of its servers' figures: theirs where it is their one client pod, else unknown."""
+        total = 0
+        for on in via.get(key, ()):
+            if on is None or on in shared or len(client_pods.get(on, ())) != 1:
+                return None
+            total += servers.get(on, 0)
+        return total
+
     rows = []
     for key, mem in sorted(memory.items()):
-        share = mps.get(key, 0)
+        share = mps_part(key) if sm_known else None
         sm = None if share is None else min(100, own.get(key, 0) + share)
         rows.append(UsageRow(key[0], gpu_of[key[1]], key[1], mem, sm))
     gpu_of_unit = {p.unit_uuid: p.gpu_index for p in procs}
     units = tuple(
-        MpsUnitUsage(gpu_of_unit[u], u, min(100, sm), len(client_pods.get(u, ())))
-        for u, sm in sorted(servers.items())
+        MpsUnitUsage(
+            gpu_of_unit[unit],
+            unit,
+            min(100, sm),
+            len(client_pods.get((unit, daemon), ())),
+            daemon.tenant if daemon is not None else None,
+        )
+        for (unit, daemon), sm in sorted(servers.items(), key=lambda kv: (kv[0][0], str(kv[0][1] or "")))
         if sm_known
     )
     return tuple(rows), units

@@ -21,6 +21,7 @@ import typer
 
 from sharegpu.kube.kubeconfig import KUBECONFIG_HELP
 from sharegpu.kube.names import name_problem
+from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.node.agent import AgentConfig, NodeAgent
 from sharegpu.node.attribution import DEFAULT_POD_RESOURCES_SOCKET
 from sharegpu.node.backends.base import GpuBackend
@@ -109,6 +110,13 @@ def node_agent(
         help="Evict (Eviction API) a pod the enforcement audit finds on a GPU it holds no share of, bypassing MPS, "
         "or above its memory share. Off: such pods get a Warning Event and a metric only.",
     ),
+    mps_multi_user: bool = typer.Option(
+        False,
+        "--mps-multi-user",
+        help="One multi-user MPS daemon (nvidia-cuda-mps-control -M) per GPU or MIG instance for the pods of every "
+        "user, instead of a daemon per tenant. It gives up isolation between users: all clients share one server and "
+        "its fault domain. Volta or later only. Off by default.",
+    ),
 ) -> None:
     """Run the sharegpu node agent: inventory, device plugin, MIG and MPS managers, metrics."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -123,6 +131,7 @@ def node_agent(
             pod_resources_socket=pod_resources_socket,
             cdi_dir=cdi_dir,
             evict_on_audit=evict_on_audit,
+            mps_multi_user=mps_multi_user,
         )
         asyncio.run(_serve(agent))
     except COMMAND_ERRORS as e:
@@ -142,6 +151,7 @@ def build_agent(
     cdi_dir: Path = DEFAULT_CDI_DIR,
     evict_on_audit: bool = False,
     notifier: PodNotifier | None = None,
+    mps_multi_user: bool = False,
 ) -> NodeAgent:
     check_node_name(node_name)
     listen = parse_listen(metrics_listen) if metrics_listen else None
@@ -156,6 +166,8 @@ def build_agent(
         )
     check_cdi_dir(cdi_dir)
     backend, daemon = make_backend(node_name, backend_kind, sim_config)
+    if mps_multi_user:
+        check_multi_user(backend)
     if kube is None:
         from sharegpu.kube.api import LightkubeClusterApi
         from sharegpu.node.kube import LightkubeApi
@@ -171,8 +183,26 @@ def build_agent(
         pod_resources_socket=pod_resources_socket,
         cdi_dir=cdi_dir,
         evict_on_audit=evict_on_audit,
+        mps_multi_user=mps_multi_user,
     )
     return NodeAgent(config, backend, kube, daemon, notifier=notifier)
+
+
+def check_multi_user(backend: GpuBackend, catalog: Catalog = DEFAULT_CATALOG) -> None:
+    """Multi-user MPS (``-M``) needs Volta or later on every GPU: on Pascal the flag is accepted, but clients that are
+    not root fail in CUDA initialisation. A GPU the catalog does not know is not known to be Volta: refused too."""
+    old = []
+    for d in backend.devices():
+        model = catalog.get(d.model)
+        major = model.compute_capability.split(".", 1)[0]
+        if model.generic or not model.mps_capable or not major.isdigit() or int(major) < 7:
+            old.append(f"GPU {d.index} ({d.product}, compute capability {model.compute_capability})")
+    if old:
+        raise AgentSetupError(
+            f"--mps-multi-user needs Volta or later (compute capability 7.0+); this node has {', '.join(old)}: there "
+            "a multi-user MPS daemon serves no client that is not root. Leave --mps-multi-user off on this node (a "
+            "daemon per tenant needs no such mode)"
+        )
 
 
 def make_backend(node_name: str, backend_kind: BackendKind, sim_config: Path | None) -> tuple[GpuBackend, MpsDaemon]:

@@ -4,8 +4,8 @@
 Warning Event on its pod when it first appears, not on every reconcile while it persists; once gone, a recurrence is
 told again. With ``evict`` (``sharegpu node-agent --evict-on-audit``, off by default) a pod with a finding is evicted
 through the Eviction API, which honours its PodDisruptionBudget. An MPS fault (:mod:`sharegpu.node.mps_faults`) gets a
-Warning Event on every pod that shared the unit and one count per incident: signals of one unit within
-``fault_window_s`` of each other are one incident.
+Warning Event on every pod of the daemon whose clients it ended (a unit runs a daemon per tenant; the others' clients
+run on) and one count per incident: signals of one daemon within ``fault_window_s`` of each other are one incident.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from sharegpu.kube.errors import EvictionBlocked, KubeError, NotFound
 from sharegpu.node.audit import Finding, FindingKind
 from sharegpu.node.backends.base import XidEvent
 from sharegpu.node.kube import PodInfo
+from sharegpu.node.mps import DaemonKey
 from sharegpu.node.mps_faults import FaultSignal
 
 log = logging.getLogger(__name__)
@@ -30,12 +31,13 @@ log = logging.getLogger(__name__)
 COMPONENT = "sharegpu-node-agent"
 FAULT_REASON = "GpuMpsFault"
 FAULT_MESSAGE = (
-    "GPU fault on the MPS unit you share: a fault in one MPS client ends every client of that server; ask for "
-    "isolation hardware (MIG) or sharing time-slicing to keep faults apart"
+    "GPU fault on the MPS server you share: a fault in one MPS client ends every client of that server (the pods of "
+    "your tenant on this GPU); ask for isolation hardware (MIG) or sharing time-slicing to keep faults apart"
 )
 FINDING_REASONS: Mapping[FindingKind, str] = {
     FindingKind.WRONG_UNIT: "GpuAuditWrongGpu",
     FindingKind.MPS_BYPASS: "GpuAuditMpsBypassed",
+    FindingKind.MPS_OTHER_TENANT: "GpuAuditMpsOtherTenant",
     FindingKind.MEMORY_OVER_SHARE: "GpuAuditMemoryOverShare",
 }
 EVICTED_REASON = "GpuAuditEvicted"
@@ -53,13 +55,18 @@ class PodNotifier(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class MpsFault:
-    """One incident: an MPS unit whose clients died of a fault, and the pods that shared it."""
+    """One incident: an MPS daemon whose server's clients died of a fault, and the pods that shared it."""
 
     gpu_index: int
     unit_uuid: str
     sources: tuple[str, ...]  # log, xid, server-gone
     details: tuple[str, ...]
     pods: tuple[str, ...]  # namespace/name of every pod told
+    tenant: str = ""  # the daemon's tenant
+
+    @property
+    def daemon(self) -> DaemonKey:
+        return DaemonKey(self.unit_uuid, self.tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +75,7 @@ class WatchCounts:
 
     findings: tuple[tuple[str, int, int], ...] = ()  # (kind, GPU index, new findings)
     evictions: tuple[tuple[str, int], ...] = ()  # (kind, pods evicted)
-    faults: tuple[tuple[int, str, int], ...] = ()  # (GPU index, unit UUID, incidents)
+    faults: tuple[tuple[int, str, str, int], ...] = ()  # (GPU index, unit UUID, tenant, incidents)
     xids: tuple[tuple[int, str, int, int], ...] = ()  # (GPU index, unit UUID, Xid, events)
 
 
@@ -90,15 +97,15 @@ class EnforcementWatch:
         self._evicted: set[str] = set()
         self._findings_total: Counter[tuple[str, int]] = Counter()
         self._evictions_total: Counter[str] = Counter()
-        self._faults_total: Counter[tuple[int, str]] = Counter()
+        self._faults_total: Counter[tuple[int, str, str]] = Counter()
         self._xids_total: Counter[tuple[int, str, int]] = Counter()
-        self._last_fault: dict[str, float] = {}
+        self._last_fault: dict[DaemonKey, float] = {}
 
     def counts(self) -> WatchCounts:
         return WatchCounts(
             tuple((k, g, n) for (k, g), n in sorted(self._findings_total.items())),
             tuple(sorted(self._evictions_total.items())),
-            tuple((g, u, n) for (g, u), n in sorted(self._faults_total.items())),
+            tuple((g, u, t, n) for (g, u, t), n in sorted(self._faults_total.items())),
             tuple((g, u, x, n) for (g, u, x), n in sorted(self._xids_total.items())),
         )
 
@@ -125,50 +132,71 @@ class EnforcementWatch:
         self,
         signals: Iterable[FaultSignal],
         xids: Iterable[XidEvent],
-        mps_units: Mapping[str, int],
-        sharers: Mapping[str, Iterable[PodInfo]],
+        daemons: Mapping[DaemonKey, int],
+        sharers: Mapping[DaemonKey, Iterable[PodInfo]],
     ) -> list[MpsFault]:
-        """Turn this reconcile's signals into incidents and tell every pod of each unit.
+        """Turn this reconcile's signals into incidents and tell every pod of each daemon.
 
-        ``mps_units``: unit UUID → GPU index of every unit shared through MPS; an Xid that names a whole GPU counts
-        for each MPS unit on it. ``sharers``: unit UUID → the pods that shared it (live now or at the last reconcile).
+        ``daemons``: daemon → GPU index of every daemon that pods share; ``sharers``: daemon → the pods that shared it
+        (live now or at the last reconcile). A log line or a vanished server is its daemon's own sign. An Xid names a
+        unit (a MIG instance, else the whole GPU: then every daemon on the GPU), not a daemon: it is the fault of the
+        one daemon there where there is one; where there are several it only adds to those with a sign of their own
+        in this reconcile, and is otherwise counted and logged without telling anyone, since a fault in one tenant's
+        client ends only its own daemon's clients (H200) and the Xid cannot say whose it was.
         """
-        per_unit: dict[str, list[FaultSignal]] = {}
+        per_daemon: dict[DaemonKey, list[FaultSignal]] = {}
         for s in signals:
-            per_unit.setdefault(s.unit_uuid, []).append(s)
+            if s.daemon is not None:
+                per_daemon.setdefault(s.daemon, []).append(s)
         for x in xids:
             self._xids_total[(x.gpu_index, x.unit_uuid, x.xid)] += 1
             log.warning("GPU %d (%s): critical Xid %d", x.gpu_index, x.unit_uuid, x.xid)
-            units = [x.unit_uuid] if x.unit_uuid in mps_units else [u for u, g in mps_units.items() if g == x.gpu_index]
-            for u in units:
-                per_unit.setdefault(u, []).append(FaultSignal(u, "xid", f"critical Xid {x.xid} on GPU {x.gpu_index}"))
+            if x.unit_uuid.startswith("MIG-"):
+                candidates = [k for k in daemons if k.unit_uuid == x.unit_uuid]
+            else:
+                candidates = [k for k, g in daemons.items() if g == x.gpu_index]
+            if len(candidates) > 1:
+                signed = [k for k in candidates if k in per_daemon]
+                if not signed:
+                    log.warning(
+                        "critical Xid %d on GPU %d names %s, where %d MPS daemons run and none shows a fault of its "
+                        "own: not told to any (it cannot say whose client faulted)",
+                        x.xid,
+                        x.gpu_index,
+                        x.unit_uuid,
+                        len(candidates),
+                    )
+                candidates = signed
+            for k in candidates:
+                detail = f"critical Xid {x.xid} on GPU {x.gpu_index}"
+                per_daemon.setdefault(k, []).append(FaultSignal(k.unit_uuid, "xid", detail, k.tenant))
         out: list[MpsFault] = []
         now = self._clock()
-        for unit, sigs in sorted(per_unit.items()):
-            if unit not in mps_units:
-                continue  # a unit no pod shares through MPS (any more): nobody to tell
-            last = self._last_fault.get(unit)
-            self._last_fault[unit] = now
+        for key, sigs in sorted(per_daemon.items()):
+            if key not in daemons:
+                continue  # a daemon no pod shares (any more): nobody to tell
+            last = self._last_fault.get(key)
+            self._last_fault[key] = now
             if last is not None and now - last < self._window:
-                log.info("MPS unit %s: more signs of the same fault: %s", unit, "; ".join(s.detail for s in sigs))
+                log.info("MPS daemon %s: more signs of the same fault: %s", key, "; ".join(s.detail for s in sigs))
                 continue
-            gpu = mps_units[unit]
-            pods = sorted({p.uid: p for p in sharers.get(unit, ())}.values(), key=lambda p: p.key)
-            self._faults_total[(gpu, unit)] += 1
+            gpu = daemons[key]
+            pods = sorted({p.uid: p for p in sharers.get(key, ())}.values(), key=lambda p: p.key)
+            self._faults_total[(gpu, key.unit_uuid, key.tenant)] += 1
             sources = tuple(sorted({s.source for s in sigs}))
             details = tuple(s.detail for s in sigs)
             log.warning(
-                "MPS unit %s on GPU %d: its clients died of a fault (%s); telling %s",
-                unit,
+                "MPS daemon %s on GPU %d: its server's clients died of a fault (%s); telling %s",
+                key,
                 gpu,
                 "; ".join(details),
                 ", ".join(p.key for p in pods) or "no pod",
             )
-            text = f"{FAULT_MESSAGE} (GPU {gpu}, {unit}: {'; '.join(details)[:400]})"
+            text = f"{FAULT_MESSAGE} (GPU {gpu}, {key.unit_uuid}: {'; '.join(details)[:400]})"
             await asyncio.gather(
                 *(self._post(PodEvent(p.namespace, p.name, p.uid, FAULT_REASON, text, "Warning")) for p in pods)
             )
-            out.append(MpsFault(gpu, unit, sources, details, tuple(p.key for p in pods)))
+            out.append(MpsFault(gpu, key.unit_uuid, sources, details, tuple(p.key for p in pods), key.tenant))
         return out
 
     async def _tell(self, f: Finding) -> bool:

@@ -150,23 +150,27 @@ def _render(s: MetricsSnapshot) -> Iterator[Metric]:
             pod_sm.add_metric(lv, u.sm_util_percent)
     yield from (pod_mem, pod_sm)
 
-    unit_labels = ["gpu", "UUID"]
+    # One MPS server per daemon, a daemon per tenant: "tenant" is its daemon's ("" where it could not be read).
+    unit_labels = ["gpu", "UUID", "tenant"]
     unit_sm = GaugeMetricFamily(
         "sharegpu_mps_unit_sm_utilization_percent",
-        "SM utilisation of an MPS server: all its clients together (in %).",
+        "SM utilisation of an MPS server (one per tenant's daemon on the unit): all its clients together (in %).",
         labels=unit_labels,
     )
     unit_pods = GaugeMetricFamily(
-        "sharegpu_mps_unit_client_pods", "Pods with a client on the unit's MPS server.", labels=unit_labels
+        "sharegpu_mps_unit_client_pods",
+        "Pods with a client on the MPS server of a tenant's daemon.",
+        labels=unit_labels,
     )
     for mu in s.mps_units:
-        unit_sm.add_metric([str(mu.gpu_index), mu.unit_uuid], mu.sm_percent)
-        unit_pods.add_metric([str(mu.gpu_index), mu.unit_uuid], mu.client_pods)
+        unit_sm.add_metric([str(mu.gpu_index), mu.unit_uuid, mu.tenant or ""], mu.sm_percent)
+        unit_pods.add_metric([str(mu.gpu_index), mu.unit_uuid, mu.tenant or ""], mu.client_pods)
     yield from (unit_sm, unit_pods)
 
     findings = GaugeMetricFamily(
         "sharegpu_audit_findings",
-        "What the enforcement audit finds now (kind: wrong-unit, mps-bypass, memory-over-share, no-pod).",
+        "What the enforcement audit finds now (kind: wrong-unit, mps-bypass, mps-other-tenant, memory-over-share, "
+        "no-pod).",
         labels=["kind", "namespace", "pod", "gpu", "UUID"],
     )
     now: dict[tuple[str, str, str, str, str], int] = {}
@@ -186,10 +190,12 @@ def _render(s: MetricsSnapshot) -> Iterator[Metric]:
     for kind, n in s.counts.evictions:
         evicted.add_metric([kind], n)
     faults = CounterMetricFamily(
-        "sharegpu_mps_faults", "Faults that ended the clients of an MPS server.", labels=["gpu", "UUID"]
+        "sharegpu_mps_faults",
+        "Faults that ended the clients of an MPS server (of one tenant's daemon).",
+        labels=["gpu", "UUID", "tenant"],
     )
-    for gpu, unit, n in s.counts.faults:
-        faults.add_metric([str(gpu), unit], n)
+    for gpu, unit, tenant, n in s.counts.faults:
+        faults.add_metric([str(gpu), unit, tenant], n)
     xids = CounterMetricFamily(
         "sharegpu_gpu_xid_errors", "Critical Xid errors the driver reported.", labels=["gpu", "UUID", "xid"]
     )
@@ -244,13 +250,15 @@ def _render(s: MetricsSnapshot) -> Iterator[Metric]:
         mig.add_metric([str(m.gpu_index), m.uuid, m.profile, str(m.start), "true" if m.managed else "false"], 1)
     yield mig
 
-    up = GaugeMetricFamily("sharegpu_mps_daemon_up", "1 while the unit's MPS daemon answers.", labels=["UUID"])
+    up = GaugeMetricFamily(
+        "sharegpu_mps_daemon_up", "1 while the MPS daemon of a tenant on the unit answers.", labels=["UUID", "tenant"]
+    )
     restarts = CounterMetricFamily(
-        "sharegpu_mps_daemon_restarts", "MPS daemon restarts after a failure.", labels=["UUID"]
+        "sharegpu_mps_daemon_restarts", "MPS daemon restarts after a failure.", labels=["UUID", "tenant"]
     )
     for d in s.mps:
-        up.add_metric([d.unit_uuid], 1 if d.up else 0)
-        restarts.add_metric([d.unit_uuid], d.restarts)
+        up.add_metric([d.unit_uuid, d.tenant], 1 if d.up else 0)
+        restarts.add_metric([d.unit_uuid, d.tenant], d.restarts)
     yield from (up, restarts)
 
     agent = GaugeMetricFamily(

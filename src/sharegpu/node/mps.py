@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from sharegpu.model.contract import MPS_MEMORY_LIMIT_ENV, MPS_PIPE_DIRECTORY_ENV, MPS_THREAD_PERCENTAGE_ENV
 from sharegpu.model.tenant import MULTI_USER_TENANT, NO_TENANT, describe, tenant_dir
+from sharegpu.node.backends.base import BackendError
 from sharegpu.node.errors import NodeError
 
 if TYPE_CHECKING:
@@ -202,6 +203,17 @@ class MpsManager:
         if found:
             log.info("adopted running MPS daemons for %s", ", ".join(str(k) for k in sorted(found)))
         return found
+
+    def daemon_of_pipe(self, pipe_dir: str | None) -> DaemonKey | None:
+        """The running daemon whose pipe directory ``pipe_dir`` is, or None. ``pipe_dir`` is a path as a process's
+        mounts resolve it (:meth:`~sharegpu.node.backends.base.GpuBackend.mps_pipe_dir`), which may be relative to
+        the filesystem that holds the state directory: it is matched by its last parts,
+        ``<root name>/<unit>/<tenant dir>/pipe``."""
+        parts = [p for p in (pipe_dir or "").split("/") if p]
+        if len(parts) < 4 or parts[-1] != "pipe" or parts[-4] != self.root.name:
+            return None
+        unit, name = parts[-3], parts[-2]
+        return next((k for k in self._running if k.unit_uuid == unit and tenant_dir(k.tenant) == name), None)
 
     def limits(self, key: DaemonKey) -> MpsLimits | None:
         """The limits daemon ``key`` enforces now (None: none set, or no daemon)."""
@@ -402,8 +414,10 @@ class NvidiaMpsDaemon:
 class SimMpsDaemon:
     """A stand-in daemon for the simulated backend: its "process" is a file in the pipe directory.
 
-    Being on disk, it outlives an agent restart exactly like a real daemon; deleting the file is a crash.
-    Given the simulated backend, a daemon that quits (or crashes) ends its unit's MPS server there, and its clients.
+    Being on disk, it outlives an agent restart exactly like a real daemon; deleting the file is a crash. The file
+    says which unit and tenant the daemon serves (a container that mounts the pipe directory can read it). Given the
+    simulated backend, the daemon is registered there under its pipe directory, so that clients connect to it and a
+    daemon that quits (or crashes) ends its own server and clients only.
     """
 
     MARKER = "sim-mps-daemon.json"
@@ -414,21 +428,26 @@ class SimMpsDaemon:
 
     async def start(self, spec: MpsDaemonSpec) -> None:
         spec.pipe_dir.mkdir(parents=True, exist_ok=True)
-        (spec.pipe_dir / self.MARKER).write_text(json.dumps({"unit": spec.unit_uuid}))
+        marker = {"unit": spec.unit_uuid, "tenant": spec.tenant, "multiUser": spec.multi_user}
+        (spec.pipe_dir / self.MARKER).write_text(json.dumps(marker))
         self.starts += 1
+        self._register(spec)
 
     async def healthy(self, spec: MpsDaemonSpec) -> bool:
-        return (spec.pipe_dir / self.MARKER).is_file()
+        if not (spec.pipe_dir / self.MARKER).is_file():
+            return False
+        self._register(spec)  # a daemon an earlier agent (and backend) started: its clients connect to it here
+        return True
 
     async def stop(self, spec: MpsDaemonSpec) -> None:
         (spec.pipe_dir / self.MARKER).unlink(missing_ok=True)
         if self._backend is not None:
-            self._backend.stop_mps_server(spec.unit_uuid)
+            self._backend.stop_mps_daemon(spec.pipe_dir)
 
     async def set_limits(self, spec: MpsDaemonSpec, limits: MpsLimits) -> None:
         marker = spec.pipe_dir / self.MARKER
         if not marker.is_file():
-            raise MpsError(f"the simulated MPS daemon for {spec.unit_uuid} is not running")
+            raise MpsError(f"the simulated MPS daemon for {spec.key} is not running")
         data = json.loads(marker.read_text())
         data["threadPercentage"], data["pinnedMemMiB"] = limits.thread_percentage, limits.pinned_mem_mib
         marker.write_text(json.dumps(data))
@@ -446,4 +465,14 @@ class SimMpsDaemon:
     def crash(self, spec: MpsDaemonSpec) -> None:
         (spec.pipe_dir / self.MARKER).unlink(missing_ok=True)
         if self._backend is not None:
-            self._backend.stop_mps_server(spec.unit_uuid)
+            self._backend.stop_mps_daemon(spec.pipe_dir)
+
+    def _register(self, spec: MpsDaemonSpec) -> None:
+        if self._backend is None or str(spec.pipe_dir) in self._backend.mps_daemons(spec.unit_uuid):
+            return
+        try:
+            self._backend.start_mps_daemon(
+                spec.unit_uuid, spec.pipe_dir, multi_user=spec.multi_user, log_dir=spec.log_dir
+            )
+        except BackendError as e:  # a unit the simulated node no longer has: no client can reach it anyway
+            log.info("simulated MPS daemon for %s: %s", spec.key, e)

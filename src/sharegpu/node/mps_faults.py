@@ -1,16 +1,21 @@
 """Faults under MPS: noticing that a fatal fault in one client ended every client of its MPS server.
 
 Under MPS all clients of a server run in one GPU context, so a fatal fault in one (an illegal address on the H200)
-ends its neighbours too; the time-sliced neighbour of a faulting process runs on. Three signals tell the agent:
+ends its neighbours on that server; the time-sliced neighbour of a faulting process runs on, and so do the clients of
+the unit's other daemons (a unit runs a daemon per tenant, each with its own server). Three signals tell the agent,
+each tied to the one daemon it came from:
 
-- **the logs**: the control daemon writes ``control.log`` and its servers ``server.log`` in the unit's log directory
-  (``CUDA_MPS_LOG_DIRECTORY``, which the :class:`~sharegpu.node.mps.MpsManager` sets to ``<root>/<unit>/log``). Lines
-  are read once each (:class:`LogTail`) and matched against :data:`FAULT_PATTERNS`; the exact wording of driver 580 is
-  still to be confirmed on a GPU, so the patterns are loose and kept here, in one place, to extend;
-- **NVML critical Xid events** (:meth:`~sharegpu.node.backends.base.GpuBackend.xid_events`), tied to the unit the
-  event names (a MIG instance where the driver says one);
+- **the logs**: each control daemon writes ``control.log`` and its servers ``server.log`` in the daemon's own log
+  directory (``CUDA_MPS_LOG_DIRECTORY``, which the :class:`~sharegpu.node.mps.MpsManager` sets to
+  ``<root>/<unit>/<tenant dir>/log``). Lines are read once each (:class:`LogTail`) and matched against
+  :data:`FAULT_PATTERNS`. Driver 580 on an H200 wrote ``Client {PID: …, Context: 1} encountered a fatal GPU error.``
+  and ``Server is handling a fatal GPU error.`` (BENCHMARKS.md "On a real GPU"); the other patterns are kept loose
+  for drivers not seen yet, in one place, to extend;
+- **NVML critical Xid events** (:meth:`~sharegpu.node.backends.base.GpuBackend.xid_events`), which name a unit, not
+  a daemon: see :meth:`sharegpu.node.enforcement.EnforcementWatch.faults` for how they are tied to one (driver 580
+  reported none for a client's fault on the H200);
 - **a vanished server**: an MPS server pid that NVML listed in the last reconcile is gone while the agent still runs
-  its daemon and pods still share the unit (an idle server stays up until its daemon quits).
+  its daemon and pods of the daemon's tenant still share the unit (an idle server stays up until its daemon quits).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from sharegpu.node.mps import DaemonKey
 
 log = logging.getLogger(__name__)
 
@@ -120,23 +127,29 @@ class LogTail:
 
 @dataclass(frozen=True, slots=True)
 class FaultSignal:
-    """One sign that an MPS unit's clients died of a fault."""
+    """One sign that the clients of an MPS daemon's server died of a fault."""
 
     unit_uuid: str
     source: str  # "log", "xid" or "server-gone"
     detail: str
+    tenant: str | None = None  # the tenant of the daemon it came from (None: it names the unit only: an Xid)
+
+    @property
+    def daemon(self) -> DaemonKey | None:
+        return DaemonKey(self.unit_uuid, self.tenant) if self.tenant is not None else None
 
 
 class MpsLogWatch:
-    """The fault lines of every MPS unit's logs since the last look."""
+    """The fault lines of every MPS daemon's logs since the last look."""
 
     def __init__(self) -> None:
         self._tails: dict[Path, LogTail] = {}
         self._started = False
 
-    def scan(self, log_dirs: Mapping[str, Path]) -> list[FaultSignal]:
+    def scan(self, log_dirs: Mapping[DaemonKey, Path]) -> list[FaultSignal]:
+        """``log_dirs``: each watched daemon's log directory."""
         out: list[FaultSignal] = []
-        for unit, log_dir in sorted(log_dirs.items()):
+        for key, log_dir in sorted(log_dirs.items()):
             for name in LOG_FILES:
                 path = log_dir / name
                 tail = self._tails.get(path)
@@ -145,32 +158,43 @@ class MpsLogWatch:
                 for raw in tail.read():
                     line = parse_line(name, raw)
                     if is_fault(line):
-                        out.append(FaultSignal(unit, "log", f"{name}: {raw.strip()}"))
+                        out.append(FaultSignal(key.unit_uuid, "log", f"{name}: {raw.strip()}", key.tenant))
         self._started = True
         wanted = {d / n for d in log_dirs.values() for n in LOG_FILES}
         for gone in set(self._tails) - wanted:
-            del self._tails[gone]  # a unit no longer watched; its directory may come back as a new daemon's
+            del self._tails[gone]  # a daemon no longer watched; its directory may come back as a new daemon's
         return out
 
 
 class ServerWatch:
-    """MPS server pids per unit between reconciles: one gone while its unit still had pods is a fault sign."""
+    """MPS server pids per daemon between reconciles: one gone while its tenant still had pods there is a fault sign."""
 
     def __init__(self) -> None:
-        self._before: dict[str, frozenset[int]] = {}
+        self._before: dict[DaemonKey, frozenset[int]] = {}
 
     def update(
-        self, servers: Mapping[str, Iterable[int]], daemons: Iterable[str], units_with_pods: Iterable[str]
+        self,
+        servers: Mapping[DaemonKey, Iterable[int]],
+        daemons: Iterable[DaemonKey],
+        with_pods: Iterable[DaemonKey],
     ) -> list[FaultSignal]:
-        """``servers``: server pids per unit now; ``daemons``: units whose daemon the agent runs (a server that ends
-        because the agent stopped its daemon is no fault); ``units_with_pods``: units that pods still share."""
-        now = {u: frozenset(p) for u, p in servers.items()}
-        keep = set(daemons) & set(units_with_pods)
+        """``servers``: server pids per daemon now; ``daemons``: the daemons the agent runs (a server that ends
+        because the agent stopped its daemon is no fault); ``with_pods``: the daemons whose tenant's pods still
+        share their unit."""
+        now = {k: frozenset(p) for k, p in servers.items()}
+        keep = set(daemons) & set(with_pods)
         out = []
-        for unit, before in sorted(self._before.items()):
-            gone = before - now.get(unit, frozenset())
-            if gone and unit in keep:
+        for key, before in sorted(self._before.items()):
+            gone = before - now.get(key, frozenset())
+            if gone and key in keep:
                 pids = ", ".join(str(p) for p in sorted(gone))
-                out.append(FaultSignal(unit, "server-gone", f"MPS server {pids} ended while pods still share the unit"))
+                out.append(
+                    FaultSignal(
+                        key.unit_uuid,
+                        "server-gone",
+                        f"MPS server {pids} ended while pods still share the daemon",
+                        key.tenant,
+                    )
+                )
         self._before = now
         return out

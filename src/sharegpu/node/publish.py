@@ -31,7 +31,11 @@ def build_node_spec(
     cpu_milli: int,
     memory_mib: int,
     catalog: Catalog = DEFAULT_CATALOG,
+    *,
+    mps_multi_user: bool = False,
 ) -> NodeSpec:
+    """The node's inventory; ``mps_multi_user``: its agent runs one multi-user MPS daemon per unit, so the control
+    plane counts one daemon per unit for all its tenants."""
     gpus = []
     for d in backend.devices():
         present: list[MigDevice] = []
@@ -67,7 +71,7 @@ def build_node_spec(
                 mig_devices=tuple(present),
             )
         )
-    return NodeSpec(node_name, cpu_milli, memory_mib, tuple(gpus))
+    return NodeSpec(node_name, cpu_milli, memory_mib, tuple(gpus), mps_multi_user=mps_multi_user)
 
 
 def node_labels(spec: NodeSpec) -> dict[str, str]:

@@ -203,6 +203,12 @@ class GpuBackend(Protocol):
         """The Kubernetes pod UID a process belongs to, or None for processes outside any pod."""
         ...
 
+    def mps_pipe_dir(self, pid: int) -> str | None:
+        """The host-side MPS pipe directory a process reaches its control daemon by (an MPS client), or was started
+        with (an MPS server); None where it cannot be read. NVML does not say which server a client belongs to:
+        this tells which daemon it is, and so which tenant's."""
+        ...
+
     def device_nodes(self, gpu_index: int) -> tuple[str, ...]:
         """The host device nodes a container needs for this GPU (or any MIG instance on it), only those that exist.
 

@@ -83,6 +83,42 @@ def pod_uid_from_cgroup(text: str) -> str | None:
     return m.group(1).replace("_", "-") if m else None
 
 
+DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA looks without CUDA_MPS_PIPE_DIRECTORY
+
+
+def _unescape_mount_path(text: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in a path as octal escapes (\040 …).
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def host_pipe_dir(environ: bytes, mountinfo: str) -> str | None:
+    """The MPS pipe directory a process uses, as a path on the host's side of its mounts.
+
+    ``environ``: its /proc/<pid>/environ (CUDA_MPS_PIPE_DIRECTORY, else CUDA's default); ``mountinfo``: its
+    /proc/<pid>/mountinfo. The path is resolved through the mount that holds it: the mount's root (the directory of its
+    filesystem that is mounted there) joined with the rest of the path. A container's ``/run/sharegpu/mps`` bind mount
+    thus resolves to the daemon's directory, as a path inside the filesystem that holds it (the host's path where that
+    is the root filesystem); None where no mount holds the path.
+    """
+    pipe = DEFAULT_MPS_PIPE_DIRECTORY
+    for item in environ.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key == b"CUDA_MPS_PIPE_DIRECTORY" and value:
+            pipe = value.decode(errors="replace")
+    pipe = "/" + "/".join(part for part in pipe.split("/") if part and part != ".")
+    best: tuple[int, str] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if len(fields) < 5:
+            continue
+        root, point = _unescape_mount_path(fields[3]), _unescape_mount_path(fields[4])
+        if pipe == point or pipe.startswith(point.rstrip("/") + "/"):
+            rest = pipe[len(point.rstrip("/")) :]
+            if best is None or len(point) >= best[0]:  # the last of equal mount points is the one on top
+                best = (len(point), root.rstrip("/") + rest if rest else root)
+    return best[1] if best is not None else None
+
+
 class NvmlBackend:
     def __init__(
         self,
@@ -390,6 +426,15 @@ class NvmlBackend:
             return pod_uid_from_cgroup((self._proc / str(pid) / "cgroup").read_text())
         except OSError:
             return None
+
+    def mps_pipe_dir(self, pid: int) -> str | None:
+        # Both need the agent's hostPID and root (environ is readable by the process's owner and root only).
+        try:
+            environ = (self._proc / str(pid) / "environ").read_bytes()
+            mountinfo = (self._proc / str(pid) / "mountinfo").read_text(errors="replace")
+        except OSError:
+            return None
+        return host_pipe_dir(environ, mountinfo)
 
     def device_nodes(self, gpu_index: int) -> tuple[str, ...]:
         h = self._handle(gpu_index)

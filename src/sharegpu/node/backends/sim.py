@@ -6,13 +6,27 @@ instance with processes cannot be destroyed. Without an explicit placement it pi
 start, as the driver tends to, which is exactly what lets small instances created first block a later 3g.
 Processes and utilisation are put in by tests (or a demo) through :meth:`SimBackend.add_process`.
 
-MPS is reported as an H200 with driver 580 reported it: the first client of a unit (``add_process(..., mps=True)``)
-brings up an MPS server process on that unit (66 MiB, no pod); :meth:`SimBackend.processes` lists the server and each
-client with its own memory, :meth:`SimBackend.mps_processes` the clients only, and
-:meth:`SimBackend.process_utilization` has the server's pid alone, with its clients' figures summed. A process added
-with ``mps=False`` on a unit whose pods share it through MPS is a client that bypassed its daemon (no limits).
-:meth:`SimBackend.mps_fault` plays a fatal fault in one client: every client of the server ends, the server too, the
-server log gets its line and a critical Xid is queued.
+MPS is reported as an H200 with driver 580 reported it. A unit can run several MPS control daemons side by side
+(:meth:`SimBackend.start_mps_daemon`, named by their pipe directory, as :class:`~sharegpu.node.mps.SimMpsDaemon`
+registers them), each with a server of its own (66 MiB, no pod) that its first client brings up
+(``add_process(..., mps=True, daemon=<pipe directory>)``; without a ``daemon``, the unit's only one, or one started
+for it). :meth:`SimBackend.processes` lists each server and each client with its own memory,
+:meth:`SimBackend.mps_processes` the clients only, and :meth:`SimBackend.process_utilization` has each server's pid
+alone, with its own clients' figures summed. A process added with ``mps=False`` on a unit whose pods share it through
+MPS is a client that bypassed its daemon (no limits).
+
+A server serves one Unix user at a time (``user``; a multi-user daemon, ``-M``, serves every user): a client of
+another uid arriving while the server has clients **waits** in CUDA initialisation, listed nowhere
+(:meth:`SimBackend.mps_waiting`; ``add_process`` answers False), and so does every client after it on that daemon;
+when the running server's last client ends, the daemon replaces the server with one for the first waiting client's
+user (a new pid) and its clients of that user run. An idle server of another user is replaced at once. (H200: a
+root client beside a uid-1000 client on one daemon waited 13.1 s, until the uid-1000 client had exited, then ran.)
+
+:meth:`SimBackend.mps_fault` plays a fatal fault in one client, as driver 580 showed it on the H200: the server's log
+gets ``Client {PID: …, Context: 1} encountered a fatal GPU error.`` and ``Server is handling a fatal GPU error.``
+(:data:`MPS_FAULT_LINES`), every client of that server ends, no Xid is reported (unless a test asks for one), and the
+server stays to serve the next client. Clients of the unit's other daemons and processes with contexts of their own
+(time-sliced neighbours) run on.
 
 GPU health can change while the process runs through the config's ``healthFile``: a YAML mapping
 ``unhealthy: [1, GPU-…]`` (GPU indices or UUIDs). While the file exists it decides every GPU's health (those listed
@@ -59,7 +73,13 @@ _UUID_NAMESPACE = uuid.UUID("6b1f0c52-6a53-4c0e-9a55-3c1b8c0de001")
 MPS_SERVER_MEMORY_MIB = 66  # what NVML listed for the MPS server on the H200
 SERVER_LOG = "server.log"
 _FIRST_SERVER_PID = 900_000  # simulated servers get pids far from those tests give clients
-XID_MMU_FAULT = 31  # the Xid of a GPU memory page fault, as an illegal address gives
+XID_MMU_FAULT = 31  # the Xid of a GPU memory page fault, as an illegal address gives (none reached NVML on the H200)
+# What the MPS server of driver 580 wrote to server.log when one of its clients hit an illegal address (H200,
+# BENCHMARKS.md "On a real GPU", check fault.told), after the "[<stamp> Server <pid>]" header. {client}: its pid.
+MPS_FAULT_LINES = (
+    "Client {{PID: {client}, Context: 1}} encountered a fatal GPU error.",
+    "Server is handling a fatal GPU error.",
+)
 
 
 @dataclass(slots=True)
@@ -75,6 +95,23 @@ class _SimProcess:
     sm_percent: int
     mps_client: bool = False
     name: str = "python3"
+    daemon: str | None = None  # the MPS daemon it is a client (or the server) of
+    user: int = 0  # the Unix UID it runs as
+    waiting: bool = False  # an MPS client waiting in CUDA initialisation for a server of its user: no context yet
+
+
+@dataclass(slots=True)
+class _SimDaemon:
+    """One MPS control daemon: named by its pipe directory, on one unit, running at most one server at a time."""
+
+    name: str
+    unit_uuid: str
+    multi_user: bool = False
+    log_dir: Path | None = None
+    pipe_dir: str | None = None  # None: one a test started without a directory
+    server: int | None = None  # pid of its server
+    server_user: int | None = None  # whom the server serves (None with a multi-user daemon: everyone)
+    waiting: list[int] = field(default_factory=list)  # clients in CUDA initialisation, in arrival order
 
 
 @dataclass(slots=True)
@@ -100,7 +137,7 @@ class SimBackend:
         self._serial = 0
         self._gpus: list[_SimGpu] = []
         self._procs: dict[int, _SimProcess] = {}
-        self._servers: dict[str, int] = {}  # unit UUID → pid of its MPS server
+        self._daemons: dict[str, _SimDaemon] = {}  # by name: its pipe directory
         self._next_server_pid = _FIRST_SERVER_PID
         self._xids: list[XidEvent] = []
         for group in config.gpus:
@@ -220,12 +257,13 @@ class SimBackend:
 
     def process_utilization(self, gpu_index: int) -> dict[int, int]:
         out: dict[int, int] = {}
+        servers = {d.server for d in self._daemons.values() if d.server is not None}
         for p in self._procs_on(gpu_index):
             if p.mps_client:
-                server = self._servers.get(p.info.unit_uuid)
-                if server is not None:
-                    out[server] = min(100, out.get(server, 0) + p.sm_percent)
-            elif p.info.pid not in self._servers.values():
+                d = self._daemons.get(p.daemon or "")
+                if d is not None and d.server is not None:
+                    out[d.server] = min(100, out.get(d.server, 0) + p.sm_percent)
+            elif p.info.pid not in servers:
                 out[p.info.pid] = p.sm_percent
         return out
 
@@ -245,6 +283,11 @@ class SimBackend:
         p = self._procs.get(pid)
         return p.pod_uid if p else None
 
+    def mps_pipe_dir(self, pid: int) -> str | None:
+        p = self._procs.get(pid)
+        d = self._daemons.get(p.daemon or "") if p is not None else None
+        return d.pipe_dir if d is not None else None
+
     def device_nodes(self, gpu_index: int) -> tuple[str, ...]:
         # A simulated GPU has no device node: containers get its environment and mounts only.
         self._gpu(gpu_index)
@@ -263,70 +306,159 @@ class SimBackend:
         sm_percent: int = 0,
         *,
         mps: bool = False,
-    ) -> None:
-        """A process that opened a context on a GPU or MIG instance (named by UUID).
+        daemon: str | Path | None = None,
+        user: int = 0,
+    ) -> bool:
+        """A process that opens a context on a GPU or MIG instance (named by UUID), running as ``user``.
 
-        With ``mps`` it is a client of the unit's MPS server, started with it when it is the first; without, it holds
-        its own context, which on a unit shared through MPS is a client that bypassed its daemon.
+        With ``mps`` it is a client of MPS daemon ``daemon`` (its pipe directory; None: the unit's only daemon, or one
+        started for it), whose server starts with its first client. Returns False when the client waits in CUDA
+        initialisation instead (the server serves another user now: see the module's docstring); it then holds no
+        context and is listed nowhere until it runs. Without ``mps`` it holds its own context, which on a unit shared
+        through MPS is a client that bypassed its daemon.
         """
         gpu_index = self._unit_gpu(unit_uuid)
-        if mps:
-            self.start_mps_server(unit_uuid)
-        self._procs[pid] = _SimProcess(
-            ProcessInfo(pid, gpu_index, unit_uuid, used_memory_mib), pod_uid, sm_percent, mps_client=mps
+        proc = _SimProcess(
+            ProcessInfo(pid, gpu_index, unit_uuid, used_memory_mib), pod_uid, sm_percent, mps_client=mps, user=user
         )
+        if not mps:
+            self._procs[pid] = proc
+            return True
+        d = self._daemon_for(unit_uuid, daemon)
+        proc.daemon = d.name
+        busy = bool(self._clients(d))
+        self._procs[pid] = proc
+        if not d.waiting and (d.server is None or d.multi_user or d.server_user == user or not busy):
+            self._serve(d, user)  # its user's server, started now, or one of another user that was idle: replaced
+            return True
+        proc.waiting = True  # another user's clients hold the server (or others wait before it)
+        d.waiting.append(pid)
+        return False
 
     def remove_process(self, pid: int) -> None:
-        """The process ends (an MPS server's clients are left to the caller: see :meth:`mps_fault`)."""
-        self._procs.pop(pid, None)
-        self._servers = {u: s for u, s in self._servers.items() if s != pid}
+        """The process ends. An MPS server's clients are left to the caller (see :meth:`mps_fault`); a client that
+        was the last of its server's user lets the clients waiting for another user run."""
+        p = self._procs.pop(pid, None)
+        if p is None:
+            return
+        for d in self._daemons.values():
+            if d.server == pid:
+                d.server, d.server_user = None, None
+            if pid in d.waiting:
+                d.waiting.remove(pid)
+        own = self._daemons.get(p.daemon or "")
+        if own is not None and p.mps_client:
+            self._settle(own)
 
-    def start_mps_server(self, unit_uuid: str) -> int:
-        """The unit's MPS server (started now if it has none, as the daemon does for a first client); its pid."""
-        if unit_uuid in self._servers:
-            return self._servers[unit_uuid]
-        gpu_index = self._unit_gpu(unit_uuid)
-        pid = self._next_server_pid
-        self._next_server_pid += 1
-        self._servers[unit_uuid] = pid
-        self._procs[pid] = _SimProcess(
-            ProcessInfo(pid, gpu_index, unit_uuid, MPS_SERVER_MEMORY_MIB), None, 0, name=MPS_SERVER_NAME
-        )
-        return pid
+    def start_mps_daemon(
+        self,
+        unit_uuid: str,
+        pipe_dir: str | Path | None = None,
+        *,
+        multi_user: bool = False,
+        log_dir: Path | None = None,
+    ) -> str:
+        """An MPS control daemon for ``unit_uuid`` with its pipe directory (``multi_user``: started with -M, one server
+        for every user); its name (the pipe directory). Starting one that runs already changes nothing."""
+        self._unit_gpu(unit_uuid)
+        name = str(pipe_dir) if pipe_dir is not None else unit_uuid
+        d = self._daemons.get(name)
+        if d is None:
+            d = self._daemons[name] = _SimDaemon(
+                name, unit_uuid, multi_user, log_dir, str(pipe_dir) if pipe_dir else None
+            )
+        elif d.unit_uuid != unit_uuid:
+            raise BackendError(f"the MPS daemon of {name} serves {d.unit_uuid}, not {unit_uuid}")
+        return name
 
-    def mps_server_pid(self, unit_uuid: str) -> int | None:
-        return self._servers.get(unit_uuid)
-
-    def stop_mps_server(self, unit_uuid: str) -> None:
-        """The daemon quit: its server ends, and its clients with it."""
-        pid = self._servers.pop(unit_uuid, None)
-        if pid is not None:
-            self._procs.pop(pid, None)
-        for p in [p for p in self._procs.values() if p.mps_client and p.info.unit_uuid == unit_uuid]:
+    def stop_mps_daemon(self, daemon: str | Path) -> None:
+        """The daemon quits: its server ends, and its clients (those waiting too)."""
+        d = self._daemons.pop(str(daemon), None)
+        if d is None:
+            return
+        for p in [p for p in self._procs.values() if p.daemon == d.name]:
             del self._procs[p.info.pid]
 
+    def mps_daemons(self, unit_uuid: str | None = None) -> tuple[str, ...]:
+        """The daemons that run (on ``unit_uuid``), by name."""
+        return tuple(sorted(n for n, d in self._daemons.items() if unit_uuid is None or d.unit_uuid == unit_uuid))
+
+    def start_mps_server(self, unit_uuid: str, daemon: str | Path | None = None, user: int = 0) -> int:
+        """The server of ``daemon`` on ``unit_uuid`` (started now for ``user`` if it has none); its pid."""
+        d = self._daemon_for(unit_uuid, daemon)
+        if d.server is None:
+            self._serve(d, user)
+        assert d.server is not None
+        return d.server
+
+    def mps_server_pid(self, unit_uuid: str, daemon: str | Path | None = None) -> int | None:
+        """The pid of ``daemon``'s server; without ``daemon``, of the unit's one server (None: none runs)."""
+        if daemon is not None:
+            d = self._daemons.get(str(daemon))
+            return d.server if d is not None else None
+        servers = [d.server for d in self._daemons.values() if d.unit_uuid == unit_uuid and d.server is not None]
+        if len(servers) > 1:
+            raise BackendError(f"{unit_uuid} runs {len(servers)} MPS servers; name the daemon")
+        return servers[0] if servers else None
+
+    def mps_server_user(self, daemon: str | Path) -> int | None:
+        """Whom ``daemon``'s server serves now (None: no server, or a multi-user one)."""
+        d = self._daemons.get(str(daemon))
+        return d.server_user if d is not None else None
+
+    def mps_waiting(self, daemon: str | Path | None = None) -> tuple[int, ...]:
+        """The clients waiting in CUDA initialisation (of ``daemon``, else of every daemon), in arrival order."""
+        return tuple(
+            pid for d in self._daemons.values() if daemon is None or d.name == str(daemon) for pid in d.waiting
+        )
+
+    def stop_mps_server(self, unit_uuid: str) -> None:
+        """Every daemon of the unit quits: their servers end, and their clients with them."""
+        for d in [d for d in self._daemons.values() if d.unit_uuid == unit_uuid]:
+            self.stop_mps_daemon(d.name)
+
     def mps_fault(
-        self, unit_uuid: str, log_dir: Path | None = None, xid: int | None = XID_MMU_FAULT
+        self,
+        unit_uuid: str,
+        log_dir: Path | None = None,
+        xid: int | None = None,
+        *,
+        daemon: str | Path | None = None,
+        client: int | None = None,
     ) -> tuple[int, ...]:
-        """A fatal fault in one MPS client of ``unit_uuid`` (an illegal address): every client of the server ends,
-        and the server. With ``log_dir`` (the daemon's log directory) the server's log gets its line; with ``xid``
-        the driver reports that critical Xid. Returns the pids that ended."""
-        server = self._servers.get(unit_uuid)
-        clients = sorted(p.info.pid for p in self._procs.values() if p.mps_client and p.info.unit_uuid == unit_uuid)
-        if server is None or not clients:
+        """A fatal fault (an illegal address) in one MPS client of ``daemon`` on ``unit_uuid`` (None: the unit's one
+        daemon with clients), by default its first: every client of that server ends, the server stays and serves
+        the next client. The server's log (``log_dir``, else the daemon's own) gets driver 580's two lines
+        (:data:`MPS_FAULT_LINES`); ``xid`` queues that critical Xid, which driver 580 did not report. Returns the
+        pids that ended."""
+        if daemon is not None:
+            d = self._daemons.get(str(daemon))
+            if d is None or d.unit_uuid != unit_uuid:
+                raise BackendError(f"no MPS daemon {daemon} runs on {unit_uuid}")
+        else:
+            busy = [d for d in self._daemons.values() if d.unit_uuid == unit_uuid and self._clients(d)]
+            if len(busy) > 1:
+                raise BackendError(f"{unit_uuid} has clients on {len(busy)} MPS daemons; name the daemon")
+            d = busy[0] if busy else None
+        clients = self._clients(d) if d is not None else []
+        if d is None or d.server is None or not clients:
             raise BackendError(f"no MPS client runs on {unit_uuid}: nothing to fault")
+        culprit = client if client is not None else clients[0]
+        if culprit not in clients:
+            raise BackendError(f"process {culprit} is no client of the MPS daemon {d.name}")
+        log_dir = log_dir if log_dir is not None else d.log_dir
         if log_dir is not None:
             stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
             log_dir.mkdir(parents=True, exist_ok=True)
             with (log_dir / SERVER_LOG).open("a") as f:
-                f.write(
-                    f"[{stamp} Server {server}] Client {clients[0]} encountered a fatal GPU exception "
-                    "(illegal memory access); all clients of this server are terminated\n"
-                )
+                for line in MPS_FAULT_LINES:
+                    f.write(f"[{stamp} Server {d.server}] {line.format(client=culprit)}\n")
         if xid is not None:
             self._xids.append(XidEvent(self._unit_gpu(unit_uuid), unit_uuid, xid))
-        self.stop_mps_server(unit_uuid)
-        return (*clients, server)
+        for pid in clients:
+            del self._procs[pid]
+        self._settle(d)
+        return tuple(clients)
 
     def set_health(self, gpu_index: int, healthy: bool) -> None:
         self._gpu(gpu_index).healthy = healthy
@@ -373,7 +505,50 @@ class SimBackend:
         raise GpuNotFound(f"no GPU or MIG instance has UUID {unit_uuid}")
 
     def _procs_on(self, gpu_index: int) -> list[_SimProcess]:
-        return [p for p in self._procs.values() if p.info.gpu_index == gpu_index]
+        """The processes that hold a context on the GPU (a client waiting in CUDA initialisation holds none)."""
+        return [p for p in self._procs.values() if p.info.gpu_index == gpu_index and not p.waiting]
+
+    def _daemon_for(self, unit_uuid: str, daemon: str | Path | None) -> _SimDaemon:
+        if daemon is not None:
+            name = self.start_mps_daemon(unit_uuid, daemon)  # one the agent started before this backend existed
+            return self._daemons[name]
+        on_unit = [d for d in self._daemons.values() if d.unit_uuid == unit_uuid]
+        if len(on_unit) > 1:
+            raise BackendError(f"{unit_uuid} runs {len(on_unit)} MPS daemons; name the client's daemon")
+        return on_unit[0] if on_unit else self._daemons[self.start_mps_daemon(unit_uuid)]
+
+    def _clients(self, d: _SimDaemon) -> list[int]:
+        """The clients that run on ``d``'s server (not those waiting), by pid."""
+        return sorted(p.info.pid for p in self._procs.values() if p.daemon == d.name and p.mps_client and not p.waiting)
+
+    def _serve(self, d: _SimDaemon, user: int) -> None:
+        """``d``'s server serves ``user`` (a multi-user one, everyone): one of another user is replaced."""
+        wanted = None if d.multi_user else user
+        if d.server is not None and d.server_user == wanted:
+            return
+        if d.server is not None:
+            self._procs.pop(d.server, None)
+        pid = self._next_server_pid
+        self._next_server_pid += 1
+        d.server, d.server_user = pid, wanted
+        self._procs[pid] = _SimProcess(
+            ProcessInfo(pid, self._unit_gpu(d.unit_uuid), d.unit_uuid, MPS_SERVER_MEMORY_MIB),
+            None,
+            0,
+            name=MPS_SERVER_NAME,
+            daemon=d.name,
+            user=0 if wanted is None else wanted,
+        )
+
+    def _settle(self, d: _SimDaemon) -> None:
+        """Once ``d``'s server has no client left, the first waiting client's user gets the server, and every waiting
+        client of that user runs (in order, up to one of another user)."""
+        if not d.waiting or self._clients(d):
+            return
+        user = self._procs[d.waiting[0]].user
+        self._serve(d, user)
+        while d.waiting and (d.multi_user or self._procs[d.waiting[0]].user == user):
+            self._procs[d.waiting.pop(0)].waiting = False
 
     @staticmethod
     def _overlaps(g: _SimGpu, start: int, size: int) -> bool:
