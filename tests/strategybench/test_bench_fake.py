@@ -86,7 +86,7 @@ def test_sigterm_stops_the_clients_and_the_mps_daemon(tmp_path: Path) -> None:
         while time.monotonic() < deadline and len(_clients_alive(tmp_path)) < 2 and proc.poll() is None:
             time.sleep(0.2)
         assert len(_clients_alive(tmp_path)) == 2, proc.poll() is None or proc.communicate()[0]
-        marker = next((tmp_path / "mps").glob("*/pipe/sim-mps-daemon.json"))
+        marker = next((tmp_path / "mps").rglob("pipe/sim-mps-daemon.json"))  # <root>/<unit>/<tenant dir>/pipe
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=20)
     finally:
@@ -146,9 +146,12 @@ def test_bad_input_exits_2_with_what_to_do(args: list[str], words: str, tmp_path
 
 
 class _ApiServer:
-    """An API server that takes one thing: a merge patch of a Node (what --publish sends)."""
+    """An API server that takes one thing: a merge patch of a Node (what --publish sends), of the ``nodes`` it has;
+    ``refuse`` answers the patch with that HTTP status (its dry run too where ``refuse_dry_run``)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, nodes: tuple[str, ...] = ("gpu-7",), refuse: int | None = None, refuse_dry_run: bool = False
+    ) -> None:
         import http.server
         import threading
 
@@ -160,8 +163,16 @@ class _ApiServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.patches.append((self.path, self.headers.get("Content-Type", ""), body))
                 name = self.path.split("?")[0].rsplit("/", 1)[-1]
-                out = json.dumps({"kind": "Node", "apiVersion": "v1", "metadata": {"name": name}}).encode()
-                self.send_response(200)
+                code = 404 if name not in nodes else 200
+                if code == 200 and refuse is not None and (refuse_dry_run or "dryRun=All" not in self.path):
+                    code = refuse
+                if code == 200:
+                    out = json.dumps({"kind": "Node", "apiVersion": "v1", "metadata": {"name": name}}).encode()
+                else:
+                    status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code}
+                    status["message"] = f'nodes "{name}" not found' if code == 404 else f"refused with {code}"
+                    out = json.dumps(status).encode()
+                self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
@@ -173,6 +184,14 @@ class _ApiServer:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def _dry(url: str) -> tuple[str, bool]:
+    """A request's path and whether it was a dry run."""
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(url)
+    return parts.path, parse_qs(parts.query).get("dryRun") == ["All"]
 
 
 def test_publish_annotates_the_node_with_what_status_reads(tmp_path: Path) -> None:
@@ -198,8 +217,10 @@ def test_publish_annotates_the_node_with_what_status_reads(tmp_path: Path) -> No
     finally:
         api.httpd.shutdown()
     assert r.returncode == 0, r.stdout + r.stderr
-    ((path, ctype, body),) = api.patches
-    assert path.split("?")[0] == "/api/v1/nodes/gpu-7" and ctype == "application/merge-patch+json"
+    (dry, (path, ctype, body)) = api.patches  # a dry run of the same patch before measuring, then the patch
+    assert _dry(dry[0]) == ("/api/v1/nodes/gpu-7", True) and dry[1] == "application/merge-patch+json"
+    assert parse_note(dry[2]["metadata"]["annotations"][BENCH_ANNOTATION]).picks == ()  # type: ignore[index]
+    assert _dry(path) == ("/api/v1/nodes/gpu-7", False) and ctype == "application/merge-patch+json"
     note = parse_note(body["metadata"]["annotations"][BENCH_ANNOTATION])  # type: ignore[index]
     assert note.unit.startswith("GPU-") and note.gpu == "Simulated H100-80GB"
     (pick,) = note.picks
@@ -207,9 +228,65 @@ def test_publish_annotates_the_node_with_what_status_reads(tmp_path: Path) -> No
     assert f"published on node gpu-7 ({BENCH_ANNOTATION}): batch×2: mps +" in r.stdout
 
 
-def test_publish_to_an_unreachable_api_server_says_so_and_exits_2(tmp_path: Path) -> None:
+def test_publish_to_an_unreachable_api_server_says_so_before_measuring_and_exits_2(tmp_path: Path) -> None:
     cfg = kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{free_port()}")
     r = _bench(tmp_path, "--clients", "1", "--workloads", "batch", "--publish", "--node", "n", "--kubeconfig", str(cfg))
     assert r.returncode == 2
-    assert "cannot publish the result on node n" in " ".join(r.stderr.split())
+    assert "--publish: cannot check node n before measuring" in " ".join(r.stderr.split())
+    assert "Traceback" not in r.stderr and "sharegpu bench" not in r.stdout  # nothing was measured
+    assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_publish_to_an_unknown_node_fails_before_measuring_and_exits_2(tmp_path: Path) -> None:
+    """Issue 33: --node ghost measured for minutes on the GPU, then failed on the unknown node."""
+    api = _ApiServer()
+    try:
+        cfg = kubeconfig(tmp_path / "kubeconfig", api.url)
+        args = ["--clients", "1", "--workloads", "batch", "--publish", "--node", "ghost", "--kubeconfig", str(cfg)]
+        r = _bench(tmp_path, *args)
+    finally:
+        api.httpd.shutdown()
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = " ".join(r.stderr.split())
+    assert "--node ghost: the cluster has no Node of that name" in err and "kubectl get nodes" in err, err
+    assert "Nothing was measured" in err and "Traceback" not in r.stderr
+    assert "sharegpu bench" not in r.stdout and not (tmp_path / "out" / "bench.json").exists()
+    assert [_dry(p[0]) for p in api.patches] == [("/api/v1/nodes/ghost", True)]  # the dry run only
+
+
+def test_credentials_that_may_not_patch_the_node_fail_before_measuring(tmp_path: Path) -> None:
+    api = _ApiServer(refuse=403, refuse_dry_run=True)  # a dry run is authorised as the patch is
+    try:
+        cfg = kubeconfig(tmp_path / "kubeconfig", api.url)
+        args = ["--clients", "1", "--workloads", "batch", "--publish", "--node", "gpu-7", "--kubeconfig", str(cfg)]
+        r = _bench(tmp_path, *args)
+    finally:
+        api.httpd.shutdown()
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = " ".join(r.stderr.split())
+    assert "--publish: the credentials may not annotate node gpu-7" in err and "grant it" in err, err
+    assert "sharegpu bench" not in r.stdout and not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_a_publish_that_fails_after_measuring_keeps_the_measurement(tmp_path: Path) -> None:
+    api = _ApiServer(refuse=500)  # the dry run passes; the server fails the patch itself
+    try:
+        cfg = kubeconfig(tmp_path / "kubeconfig", api.url)
+        args = ["--clients", "1", "--workloads", "batch", "--publish", "--node", "gpu-7", "--kubeconfig", str(cfg)]
+        r = _bench(tmp_path, *args)
+    finally:
+        api.httpd.shutdown()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot publish the result on node gpu-7" in " ".join(r.stderr.split())
+    assert "Traceback" not in r.stderr
     assert (tmp_path / "out" / "bench.json").is_file()  # the measurement is kept
+
+
+def test_the_memory_workload_alone_with_one_client_count_prints_and_plots_only_what_it_has(tmp_path: Path) -> None:
+    """Issue 33: `--workloads memory` drew four empty panels, and one client count printed an empty heading."""
+    r = _bench(tmp_path, "--clients", "1", "--workloads", "memory")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "recommendation (measured here)" not in r.stdout
+    assert "no recommendation: one is made from sharing strategies measured with 2 or more clients" in r.stdout
+    assert "no plot" not in r.stdout  # its one panel, the memory each client got
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -116,6 +116,10 @@ def bench(
     # The table has nine columns of figures with their spread: wider than 80 columns where the output is a file.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     try:
+        if publish and node:
+            from sharegpu.strategybench.publish import check_publish
+
+            check_publish(node, kubeconfig)  # before minutes on the GPU: the Node exists and may be annotated
         bb = _backend(backend, fake_ts_overhead, fake_sim_config)
         unit_used, recs = run_bench(
             console, bb, gpu, unit, counts, wanted, kinds, seconds, repeat, rate, batch_seconds, out, mps_root
@@ -262,6 +266,8 @@ def run_bench(
         "skipped": [{"strategy": s.strategy, "clients": s.clients, "why": s.why} for s in skipped],
     }
     write_json(out / "bench.json", to_json(rows, recs, meta, [m.to_json() for m in measurements]))
-    write_plot(out / "bench.png", rows, title)
-    console.print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    if write_plot(out / "bench.png", rows, title):
+        console.print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    else:
+        console.print(f"wrote {out / 'bench.json'} (no plot: no workload gave a figure)")
     return u, recs

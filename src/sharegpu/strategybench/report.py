@@ -80,6 +80,13 @@ def print_report(
     console.print(table(rows, title))
     for n in notes:
         console.print(n, markup=False)
+    if not recs:  # a heading with nothing under it said nothing: say why there is none
+        console.print(
+            "no recommendation: one is made from sharing strategies measured with 2 or more clients, and none was "
+            "(--clients, --strategies)",
+            markup=False,
+        )
+        return
     console.print("[bold]recommendation[/] (measured here):")
     for r in recs:
         console.print(f"  {r.line()}", markup=False)
@@ -108,27 +115,34 @@ def load_rows(doc: dict[str, Any]) -> list[Row]:
     return [Row.from_json(r) for r in doc["rows"]]
 
 
-PANELS = (
-    ("light", "p99_ms", "light: p99 latency (ms)"),
-    ("light", "busy_pct", "light: GPU busy (%)"),
-    ("heavy", "throughput", "heavy: throughput (TFLOP/s, summed)"),
-    ("batch", "completion_s", "batch: completion of the last job (s)"),
+PANELS = (  # workload, metric, title, scale of the metric's value
+    ("light", "p99_ms", "light: p99 latency (ms)", 1.0),
+    ("light", "busy_pct", "light: GPU busy (%)", 1.0),
+    ("heavy", "throughput", "heavy: throughput (TFLOP/s, summed)", 1.0),
+    ("batch", "completion_s", "batch: completion of the last job (s)", 1.0),
+    ("memory", "mem_max_mib", "memory: most one client got (GiB)", 1 / 1024),
 )
 
 
-def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
-    """One panel per figure that decides a recommendation: bars per strategy, grouped by client count, with the
-    min–max spread as error bars."""
+def write_plot(path: Path, rows: Sequence[Row], title: str) -> list[str]:
+    """One panel per figure that decides a recommendation and was measured (a workload not run, or whose every run
+    failed, has none): bars per strategy, grouped by client count, with the min–max spread as error bars. Returns
+    the panels' titles; with none, no file is written (and an earlier run's plot at ``path`` is removed, as it
+    would be replaced)."""
+    panels = [p for p in PANELS if any(r.kind == p[0] and r.get(p[1]) is not None for r in rows)]
+    if not panels:
+        path.unlink(missing_ok=True)
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     strategies = [s for s in STRATEGY_TITLES if any(r.strategy == s for r in rows)]
     width = 0.8 / max(1, len(strategies))
-    for ax, (kind, metric, label) in zip(axes[0], PANELS, strict=True):
-        counts = sorted({r.clients for r in rows if r.kind == kind})
+    for ax, (kind, metric, label, scale) in zip(axes[0], panels, strict=True):
+        counts = sorted({r.clients for r in rows if r.kind == kind and r.get(metric) is not None})
         for i, s in enumerate(strategies):
             xs, ys, lo, hi = [], [], [], []
             for j, n in enumerate(counts):
@@ -137,9 +151,9 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
                 if v is None:
                     continue
                 xs.append(j + (i - (len(strategies) - 1) / 2) * width)
-                ys.append(v.value)
-                lo.append(v.value - v.lo)
-                hi.append(v.hi - v.value)
+                ys.append(v.value * scale)
+                lo.append((v.value - v.lo) * scale)
+                hi.append((v.hi - v.value) * scale)
             if xs:
                 ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=STRATEGY_TITLES[s])
         ax.set_xticks(range(len(counts)), [f"×{n}" for n in counts])
@@ -150,3 +164,4 @@ def write_plot(path: Path, rows: Sequence[Row], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [label for _, _, label, _ in panels]
