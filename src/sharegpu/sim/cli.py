@@ -14,8 +14,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT, MPS_DAEMON_MEMORY_MIB, MPS_MAX_CLIENTS
 from sharegpu.placement.policies import POLICIES, UnknownPolicy, parse_policies
 from sharegpu.sim.engine import RunResult
+from sharegpu.sim.mps_rules import DEFAULT_RULE, MpsRule, UnknownRule, parse_rules, run_label
 from sharegpu.sim.openb import (
     TraceError,
     TraceTask,
@@ -26,7 +28,7 @@ from sharegpu.sim.openb import (
     replay_gaps,
     unplaceable_models,
 )
-from sharegpu.sim.protocol import MAX_SEEDS, MAX_USERS, parse_seeds
+from sharegpu.sim.protocol import DEFAULT_UNDECLARED, MAX_SEEDS, MAX_USERS, parse_seeds
 from sharegpu.sim.replay import PriorityOptions, arrivals_to_load
 from sharegpu.sim.report import print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
@@ -46,6 +48,7 @@ MAX_MOVES = 16
 MAX_LOAD = 10.0
 MAX_ARRIVALS = 1_000_000
 DEFAULT_ARRIVALS = 20_000
+MAX_DAEMON_MEMORY = 4096  # MiB: a server takes tens of MiB; more is a typo (GiB meant as MiB)
 
 
 class UsageError(Exception):
@@ -127,11 +130,46 @@ def sim(
         f"stay at the load (arrivals spanning twice the longest rescaled lifetime; at least {DEFAULT_ARRIVALS:,}; "
         "about 105,000 on openb at --load 1.5); fewer are warned about.",
     ),
-    users: int = typer.Option(
-        1,
+    mps_rule: str | None = typer.Option(
+        None,
+        "--mps-rule",
+        metavar="RULES",
+        help=f"Who may share an MPS unit (a GPU, or a MIG instance shared through MPS). Default: {DEFAULT_RULE} "
+        "(what sharegpu does: a daemon per tenant on a unit; a tenant is the pods of one namespace and runAsUser, or "
+        "a pod that declares no user alone). none: no rule, any pod joins a unit's one daemon; one-user: one tenant "
+        "a unit (the rule before issue 32); multi-user: every node in multi-user mode, one daemon a unit for all. "
+        "Several, comma-separated, or all: each policy × seed runs under each rule, and a table compares them (every "
+        f"rule counts each daemon's {MPS_DAEMON_MEMORY_MIB} MiB of GPU memory).",
+    ),
+    mps_daemons: int | None = typer.Option(
+        None,
+        "--mps-daemons-per-gpu",
+        help=f"With --mps-rule per-tenant: the most MPS daemons (tenants) a unit runs, 1 to {MPS_MAX_CLIENTS}. "
+        f"Default: {DEFAULT_DAEMONS_PER_UNIT}, the extender's.",
+    ),
+    daemon_memory: int | None = typer.Option(
+        None,
+        "--mps-daemon-memory",
+        metavar="MIB",
+        help=f"GPU memory each MPS daemon's server takes of its unit, under every rule, 0 to {MAX_DAEMON_MEMORY:,} "
+        f"MiB. Default: {MPS_DAEMON_MEMORY_MIB}, what NVML listed for the server on an H200 (driver 580), the "
+        "extender's; 0 leaves it out.",
+    ),
+    users: int | None = typer.Option(
+        None,
         "--users",
-        help=f"Unix users the pods run as, drawn per pod with the seed (1 to {MAX_USERS:,}). An MPS unit serves one "
-        "user at a time, so MPS shares of different users never share a GPU; 1: every pod as one user.",
+        help=f"Under the rules that tell tenants apart (one-user, per-tenant): the Unix users that the pods declaring "
+        f"one run as, drawn per pod with the seed (1 to {MAX_USERS:,}); the pods of one user are one tenant. "
+        "Default: 1.",
+    ),
+    undeclared: float | None = typer.Option(
+        None,
+        "--undeclared",
+        metavar="SHARE",
+        help=f"Under the rules that tell tenants apart: the share of pods that declare no user (0-1, drawn per pod "
+        f"with the seed); each is a tenant of its own. Default: {DEFAULT_UNDECLARED:g}, the common case: most pods "
+        "set no runAsUser and leave their user to the image (every pod of the rig's load tests, the docs' first "
+        "examples); a judgement, not a measured count.",
     ),
     jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
     large: bool = typer.Option(
@@ -153,16 +191,14 @@ def sim(
         check_not_inputs(paths, {flag: path for flag, path in inputs.items() if path is not None})
         exp = _experiment(nodes_path, pods_path, policy, seeds, tune, replay, warnings.append)
         exp = _priority(exp, high_share, preemption, consolidation, max_moves, load, arrivals, warnings.append)
-        if not 1 <= users <= MAX_USERS:
-            raise UsageError(f"--users {users} must be from 1 to {MAX_USERS:,}")
-        exp = dataclasses.replace(exp, users=users)
+        exp = _mps(exp, mps_rule, mps_daemons, daemon_memory, users, undeclared, warnings.append)
         size = run_size(exp)
         if size.decisions > MAX_DECISIONS and not large:
             raise UsageError(
                 f"{size}: more than {MAX_DECISIONS / 1e6:g} million, which takes more than about half an hour on 2 "
                 "cores; give fewer --seeds or policies (or a smaller --tune), or add --large to run it anyway"
             )
-    except (TraceError, UnknownPolicy, UsageError, ValueError) as e:
+    except (TraceError, UnknownPolicy, UnknownRule, UsageError, ValueError) as e:
         raise error(str(e)) from None
     for w in warnings:
         warn(w)
@@ -176,16 +212,24 @@ def sim(
         title += f" of {exp.arrivals:,} pods at load {exp.load:g}"
     if exp.priority is not None:
         title += f", {exp.priority.label()}"
-    if exp.users > 1:
-        title += f", {exp.users} users"
-    print_table(console, runs, title, exp.total_gpus)
+    described = {rule.value: exp.mps(rule).label().removeprefix("MPS: ") for rule in exp.mps_rules}
+    if len(exp.mps_rules) == 1:
+        title += f", {exp.mps(exp.mps_rules[0]).label()}"
+    print_table(console, runs, title, exp.total_gpus, described)
     meta: dict[str, object] = {
         "experiment": exp.name,
         "nodes": len(exp.nodes),
         "total_gpus": exp.total_gpus,
         "tasks": len(exp.tasks),
         "tune": exp.tune,
-        "users": exp.users,
+        "mps_rules": [rule.value for rule in exp.mps_rules],
+        **({"mps_daemons_per_gpu": exp.daemons_per_gpu} if MpsRule.PER_TENANT in exp.mps_rules else {}),
+        "mps_daemon_memory_mib": exp.daemon_memory_mib,
+        **(
+            {"users": exp.users, "undeclared": exp.undeclared}
+            if any(rule.draws_tenants for rule in exp.mps_rules)
+            else {}
+        ),
         "mode": "replay" if exp.replay else "fgd-protocol",
         **({"load": exp.load, "arrivals": exp.arrivals} if exp.load is not None else {}),
         **({"priority": dataclasses.asdict(exp.priority)} if exp.priority is not None else {}),
@@ -264,6 +308,58 @@ def _priority(
     if high_share is not None or preemption or consolidation:
         priority = PriorityOptions(high_share or 0.0, preemption, consolidation, max_moves or 2)
     return dataclasses.replace(exp, priority=priority, load=load, arrivals=(arrivals or 0) if load is not None else 0)
+
+
+def _mps(
+    exp: Experiment,
+    rules_text: str | None,
+    daemons: int | None,
+    daemon_memory: int | None,
+    users: int | None,
+    undeclared: float | None,
+    warn: Callable[[str], None] = lambda _: None,
+) -> Experiment:
+    """The MPS tenancy options (issue 32), checked: each figure only with a rule it changes."""
+    rules = parse_rules(rules_text) if rules_text is not None else (DEFAULT_RULE,)
+    if daemons is not None and MpsRule.PER_TENANT not in rules:
+        raise UsageError(
+            f"--mps-daemons-per-gpu caps the daemons of --mps-rule per-tenant, and the rules given are "
+            f"{', '.join(rules)}; add per-tenant to --mps-rule, or leave --mps-daemons-per-gpu out"
+        )
+    if daemons is not None and not 1 <= daemons <= MPS_MAX_CLIENTS:
+        raise UsageError(
+            f"--mps-daemons-per-gpu {daemons} is out of range: 1 to {MPS_MAX_CLIENTS} daemons a unit (each serves at "
+            f"least one client, and an MPS unit takes at most {MPS_MAX_CLIENTS}); 1 is --mps-rule one-user"
+        )
+    if daemon_memory is not None and not 0 <= daemon_memory <= MAX_DAEMON_MEMORY:
+        raise UsageError(
+            f"--mps-daemon-memory {daemon_memory} is out of range: 0 to {MAX_DAEMON_MEMORY:,} MiB of GPU memory an "
+            f"MPS daemon's server takes (an H200's took {MPS_DAEMON_MEMORY_MIB})"
+        )
+    given = [flag for flag, value in (("--users", users), ("--undeclared", undeclared)) if value is not None]
+    if given and not any(rule.draws_tenants for rule in rules):
+        raise UsageError(
+            f"{' and '.join(given)} draw whom the pods run as, which changes nothing under --mps-rule "
+            f"{','.join(rules)} (every tenant shares a unit's one daemon there); add one-user or per-tenant to "
+            f"--mps-rule, or leave {' and '.join(given)} out"
+        )
+    if users is not None and not 1 <= users <= MAX_USERS:
+        raise UsageError(f"--users {users} is out of range: 1 to {MAX_USERS:,} Unix users")
+    if undeclared is not None and not 0 <= undeclared <= 1:  # also NaN
+        raise UsageError(
+            f"--undeclared {undeclared!r} is out of range: it is the share of pods that declare no user, from 0 to 1 "
+            "(0.8: four pods in five)"
+        )
+    if undeclared == 1 and users is not None and users > 1:
+        warn(f"--users {users} with --undeclared 1: no pod declares a user, so the users drawn change nothing")
+    return dataclasses.replace(
+        exp,
+        mps_rules=rules,
+        daemons_per_gpu=daemons if daemons is not None else DEFAULT_DAEMONS_PER_UNIT,
+        daemon_memory_mib=daemon_memory if daemon_memory is not None else MPS_DAEMON_MEMORY_MIB,
+        users=users if users is not None else 1,
+        undeclared=undeclared if undeclared is not None else DEFAULT_UNDECLARED,
+    )
 
 
 def _path_option(flag: str, text: str | None) -> Path | None:
@@ -427,7 +523,8 @@ def _experiment(
 
 def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[RunResult]:
     """One bar for the runs, and one per run in flight counting its pods (long runs take minutes)."""
-    total = len(exp.policies) * len(exp.seeds)
+    total = len(exp.mps_rules) * len(exp.policies) * len(exp.seeds)
+    several = len(exp.mps_rules) > 1
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -447,9 +544,10 @@ def _run_with_progress(console: Console, exp: Experiment, jobs: int) -> list[Run
             progress.update(in_flight[key], completed=pods)
 
         def done(r: RunResult) -> None:
-            task = in_flight.pop((r.policy, r.seed), None)
+            label = run_label(r.policy, r.mps_rule if several else None)
+            task = in_flight.pop((label, r.seed), None)
             if task is not None:
                 progress.remove_task(task)
-            progress.update(bar, advance=1, description=f"{r.policy} seed {r.seed}: {r.wall_s:.1f}s")
+            progress.update(bar, advance=1, description=f"{label} seed {r.seed}: {r.wall_s:.1f}s")
 
         return run_experiment(exp, jobs, done, moving)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from sharegpu.ledger import Ledger
+from sharegpu.ledger import Ledger, MpsTenancy
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
+from sharegpu.model.tenant import own_tenant
 from sharegpu.placement.framework import Policy, Scheduler, Unschedulable
 from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.metrics import RunLog, Timeline, allocation_curve, percentile
@@ -38,6 +39,7 @@ class RunResult:
     final_alloc_pct: float
     replay: dict[str, float] | None = None  # replay mode: queueing figures (see ReplayResult)
     timeline: Timeline | None = None  # replay mode: allocation and pending pods over trace time
+    mps_rule: str | None = None  # the MPS tenancy rule it ran under (sim.mps_rules), where the runner says
 
     def alloc_at(self, arrived_pct: int) -> float | None:
         return self.curve[arrived_pct] if 0 <= arrived_pct < len(self.curve) else None
@@ -62,6 +64,7 @@ class RunResult:
             "failures_by_reason": {k.value: n for k, n in sorted(self.failures.items(), key=lambda kv: -kv[1])},
             "decision_latency_ms": {"p50": round(self.latency_p50_ms, 3), "p99": round(self.latency_p99_ms, 3)},
             "curve_alloc_pct_by_arrived_pct": self.curve,
+            **({"mps_rule": self.mps_rule} if self.mps_rule is not None else {}),
             **({"replay": self.replay} if self.replay is not None else {}),
             **({"timeline": self.timeline.to_dict()} if self.timeline is not None else {}),
         }
@@ -81,10 +84,12 @@ def run_arrivals(
     rank: Sequence[int] | npt.NDArray[np.int64] | None = None,
     frag: Callable[[Ledger], float] | None = None,
     progress: Progress | None = None,
+    tenancy: MpsTenancy | None = None,
 ) -> RunResult:
-    """The FGD protocol: submit one at a time; a request that fits nowhere is skipped for good; none leave."""
+    """The FGD protocol: submit one at a time; a request that fits nowhere is skipped for good; none leave.
+    ``tenancy``: how the ledger counts MPS daemons (default: a daemon per tenant, sharegpu's)."""
     t0 = time.perf_counter()
-    ledger = Ledger(nodes)
+    ledger = Ledger(nodes, tenancy=tenancy)
     sched = Scheduler(ledger, policy, seed=seed, rank=rank)
     log = RunLog(ledger.total_gpu_milli)
     arrived = allocated = 0
@@ -136,21 +141,27 @@ class ReplayResult:
 
 
 class PendingQueue:
-    """Pods waiting for room, in arrival order, indexed by request shape.
+    """Pods waiting for room, in arrival order, indexed by request shape and MPS tenant.
 
     Retrying after a deletion asks, for all waiting shapes at once, a cheap necessary condition on the freed
     node (its free CPU, host memory and enough GPUs with enough free compute), then the scheduler's exact
     filter for the shapes that pass, and tries only the pods of shapes that fit, in FIFO order, re-checking
     a shape on that node after every placement. Cost per deletion: one vector operation over the waiting
     shapes plus the pods that could actually go in, instead of one decision per waiting pod.
+
+    Pods of one shape fit alike except where their tenant already runs a daemon on a unit at the daemon cap (which
+    the scheduler adds to the shape's filter for that tenant alone; every MPS unit under one daemon per unit), so a
+    shape's pods are grouped by tenant too. A pod that is a tenant of its own (it declares no user) runs no daemon
+    while it waits, and fits as its shape does: those pods share their shape's group, so that a queue of undeclared
+    pods stays one group per shape.
     """
 
     def __init__(self, sched: Scheduler) -> None:
         self._sched = sched
         self._seq = 0
         self._size = 0
-        self._by_shape: dict[tuple[object, ...], int] = {}  # shape key → shape index
-        self._requests: list[GpuRequest] = []  # one request per shape (all of a shape filter alike)
+        self._by_shape: dict[tuple[object, ...], int] = {}  # (priority, tenant, shape) → shape index
+        self._requests: list[GpuRequest] = []  # one request per shape and tenant (all of one filter alike)
         self._queues: list[deque[tuple[tuple[int, int], str]]] = []  # per shape: ((-priority, seq), pod name)
         self._cpu: list[int] = []
         self._mem: list[int] = []
@@ -163,7 +174,7 @@ class PendingQueue:
 
     def add(self, name: str, req: GpuRequest, priority: int = 0) -> None:
         """Queue ``name``; higher ``priority`` is retried first (the kube-scheduler's activeQ order), then FIFO."""
-        key = (priority, *req.shape_key())
+        key = _queue_key(name, req, priority)
         i = self._by_shape.get(key)
         if i is None:
             i = self._by_shape[key] = len(self._requests)
@@ -180,7 +191,7 @@ class PendingQueue:
 
     def remove(self, name: str, req: GpuRequest, priority: int = 0) -> None:
         """Take ``name`` out of the queue (placed some other way: by preemption or consolidation)."""
-        q = self._queues[self._by_shape[(priority, *req.shape_key())]]
+        q = self._queues[self._by_shape[_queue_key(name, req, priority)]]
         for item in q:
             if item[1] == name:
                 q.remove(item)
@@ -228,3 +239,10 @@ class PendingQueue:
             self._size -= 1
             if q:
                 heapq.heappush(heads, (q[0][0], i))
+
+
+def _queue_key(name: str, req: GpuRequest, priority: int) -> tuple[object, ...]:
+    """The pending queue's group of a pod: its priority, its shape, and its tenant where the tenant may run daemons
+    that the pod could join (a tenant of several pods; not one of the pod's own, nor a request that is never MPS)."""
+    tenant = req.tenant if req.may_use_mps and req.tenant != own_tenant(name) else None
+    return (priority, tenant, *req.shape_key())

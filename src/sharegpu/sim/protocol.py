@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sharegpu.model.request import GpuRequest
-from sharegpu.model.tenant import user_tenant
+from sharegpu.model.tenant import own_tenant, user_tenant
 from sharegpu.sim.openb import TraceTask
 
 _SEED_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
@@ -72,15 +72,44 @@ def fgd_arrivals(tasks: Sequence[TraceTask], capacity_milli: int, seed: int, tun
 
 
 MAX_USERS = 100_000
+# The share of pods that declare no Unix user, by default: most pods set no runAsUser (the image's USER decides), as
+# in every pod of the rig's load tests and the docs' first examples; 0.8 leaves one pod in five declaring a user, so
+# that a tenant of several pods (one namespace, one runAsUser) is still drawn. A judgement, not a measurement: no
+# count of runAsUser across clusters was at hand; --undeclared gives any other share.
+DEFAULT_UNDECLARED = 0.8
+SIM_NAMESPACE = "sim"  # the one namespace of the drawn users' tenants (sharegpu.model.tenant.user_tenant)
+
+
+def draw_tenants(
+    requests: Sequence[GpuRequest], users: int, seed: int, undeclared: float = DEFAULT_UNDECLARED
+) -> list[GpuRequest]:
+    """Each request's MPS tenant (sharegpu.model.tenant), drawn per pod with ``seed``: with probability
+    ``undeclared`` the pod declares no Unix user and is a tenant of its own (own_tenant of its name); otherwise it
+    runs as one of ``users`` UIDs (1000, 1001, …, uniformly) in one namespace, and the pods of a UID are one tenant.
+
+    The UIDs are drawn as :func:`with_users` draws them and the undeclared pods from a stream of their own, so that
+    ``undeclared=0`` gives every pod the UID ``with_users`` gives it. Requests that can never be MPS clients (whole
+    GPUs, CPU-only, time-slicing, isolation ``fault`` or ``hardware``) keep their tenant: it would change nothing.
+    """
+    if not 1 <= users <= MAX_USERS:
+        raise ValueError(f"users {users} must be from 1 to {MAX_USERS:,}")
+    if not 0 <= undeclared <= 1:  # also NaN
+        raise ValueError(f"undeclared {undeclared!r} must be a share from 0 to 1")
+    uids = np.random.default_rng([seed, 0x0515]).integers(users, size=len(requests)) + 1000
+    alone = np.random.default_rng([seed, 0x0516]).random(len(requests)) < undeclared
+    out = []
+    for r, uid, own in zip(requests, uids.tolist(), alone.tolist(), strict=True):
+        if r.may_use_mps:
+            tenant = own_tenant(r.name) if own else user_tenant(SIM_NAMESPACE, uid)
+            r = dataclasses.replace(r, tenant=tenant)
+        out.append(r)
+    return out
 
 
 def with_users(requests: Sequence[GpuRequest], users: int, seed: int) -> list[GpuRequest]:
-    """Each request run by one of ``users`` Unix users (UIDs 1000, 1001, …), drawn uniformly per pod with ``seed``.
-
-    One MPS server serves one UID at a time, so placement keeps MPS shares of different users on different MPS units;
-    a trace says nothing about users, and this is how the simulator measures what that rule costs. One user (the
-    default) is every pod as one UID: placement as if the rule did not exist.
-    """
+    """Each request run by one of ``users`` Unix users (UIDs 1000, 1001, …), drawn uniformly per pod with ``seed``,
+    every pod declaring its user; one user (``users=1``) leaves the requests as they are (tenant None: any tenant, as
+    if no rule existed). :func:`draw_tenants` also draws pods that declare no user, as the simulator does."""
     if not 1 <= users <= MAX_USERS:
         raise ValueError(f"users {users} must be from 1 to {MAX_USERS:,}")
     if users == 1:
@@ -88,5 +117,6 @@ def with_users(requests: Sequence[GpuRequest], users: int, seed: int) -> list[Gp
     rng = np.random.default_rng([seed, 0x0515])
     uids = rng.integers(users, size=len(requests)) + 1000
     return [
-        dataclasses.replace(r, tenant=user_tenant("sim", int(u))) for r, u in zip(requests, uids.tolist(), strict=True)
+        dataclasses.replace(r, tenant=user_tenant(SIM_NAMESPACE, int(u)))
+        for r, u in zip(requests, uids.tolist(), strict=True)
     ]

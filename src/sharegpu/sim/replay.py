@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sharegpu.ledger import Ledger
+from sharegpu.ledger import Ledger, MpsTenancy
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.placement.consolidation import ConsolidationError, plan_consolidation
 from sharegpu.placement.framework import Policy, Scheduler, Unschedulable
@@ -153,12 +153,13 @@ def replay_trace(
     max_pending: int = 10_000,
     progress: Progress | None = None,
     retry_all: bool = False,
+    tenancy: MpsTenancy | None = None,
 ) -> ReplayResult:
     """Replay ``tasks`` on ``nodes`` with ``policy``; ``opts`` adds priorities, preemption and consolidation and their
-    figures to the result (without it, only the plain replay's)."""
+    figures to the result (without it, only the plain replay's); ``tenancy``: how the ledger counts MPS daemons."""
     prio_opts = opts or PriorityOptions()
     t0 = time.perf_counter()
-    ledger = Ledger(nodes)
+    ledger = Ledger(nodes, tenancy=tenancy)
     sched = Scheduler(ledger, policy, seed=seed)
     log = RunLog(ledger.total_gpu_milli)
     by_name = {t.name: t for t in tasks}

@@ -19,6 +19,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from sharegpu.sim.engine import RunResult
+from sharegpu.sim.mps_rules import run_label
 
 
 @dataclass(frozen=True)
@@ -296,30 +297,165 @@ def replay_table(runs: Sequence[RunResult], title: str) -> Table:
 
 
 def write_json(path: Path, runs: Sequence[RunResult], meta: dict[str, object]) -> None:
-    vs = paired(runs)
-    doc = {
-        **meta,
-        **({"paired_at_100": dataclasses.asdict(vs)} if vs is not None else {}),
-        "runs": [r.to_dict() for r in runs],
-        "summary": [
-            {
-                "policy": s.policy,
-                "seeds": s.seeds,
-                "mean_alloc_pct_at_arrived": {"100": s.alloc_100, "130": s.alloc_130},
-                # The means above are over the seeds whose workload reached the level.
-                "seeds_reaching_arrived": {"100": s.seeds_100, "130": s.seeds_130},
-                "alloc_pct_spread_at_arrived": {
-                    level: None if sp is None else {"min": sp[0], "max": sp[1], "stdev": round(sp[2], 3)}
-                    for level, sp in (("100", s.spread_100), ("130", s.spread_130))
-                },
-                "median_wall_s": s.wall_s,
-                **_replay_summary([r for r in runs if r.policy == s.policy]),
-            }
-            for s in summarize(runs)
-        ],
-    }
+    """The JSON report: ``meta``, every run and a summary per policy; with several MPS rules, a summary per rule and
+    policy (each entry names its rule), the paired comparison per rule and the rules side by side."""
+    rules = mps_rules_of(runs)
+    groups = [(rule, [r for r in runs if r.mps_rule == rule]) for rule in rules] if len(rules) > 1 else [(None, runs)]
+    doc: dict[str, object] = dict(meta)
+    if len(rules) > 1:
+        doc["paired_at_100_by_mps_rule"] = {
+            rule: dataclasses.asdict(vs) for rule, rs in groups if rule and (vs := paired(rs)) is not None
+        }
+        doc["mps_rule_comparison"] = [dataclasses.asdict(row) for row in rule_comparison(runs)]
+    elif (vs := paired(runs)) is not None:
+        doc["paired_at_100"] = dataclasses.asdict(vs)
+    doc["runs"] = [r.to_dict() for r in runs]
+    doc["summary"] = [
+        {
+            **({"mps_rule": rule} if rule is not None else {}),
+            "policy": s.policy,
+            "seeds": s.seeds,
+            "mean_alloc_pct_at_arrived": {"100": s.alloc_100, "130": s.alloc_130},
+            # The means above are over the seeds whose workload reached the level.
+            "seeds_reaching_arrived": {"100": s.seeds_100, "130": s.seeds_130},
+            "alloc_pct_spread_at_arrived": {
+                level: None if sp is None else {"min": sp[0], "max": sp[1], "stdev": round(sp[2], 3)}
+                for level, sp in (("100", s.spread_100), ("130", s.spread_130))
+            },
+            "median_wall_s": s.wall_s,
+            **_replay_summary([r for r in rs if r.policy == s.policy]),
+        }
+        for rule, rs in groups
+        for s in summarize(rs)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def mps_rules_of(runs: Sequence[RunResult]) -> list[str]:
+    """The MPS rules the runs ran under, in run order (none where no run says)."""
+    rules: list[str] = []
+    for r in runs:
+        if r.mps_rule is not None and r.mps_rule not in rules:
+            rules.append(r.mps_rule)
+    return rules
+
+
+@dataclass(frozen=True)
+class RuleRow:
+    """One policy under one MPS rule, against the same policy under the reference rule seed by seed (the same
+    arrivals and the same drawn users for a seed, so the per-seed difference is the rule's own)."""
+
+    policy: str
+    mps_rule: str
+    figure: str  # what the values are: allocation at arrived 100 % (FGD protocol), or mean allocation (replay)
+    seeds: int
+    mean: float | None
+    low: float | None
+    high: float | None
+    alloc_130: float | None
+    failed: float
+    wall_s: float
+    reference: str
+    diff_pp: float | None  # mean over the seeds of (this rule − the reference), percentage points
+    behind: int  # seeds on which this rule allocated less than the reference
+    compared: int  # seeds both have a value for
+    worst_pp: float | None  # the most negative per-seed difference (or the least positive)
+
+
+def _figure(r: RunResult) -> float | None:
+    if r.replay is not None:
+        return r.replay.get("mean_alloc_pct")
+    return r.alloc_at(100)
+
+
+def rule_comparison(runs: Sequence[RunResult]) -> list[RuleRow]:
+    """Every policy under every MPS rule of ``runs``, policy by policy, against the rule ``none`` (or the first rule
+    when ``none`` did not run)."""
+    rules = mps_rules_of(runs)
+    if not rules:
+        return []
+    reference = "none" if "none" in rules else rules[0]
+    replay = any(r.replay is not None for r in runs)
+    figure = "mean_alloc_pct" if replay else "alloc_pct_at_arrived_100"
+    rows = []
+    for policy in dict.fromkeys(r.policy for r in runs):
+        ref = {r.seed: _figure(r) for r in runs if r.policy == policy and r.mps_rule == reference}
+        for rule in rules:
+            rs = [r for r in runs if r.policy == policy and r.mps_rule == rule]
+            if not rs:
+                continue
+            values = [v for r in rs if (v := _figure(r)) is not None]
+            diffs = [v - b for r in rs if (v := _figure(r)) is not None and (b := ref.get(r.seed)) is not None]
+            rows.append(
+                RuleRow(
+                    policy,
+                    rule,
+                    figure,
+                    len(rs),
+                    statistics.fmean(values) if values else None,
+                    min(values, default=None),
+                    max(values, default=None),
+                    _mean([r.alloc_at(130) for r in rs]),
+                    statistics.fmean(r.failed for r in rs),
+                    statistics.median(r.wall_s for r in rs),
+                    reference,
+                    statistics.fmean(diffs) if diffs else None,
+                    sum(d < 0 for d in diffs),
+                    len(diffs),
+                    min(diffs, default=None),
+                )
+            )
+    return rows
+
+
+def rules_table(runs: Sequence[RunResult], title: str, described: dict[str, str] | None = None) -> Table:
+    """The MPS rules side by side: a row per policy and rule, with the difference from the reference rule seed by
+    seed. ``described``: a rule's words for the caption."""
+    rows = rule_comparison(runs)
+    replay = bool(rows) and rows[0].figure == "mean_alloc_pct"
+    head = "mean alloc" if replay else "alloc@100"
+    reference = rows[0].reference if rows else "none"
+    notes = [
+        f"{head}: "
+        + (
+            "allocated GPU % of capacity averaged over the replay (mean over seeds)"
+            if replay
+            else "allocated GPU % of capacity at arrived 100 % (mean over seeds)"
+        )
+        + f"; range: lowest–highest seed; vs {reference}: the same policy under rule {reference} on the same arrivals "
+        "and drawn users, seed by seed (mean pp; behind: seeds with less allocated; worst: the worst seed's pp); "
+        + (
+            "never placed: pods still pending at the end or dropped"
+            if replay
+            else "failed: pods placed nowhere on arrival"
+        )
+        + " (mean)"
+    ]
+    if described:
+        notes.append("rules: " + "; ".join(f"{rule}: {words}" for rule, words in described.items()))
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, caption="; ".join(notes))
+    for col in ("policy", "MPS rule", "seeds", head, "range", *(() if replay else ("alloc@130",))):
+        t.add_column(col, justify="left" if col in ("policy", "MPS rule") else "right", no_wrap=True)
+    for col in (f"vs {reference}", "behind", "worst", "never placed" if replay else "failed", "wall s"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for row in rows:
+        own = row.mps_rule == row.reference
+        spread = "—" if row.low is None or row.high is None else f"{row.low:.2f}–{row.high:.2f}"
+        t.add_row(
+            row.policy,
+            row.mps_rule,
+            str(row.seeds),
+            _fmt(row.mean),
+            spread,
+            *(() if replay else (_fmt(row.alloc_130),)),
+            "—" if own or row.diff_pp is None else f"{row.diff_pp:+.2f}",
+            "—" if own else f"{row.behind} of {row.compared}",
+            "—" if own or row.worst_pp is None else f"{row.worst_pp:+.2f}",
+            f"{row.failed:.0f}",
+            f"{row.wall_s:.2f}",
+        )
+    return t
 
 
 def _replay_summary(rs: Sequence[RunResult]) -> dict[str, object]:
@@ -352,7 +488,9 @@ def _all_seeds_curve(rs: Sequence[RunResult], start: int = 0) -> tuple[list[int]
 
 def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
     """Mean allocation % against arrived % per policy (one line each), as in the FGD paper's Fig. 7; a replay
-    gets :func:`write_replay_plot` instead. A line ends at the last level that all its seeds reached."""
+    gets :func:`write_replay_plot` instead. A line ends at the last level that all its seeds reached; with several
+    MPS rules a line is a policy under a rule."""
+    runs = plot_labels(runs)
     if runs and all(r.timeline is not None for r in runs):
         write_replay_plot(path, runs, title)
         return
@@ -431,6 +569,26 @@ def write_replay_plot(path: Path, runs: Sequence[RunResult], title: str) -> None
     plt.close(fig)
 
 
-def print_table(console: Console, runs: Sequence[RunResult], title: str, total_gpus: int) -> None:
-    for part in fit_tables(console, table(runs, title, total_gpus)):
+def print_table(
+    console: Console, runs: Sequence[RunResult], title: str, total_gpus: int, described: dict[str, str] | None = None
+) -> None:
+    """The runs' table; with several MPS rules, one table per rule and then the rules side by side."""
+    rules = mps_rules_of(runs)
+    if len(rules) <= 1:
+        for part in fit_tables(console, table(runs, title, total_gpus)):
+            console.print(part)
+        return
+    for rule in rules:
+        words = (described or {}).get(rule, rule)
+        subset = [r for r in runs if r.mps_rule == rule]
+        for part in fit_tables(console, table(subset, f"{title}; MPS rule {rule}: {words}", total_gpus)):
+            console.print(part)
+    for part in fit_tables(console, rules_table(runs, f"{title}: MPS rules side by side", described)):
         console.print(part)
+
+
+def plot_labels(runs: Sequence[RunResult]) -> list[RunResult]:
+    """``runs`` named for a plot: with several MPS rules each line is a policy under a rule."""
+    if len(mps_rules_of(runs)) <= 1:
+        return list(runs)
+    return [dataclasses.replace(r, policy=run_label(r.policy, r.mps_rule)) for r in runs]

@@ -14,15 +14,16 @@ from queue import Queue
 import numpy as np
 import numpy.typing as npt
 
-from sharegpu.ledger import Ledger
+from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT, MPS_DAEMON_MEMORY_MIB, Ledger
 from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.fragmentation import FragmentationModel, Workload, fragmentation_of
 from sharegpu.placement.framework import Scheduler, Unschedulable
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.sim.engine import RunResult, run_arrivals, summary_reason
+from sharegpu.sim.mps_rules import MpsRule, MpsSetup, run_label
 from sharegpu.sim.openb import TraceTask
-from sharegpu.sim.protocol import fgd_arrivals, with_users
+from sharegpu.sim.protocol import DEFAULT_UNDECLARED, fgd_arrivals
 from sharegpu.sim.replay import PriorityOptions, overloaded, replay_trace
 
 
@@ -38,7 +39,16 @@ class Experiment:
     priority: PriorityOptions | None = None  # replay with priorities, preemption, consolidation (issue 19)
     load: float | None = None  # replay a loaded redraw of the trace (see sim.replay.overloaded) instead
     arrivals: int = 0  # pods of that redraw
-    users: int = 1  # Unix users the pods are drawn among (sim.protocol.with_users)
+    # MPS tenancy (sim.mps_rules): the rules to run (each policy × seed under each), per-tenant's daemon cap, and
+    # whom the pods run as under the rules that tell tenants apart (sim.protocol.draw_tenants).
+    mps_rules: tuple[MpsRule, ...] = (MpsRule.NONE,)
+    daemons_per_gpu: int = DEFAULT_DAEMONS_PER_UNIT
+    users: int = 1
+    undeclared: float = DEFAULT_UNDECLARED
+    daemon_memory_mib: int = MPS_DAEMON_MEMORY_MIB  # each MPS daemon's own GPU memory, under every rule
+
+    def mps(self, rule: MpsRule) -> MpsSetup:
+        return MpsSetup(rule, self.daemons_per_gpu, self.users, self.undeclared, self.daemon_memory_mib)
 
     @property
     def capacity_milli(self) -> int:
@@ -84,26 +94,35 @@ class _Reporter:
 
 
 def run_one(
-    exp: Experiment, workload: Workload, policy_name: str, seed: int, reporter: _Reporter | None = None
+    exp: Experiment,
+    workload: Workload,
+    policy_name: str,
+    seed: int,
+    reporter: _Reporter | None = None,
+    rule: MpsRule | None = None,
 ) -> RunResult:
+    """One run of ``policy_name`` with ``seed`` under MPS ``rule`` (default: the experiment's first)."""
+    mps = exp.mps(rule if rule is not None else exp.mps_rules[0])
     ctx = PolicyContext(workload)
     policy = make_policy(policy_name, ctx)
     frag = fragmentation_of(FragmentationModel(workload))
+    nodes, tenancy = mps.nodes(exp.nodes), mps.tenancy()
     if exp.replay:
         tasks = exp.tasks
         if exp.load is not None:
             tasks = overloaded(exp.tasks, exp.capacity_milli, exp.arrivals, seed, exp.load)
-        users = with_users([t.request for t in tasks], exp.users, seed)
-        tasks = tuple(dataclasses.replace(t, request=r) for t, r in zip(tasks, users, strict=True))
+        drawn = mps.requests([t.request for t in tasks], seed)
+        tasks = tuple(
+            t if t.request is r else dataclasses.replace(t, request=r) for t, r in zip(tasks, drawn, strict=True)
+        )
         progress = reporter.bind(len(tasks)) if reporter else None
-        return replay_trace(exp.nodes, tasks, policy, exp.priority, seed, progress=progress).run
-    arrivals: Sequence[GpuRequest] = with_users(
-        fgd_arrivals(exp.tasks, exp.capacity_milli, seed, exp.tune), exp.users, seed
-    )
-    progress = reporter.bind(len(arrivals)) if reporter else None
-    return run_arrivals(
-        exp.nodes, arrivals, policy, seed, rank=tie_rank(seed, len(exp.nodes)), frag=frag, progress=progress
-    )
+        run = replay_trace(nodes, tasks, policy, exp.priority, seed, progress=progress, tenancy=tenancy).run
+    else:
+        arrivals: Sequence[GpuRequest] = mps.requests(fgd_arrivals(exp.tasks, exp.capacity_milli, seed, exp.tune), seed)
+        progress = reporter.bind(len(arrivals)) if reporter else None
+        rank = tie_rank(seed, len(nodes))
+        run = run_arrivals(nodes, arrivals, policy, seed, rank=rank, frag=frag, progress=progress, tenancy=tenancy)
+    return dataclasses.replace(run, mps_rule=mps.rule.value)
 
 
 def run_experiment(
@@ -112,23 +131,22 @@ def run_experiment(
     on_done: Callable[[RunResult], None] | None = None,
     on_progress: RunProgress | None = None,
 ) -> list[RunResult]:
-    """Every policy × seed; results in (policy, seed) order. ``jobs`` 0 means one process per core.
-    ``on_progress`` hears how far each run has got (every 256 pods), also from worker processes."""
-    if exp.users == 1:
-        # One user for every run: given to the tasks once here, so that no run copies every request for it (a run
-        # then finds each request already of user 0, and tuned copies keep it).
-        users = with_users([t.request for t in exp.tasks], 1, 0)
-        exp = dataclasses.replace(
-            exp, tasks=tuple(dataclasses.replace(t, request=r) for t, r in zip(exp.tasks, users, strict=True))
-        )
+    """Every MPS rule × policy × seed; results in that order. ``jobs`` 0 means one process per core.
+    ``on_progress`` hears how far each run has got (every 256 pods), also from worker processes; with several rules
+    its policy is named with the rule (``sharegpu [per-tenant]``, :func:`run_label`)."""
     workload = exp.workload()
-    combos = [(p, s) for p in exp.policies for s in exp.seeds]
+    combos = [(m, p, s) for m in exp.mps_rules for p in exp.policies for s in exp.seeds]
     jobs = jobs or (os.cpu_count() or 1)
-    results: dict[tuple[str, int], RunResult] = {}
+    several = len(exp.mps_rules) > 1
+    results: dict[tuple[MpsRule, str, int], RunResult] = {}
+
+    def reporter(m: MpsRule, p: str, s: int, queue: Queue[tuple[str, int, int, int]] | None) -> _Reporter:
+        label = run_label(p, m.value if several else None)
+        return _Reporter(label, s, sink=on_progress if queue is None else None, queue=queue)
+
     if jobs <= 1 or len(combos) == 1:
-        for p, s in combos:
-            reporter = _Reporter(p, s, sink=on_progress) if on_progress else None
-            results[(p, s)] = r = run_one(exp, workload, p, s, reporter)
+        for m, p, s in combos:
+            results[(m, p, s)] = r = run_one(exp, workload, p, s, reporter(m, p, s, None) if on_progress else None, m)
             if on_done:
                 on_done(r)
         return [results[c] for c in combos]
@@ -136,8 +154,8 @@ def run_experiment(
         pool = stack.enter_context(ProcessPoolExecutor(max_workers=min(jobs, len(combos))))
         queue = stack.enter_context(Manager()).Queue() if on_progress else None
         futures = {
-            pool.submit(run_one, exp, workload, p, s, _Reporter(p, s, queue=queue) if queue else None): (p, s)
-            for p, s in combos
+            pool.submit(run_one, exp, workload, p, s, reporter(m, p, s, queue) if queue else None, m): (m, p, s)
+            for m, p, s in combos
         }
         waiting = set(futures)
         while waiting:
@@ -153,16 +171,17 @@ def run_experiment(
 
 @dataclass(frozen=True)
 class RunSize:
-    """How big an experiment is, said before it starts: runs (policies × seeds) and pods per run."""
+    """How big an experiment is, said before it starts: runs (MPS rules × policies × seeds) and pods per run."""
 
     policies: int
     seeds: int
     pods_per_run: int
     estimated: bool  # the FGD protocol's tuned length, estimated from the mean GPU demand per pod
+    rules: int = 1  # MPS rules compared (sim.mps_rules)
 
     @property
     def runs(self) -> int:
-        return self.policies * self.seeds
+        return self.rules * self.policies * self.seeds
 
     @property
     def decisions(self) -> int:
@@ -172,8 +191,9 @@ class RunSize:
         about = "about " if self.estimated else ""
         policies = f"{self.policies} polic{'y' if self.policies == 1 else 'ies'}"
         seeds = f"{self.seeds:,} seed{'' if self.seeds == 1 else 's'}"
+        rules = f"{self.rules} MPS rules × " if self.rules > 1 else ""
         return (
-            f"{self.runs:,} run{'' if self.runs == 1 else 's'} ({policies} × {seeds}) of {about}"
+            f"{self.runs:,} run{'' if self.runs == 1 else 's'} ({rules}{policies} × {seeds}) of {about}"
             f"{self.pods_per_run:,} pods each: {self.decisions:,} placement decisions"
         )
 
@@ -181,10 +201,11 @@ class RunSize:
 def run_size(exp: Experiment) -> RunSize:
     """The size of ``exp`` without building its arrivals (at a large --tune that alone takes a while)."""
     n = len(exp.tasks)
+    size = RunSize(len(exp.policies), len(exp.seeds), n, False, len(exp.mps_rules))
     if exp.replay and exp.load is not None:
-        return RunSize(len(exp.policies), len(exp.seeds), exp.arrivals, False)
+        return dataclasses.replace(size, pods_per_run=exp.arrivals)
     if exp.replay or not n:
-        return RunSize(len(exp.policies), len(exp.seeds), n, False)
+        return size
     demand = sum(t.request.total_milli for t in exp.tasks)
     target = exp.tune * exp.capacity_milli
     if not demand:
@@ -193,7 +214,7 @@ def run_size(exp: Experiment) -> RunSize:
         pods = round(n * target / demand)  # the protocol drops random pods down to the target
     else:
         pods = n + round((target - demand) * n / demand)  # and draws more, of the trace's mean demand each
-    return RunSize(len(exp.policies), len(exp.seeds), pods, True)
+    return dataclasses.replace(size, pods_per_run=pods, estimated=True)
 
 
 def never_fit(nodes: Sequence[NodeSpec], tasks: Sequence[TraceTask]) -> dict[str, tuple[int, str]]:
