@@ -11,6 +11,12 @@ seeds of the floor (idle GPUs, and the allocation % it caps), FGD's idle GPUs â€
 visible traces, else the `fgd` runs of a report â€” the floor as a share of FGD's idle GPUs (no work-conserving
 policy gets below it; the aim of issue 11 is 0.80), and for each policy of the reports its idle GPUs and ratio.
 A trace is a visible trace's name (openb_pod_list_NAME.csv in --data) or a path to a pod list.
+
+--report reads a `sharegpu sim` JSON report (FGD is published for the visible traces only: a variant's FGD comes
+from a report of it, matched by the pod list's name); --json writes this script's results. For a variant:
+    uv run sharegpu sim --nodes ../shared/data/openb/openb_node_list_gpu_node.csv --pods multigpu40.csv \
+        --policy fgd,sharegpu --seeds 42-44 --json multigpu40.json
+    uv run python bench/online_floor.py --traces multigpu40.csv --seeds 42-44 --report multigpu40.json
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from sharegpu.sim.bound import prefix_at
 from sharegpu.sim.floor import work_conserving_floor
@@ -37,16 +44,42 @@ def main() -> None:
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--seeds", default="42-51")
     ap.add_argument("--level", type=int, default=100, help="arrived level, %% of GPU capacity")
-    ap.add_argument("--report", type=Path, action="append", default=[], help="`sharegpu sim` JSON report(s)")
+    ap.add_argument(
+        "--report",
+        type=Path,
+        action="append",
+        default=[],
+        help="read: a `sharegpu sim` JSON report (sharegpu sim ... --json R.json), FGD and the policies from it",
+    )
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()
 
-    nodes = load_nodes(args.data / "openb_node_list_gpu_node.csv")
+    # Every input is checked before the minutes of work: a bad path is a message, not a traceback at the end.
+    policies = _reports(ap, args.report)
+    traces = [
+        (t, Path(t) if t.endswith(".csv") else args.data / f"openb_pod_list_{t}.csv") for t in args.traces.split(",")
+    ]
+    node_list = args.data / "openb_node_list_gpu_node.csv"
+    published_csv = args.data / "fgd_published_allocation.csv"
+    for path in (node_list, published_csv):
+        if not path.is_file():
+            _fail(ap, f"--data {args.data}: {path.name} is not there; give the folder of the openb files")
+    for _, path in traces:
+        if not path.is_file():
+            _fail(
+                ap, f"--traces: {path} does not exist (a trace is a visible trace's name, or a path to a .csv pod list)"
+            )
+    if args.json is not None and not args.json.parent.is_dir():
+        _fail(ap, f"--json {args.json}: its directory {args.json.parent} does not exist")
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as e:
+        _fail(ap, str(e))
+
+    nodes = load_nodes(node_list)
     capacity = sum(len(n.gpus) for n in nodes) * 1000
     gpus = capacity / 1000
-    seeds = parse_seeds(args.seeds)
     fgd_published = published(args.data)
-    policies = policy_numbers(args.report)
     names = sorted({p for _, p, _ in policies if p != "fgd"})
     print(
         f"seeds {args.seeds}, arrived {args.level} %; floor: work-conserving policies (sim/floor.py); FGD: "
@@ -57,8 +90,7 @@ def main() -> None:
     header += [f"{p} idle GPUs (/ FGD)" for p in names] + ["s per seed"]
     print(" | ".join(header), flush=True)
     rows = []
-    for trace in args.traces.split(","):
-        path = Path(trace) if trace.endswith(".csv") else args.data / f"openb_pod_list_{trace}.csv"
+    for trace, path in traces:
         name = path.stem.removeprefix("openb_pod_list_")
         tasks = load_pods(path)
         floors = []
@@ -117,6 +149,29 @@ def main() -> None:
         )
     if args.json:
         args.json.write_text(json.dumps({"seeds": args.seeds, "rows": rows}, indent=2) + "\n", encoding="utf-8")
+
+
+def _fail(ap: argparse.ArgumentParser, message: str) -> NoReturn:
+    ap.error(message)  # the usage and the message on stderr, exit 2
+
+
+def _reports(ap: argparse.ArgumentParser, paths: list[Path]) -> dict[tuple[str, str, int], tuple[float, int]]:
+    """The numbers of every --report, or exit 2 saying which one cannot be read and what it should be."""
+    out = {}
+    for path in paths:
+        if not path.is_file():
+            _fail(
+                ap,
+                f"--report {path}: no such file. --report reads a `sharegpu sim` JSON report (make one with "
+                f"`sharegpu sim --pods TRACE.csv --policy fgd --json {path}`); --json writes this script's results",
+            )
+        try:
+            out.update(policy_numbers([path]))
+        except (OSError, ValueError) as e:  # unreadable, or not JSON (JSONDecodeError and UnicodeDecodeError)
+            _fail(ap, f"--report {path}: cannot read it as JSON ({e})")
+        except (KeyError, TypeError, AttributeError) as e:
+            _fail(ap, f"--report {path}: not a `sharegpu sim` JSON report ({type(e).__name__}: {e})")
+    return out
 
 
 def _mean_or_none(values: list[float]) -> float | None:
