@@ -39,11 +39,16 @@ def test_dra_mode_renders_valid_objects_and_the_classes_of_the_code() -> None:
     verbs = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
     assert {
         ("resourceclaims", "get"),
-        ("pods", "get"),  # the claim's reservedFor pods: their Unix user decides which MPS unit may serve it
+        ("pods", "get"),  # the claim's reservedFor pods: their containers' users decide the claim's MPS tenant
+        ("pods", "list"),  # the node's pods, for the audit
+        ("events", "create"),  # what the audit and the fault watch tell
         ("nodes", "get"),
         ("resourceslices", "create"),
         ("resourceslices", "delete"),
     } <= verbs
+    assert "pods/eviction" not in {r["resources"][0] for r in role["rules"]}  # only where eviction is on
+    args = pod["containers"][0]["args"]
+    assert "--mps-multi-user" not in args and "--evict-on-audit" not in args
     agent = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-node-agent")
     term = agent["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
@@ -85,3 +90,15 @@ def test_dra_steering_adds_a_filter_only_extender_entry_its_flag_and_rbac() -> N
     role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "sg-extender")
     assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices", "resourceclaims"],
             "verbs": ["get", "list", "watch"]} in role["rules"]  # fmt: skip
+
+
+def test_dra_multi_user_mode_and_eviction_are_flags_and_eviction_brings_its_permission() -> None:
+    docs = render({"dra": {"enabled": True, "backend": "sim", "mpsMultiUser": True, "evictOnAudit": True}})
+    ds = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-dra-driver")
+    args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--mps-multi-user" in args and "--evict-on-audit" in args
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "sg-dra-driver")
+    assert {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]} in role["rules"]
+    for d in docs:
+        if d["kind"] != "DeviceClass":
+            kubernetes_validate.validate(d, "1.37.0", strict=True)

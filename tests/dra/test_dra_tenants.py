@@ -6,125 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from dra_fakes import Api, backend, driver
 
-from sharegpu.kube.schema import Pod, ResourceClaim
+from sharegpu.kube.schema import ResourceClaim
 from sharegpu.model.assignment import Mechanism
 from sharegpu.model.contract import MPS_PIPE_DIRECTORY_ENV, MPS_THREAD_PERCENTAGE_ENV
 from sharegpu.model.tenant import MULTI_USER_TENANT, own_tenant, user_tenant
 from sharegpu.node.backends.base import DeviceInfo
-from sharegpu.node.backends.sim import SimBackend
-from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup
-from sharegpu.node.cdi import CdiWriter
 from sharegpu.node.dra.checkpoint import KIND, Checkpoint, CheckpointError
 from sharegpu.node.dra.claims import ClaimError, plan_claim
-from sharegpu.node.dra.driver import ClaimRef, DraDriver, DriverSetupError, SimTimeSlicer
+from sharegpu.node.dra.driver import DraDriver, DriverSetupError
 from sharegpu.node.durable import save_record
-from sharegpu.node.mig import MigManager
-from sharegpu.node.mps import DaemonKey, MpsLimits, MpsManager, SimMpsDaemon
-from sharegpu.node.state import AgentState
+from sharegpu.node.mps import DaemonKey, MpsLimits
 
 A100 = DeviceInfo(0, "GPU-a100", "NVIDIA A100-SXM4-80GB", "A100-80GB", 81920, 108, False)
-
-
-class Api:
-    """Claims and pods by name, as the driver reads them."""
-
-    def __init__(self) -> None:
-        self.claims: dict[str, dict[str, Any]] = {}
-        self.pods: dict[str, dict[str, Any]] = {}
-
-    async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
-        return ResourceClaim.model_validate(self.claims[name])
-
-    async def get_pod(self, namespace: str, name: str) -> Pod:
-        return Pod.model_validate(self.pods[name])
-
-    def claim(
-        self,
-        name: str,
-        pods: list[str],
-        *,
-        device: str = "gpu-0",
-        memory: str = "10Gi",
-        compute: str = "20",
-        config: list[dict[str, Any]] | None = None,
-    ) -> ClaimRef:
-        """An allocated claim reserved for ``pods`` (UID ``c-<name>``); a MIG device takes no capacity."""
-        result: dict[str, Any] = {"request": "gpu", "driver": "gpu.sharegpu.io", "pool": "n1", "device": device}
-        if "mig" not in device:
-            result |= {"consumedCapacity": {"memory": memory, "compute": compute}, "shareID": f"s-{name}"}
-        self.claims[name] = {
-            "metadata": {"namespace": "ns", "name": name, "uid": f"c-{name}"},
-            "status": {
-                "allocation": {"devices": {"results": [result], "config": config or []}},
-                "reservedFor": [{"resource": "pods", "name": p, "uid": self.pods[p]["metadata"]["uid"]} for p in pods],
-            },
-        }
-        return ClaimRef("ns", f"c-{name}", name)
-
-    def pod(
-        self,
-        name: str,
-        claim: str,
-        *containers: tuple[str, int | None, bool],
-        pod_user: int | None = None,
-        host_users: bool | None = None,
-        sidecars: tuple[tuple[str, int | None, bool], ...] = (),
-    ) -> None:
-        """A pod whose spec.resourceClaims entry ``gpu`` names ``claim``; each container is (name, runAsUser, uses
-        the claim); ``sidecars`` are init containers with restartPolicy Always."""
-
-        def container(c: tuple[str, int | None, bool], sidecar: bool = False) -> dict[str, Any]:
-            out: dict[str, Any] = {"name": c[0]}
-            if c[1] is not None:
-                out["securityContext"] = {"runAsUser": c[1]}
-            if c[2]:
-                out["resources"] = {"claims": [{"name": "gpu"}]}
-            if sidecar:
-                out["restartPolicy"] = "Always"
-            return out
-
-        spec: dict[str, Any] = {
-            "containers": [container(c) for c in containers],
-            "initContainers": [container(c, True) for c in sidecars],
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
-        }
-        if pod_user is not None:
-            spec["securityContext"] = {"runAsUser": pod_user}
-        if host_users is not None:
-            spec["hostUsers"] = host_users
-        self.pods[name] = {"metadata": {"namespace": "ns", "name": name, "uid": f"uid-{name}"}, "spec": spec}
-
-
-@pytest.fixture
-def root() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="drat", dir="/tmp"))  # short: the gRPC and MPS paths have length limits
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def backend() -> SimBackend:
-    return SimBackend(SimConfig((SimGpuGroup("A100-80GB", 1),)), seed="n1")
-
-
-def driver(root: Path, api: Api, sim: SimBackend, *, multi_user: bool = False) -> DraDriver:
-    return DraDriver(
-        "n1",
-        sim,
-        api,
-        MigManager(sim, AgentState(root / "mig.json")),
-        MpsManager(root / "mps", SimMpsDaemon(), multi_user=multi_user),
-        Checkpoint(root / "checkpoint.json"),
-        CdiWriter(root / "cdi"),
-        SimTimeSlicer(),
-    )
 
 
 def cdi_edits(root: Path, claim_uid: str) -> dict[str, Any]:
@@ -365,3 +264,42 @@ def test_fault_isolation_never_becomes_mps_inside_a_mig_instance(isolation: str)
     assert alone.mechanism is Mechanism.MIG
     shared = plan_claim(mig_claim({"sharing": "MPS", "isolation": "memory"}), "u1", "n1", (A100,)).devices[0]
     assert shared.mechanism is Mechanism.MPS
+
+
+def test_a_multi_user_driver_says_so_on_every_device_it_publishes() -> None:
+    from sharegpu.node.dra.slices import build_slices
+
+    def devices(multi: bool) -> list[dict[str, Any]]:
+        return [d for s in build_slices("n1", (A100,), mps_multi_user=multi) for d in s.spec.get("devices", [])]
+
+    assert len(devices(True)) > 1  # the GPU and its MIG placements
+    assert all(d["attributes"]["mpsMultiUser"] == {"bool": True} for d in devices(True))
+    assert not any("mpsMultiUser" in d["attributes"] for d in devices(False))  # a daemon per tenant: unchanged
+
+
+def test_the_command_takes_multi_user_mode_and_refuses_it_on_a_gpu_older_than_volta(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from sharegpu.cli import app
+    from sharegpu.node.cli import BackendKind, build_dra_service
+
+    monkeypatch.setenv("SHAREGPU_STATE_DIR", str(root / "state"))
+    (root / "a100.yaml").write_text("gpus: [{model: A100-80GB, count: 1}]\n")
+    (root / "mixed.yaml").write_text("gpus: [{model: A100-80GB, count: 1}, {model: P100, count: 1}]\n")
+
+    def build(config: str, **flags: bool) -> Any:
+        return build_dra_service(
+            "n1", None, BackendKind.SIM, root / config, root / "kl", None, None, root / "cdi", kube=Api(), **flags
+        )
+
+    service = build("a100.yaml", mps_multi_user=True, evict_on_audit=True)
+    assert service.driver.mps.multi_user and service.watch is not None and service.watch.watch.evict
+    assert not build("a100.yaml").driver.mps.multi_user
+    assert build("mixed.yaml").watch is not None  # a daemon per tenant: fine beside a P100 (its MPS is refused)
+    args = ["dra-driver", "--node-name", "n1", "--backend", "sim", "--sim-config", str(root / "mixed.yaml")]
+    args += ["--kubelet-dir", str(root / "kl"), "--cdi-dir", str(root / "cdi"), "--mps-multi-user"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "--mps-multi-user needs Volta or later" in result.output and "GPU 1 (" in result.output

@@ -52,7 +52,7 @@ def test_the_agent_state_of_an_older_sharegpu_is_read_and_rewritten_as_a_record(
         AgentState(path)
 
 
-def test_a_version_1_dra_checkpoint_is_read_its_claims_without_a_user(tmp_path: Path) -> None:
+def test_a_version_1_dra_checkpoint_is_read_its_mps_claims_a_tenant_of_their_own(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.json"
     device = {
         "request": "gpu", "device": "gpu-0", "pool": "n1", "share_id": "s", "gpu_index": 0, "gpu_uuid": "GPU-0",
@@ -62,7 +62,8 @@ def test_a_version_1_dra_checkpoint_is_read_its_claims_without_a_user(tmp_path: 
     claims = {"u1": {"namespace": "ns", "name": "c", "devices": [device], "units": ["GPU-0"]}}
     path.write_text(json.dumps({"version": 1, "claims": claims}))
     cp = Checkpoint(path)
-    assert cp.claims["u1"].user is None and cp.units["u1"] == ("GPU-0",)
+    # Its pods' users unknown: the MPS claim shares a daemon with no claim prepared later (a tenant named after it).
+    assert cp.claims["u1"].tenant == "pod/u1" and cp.units["u1"] == ("GPU-0",)
     path.write_text(json.dumps({"version": 7, "claims": claims}))
     with pytest.raises(CheckpointError, match="move the file away"):
         Checkpoint(path)

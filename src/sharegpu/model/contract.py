@@ -119,6 +119,10 @@ ATTR_ARCHITECTURE: Final = "architecture"
 ATTR_CUDA_COMPUTE_CAPABILITY: Final = "cudaComputeCapability"
 ATTR_MIG_CAPABLE: Final = "migCapable"
 ATTR_MPS_CAPABLE: Final = "mpsCapable"
+# Published (true) only by a driver in multi-user mode (--mps-multi-user): one MPS daemon per GPU or MIG instance
+# serves the claims of every tenant (sharegpu.model.tenant.MULTI_USER_TENANT), as NodeSpec.mps_multi_user says for a
+# device-plugin node.
+ATTR_MPS_MULTI_USER: Final = "mpsMultiUser"
 ATTR_PROFILE: Final = "profile"  # a MIG device's profile ("3g.40gb"); MIG claims select it by CEL
 ATTR_PLACEMENT_START: Final = "placementStart"  # a MIG device's first memory slot
 ATTR_PLACEMENT_SIZE: Final = "placementSize"  # ... and its number of memory slots

@@ -279,9 +279,25 @@ def dra_driver(
     cdi_dir: Path = typer.Option(
         Path("/var/run/cdi"), "--cdi-dir", help="Where the container runtime reads CDI specs."
     ),
-    interval_s: float = typer.Option(10.0, "--interval", help="Seconds between ResourceSlice and cleanup passes."),
+    interval_s: float = typer.Option(
+        10.0, "--interval", help="Seconds between ResourceSlice, cleanup and enforcement-audit passes."
+    ),
+    mps_multi_user: bool = typer.Option(
+        False,
+        "--mps-multi-user",
+        help="One multi-user MPS daemon (nvidia-cuda-mps-control -M) per GPU or MIG instance for the claims of every "
+        "user, instead of a daemon per tenant (a claim shared by pods of several users then works). It gives up "
+        "isolation between users: all clients share one server and its fault domain. Volta or later only. Off by "
+        "default.",
+    ),
+    evict_on_audit: bool = typer.Option(
+        False,
+        "--evict-on-audit",
+        help="Evict (Eviction API) a pod the enforcement audit finds on a GPU its claims do not give it, bypassing or "
+        "beside its MPS daemon, or above its memory share. Off: such pods get a Warning Event only.",
+    ),
 ) -> None:
-    """Run the sharegpu DRA driver (gpu.sharegpu.io): ResourceSlices, kubelet plugin, MIG/MPS enforcement."""
+    """Run the sharegpu DRA driver (gpu.sharegpu.io): ResourceSlices, kubelet plugin, MIG/MPS enforcement, audit."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         service = build_dra_service(
@@ -294,6 +310,8 @@ def dra_driver(
             plugin_socket,
             cdi_dir,
             interval_s,
+            mps_multi_user=mps_multi_user,
+            evict_on_audit=evict_on_audit,
         )
         asyncio.run(_serve_dra(service))
     except COMMAND_ERRORS as e:
@@ -312,6 +330,10 @@ def build_dra_service(
     cdi_dir: Path,
     interval_s: float = 10.0,
     kube: DraKube | None = None,
+    *,
+    mps_multi_user: bool = False,
+    evict_on_audit: bool = False,
+    notifier: PodNotifier | None = None,
 ) -> DraDriverService:
     import math
 
@@ -321,6 +343,7 @@ def build_dra_service(
     from sharegpu.node.dra.plugin import DraPluginServer, SocketPaths
     from sharegpu.node.dra.publisher import SlicePublisher
     from sharegpu.node.dra.service import DraDriverService, ServiceConfig
+    from sharegpu.node.dra.watch import DraWatch
     from sharegpu.node.mig import MigManager
 
     check_node_name(node_name)
@@ -334,6 +357,8 @@ def build_dra_service(
     )
     paths.check()
     backend, daemon = make_backend(node_name, backend_kind, sim_config)
+    if mps_multi_user:
+        check_multi_user(backend)
     cdi = CdiWriter(cdi_dir.absolute())
     try:
         cdi.check()
@@ -341,20 +366,24 @@ def build_dra_service(
         raise AgentSetupError(f"--cdi-dir {cdi_dir}: {e}; give the directory the container runtime reads") from None
     slicer: TimeSlicer = SimTimeSlicer() if backend_kind is BackendKind.SIM else NvidiaSmiTimeSlicer()
     if kube is None:
+        from sharegpu.kube.api import LightkubeClusterApi
         from sharegpu.node.dra.kube import LightkubeDraApi
 
         kube = LightkubeDraApi(kubeconfig)
+        # Events (and evictions) of the audit and the MPS fault watch, as the node agent posts them.
+        notifier = LightkubeClusterApi(kubeconfig, field_manager="sharegpu-dra-driver")
     state_dir = state_dir_from_env()
     # Its own state file: during a switch of paths the node agent may still run beside it for a moment.
     mig = MigManager(backend, AgentState(state_dir / "dra-mig-state.json"))
-    mps = MpsManager(state_dir / "mps", daemon)
+    mps = MpsManager(state_dir / "mps", daemon, multi_user=mps_multi_user)
     driver = DraDriver(node_name, backend, kube, mig, mps, Checkpoint(state_dir / "dra-checkpoint.json"), cdi, slicer)
     return DraDriverService(
         ServiceConfig(node_name, interval_s),
         driver,
         DraPluginServer(driver, paths),
         kube,
-        SlicePublisher(node_name, kube),
+        SlicePublisher(node_name, kube, mps_multi_user=mps_multi_user),
+        DraWatch(driver, notifier, evict=evict_on_audit),
     )
 
 
@@ -368,4 +397,6 @@ async def _serve_dra(service: DraDriverService) -> None:
         await service.run(stop)
     finally:
         await service.kube.close()
+        if service.watch is not None and service.watch.notifier is not None:
+            await service.watch.notifier.close()
         service.driver.backend.close()

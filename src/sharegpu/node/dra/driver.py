@@ -181,6 +181,11 @@ class DraDriver:
         self._sliced: set[str] = set()  # GPUs whose time slice this process changed
         self.lock = asyncio.Lock()
 
+    @property
+    def mps(self) -> MpsManager:
+        """The node's MPS daemons (the audit and fault watch read them; change them under :attr:`lock` only)."""
+        return self._mps
+
     # ----- the kubelet's calls ---------------------------------------------------------------------------------
     async def prepare(self, claims: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
         out: dict[str, PrepareResult] = {}

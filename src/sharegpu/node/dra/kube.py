@@ -1,8 +1,9 @@
 """What the DRA driver asks of the API server, behind a small interface (``lightkube.AsyncClient`` underneath).
 
-It reads the claims the kubelet names, their pods, its Node (for the owner reference) and its ResourceSlices, listed
-by field selector (``spec.nodeName``, ``spec.driver``) so it never sees another node's, as :mod:`sharegpu.kube.schema`
-objects (the ones the control plane reads); it labels its Node and writes its slices as JSON.
+It reads the claims the kubelet names, their pods, its Node (for the owner reference), the pods bound to the node (for
+the audit) and its ResourceSlices, listed by field selector (``spec.nodeName``, ``spec.driver``) so it never sees
+another node's, as :mod:`sharegpu.kube.schema` objects (the ones the control plane reads); it labels its Node and
+writes its slices as JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class DraKube(Protocol):
     async def get_pod(self, namespace: str, name: str) -> Pod: ...
 
     async def get_node(self, name: str) -> Node: ...
+
+    async def pods_on_node(self, node: str) -> list[Pod]:
+        """The pods bound to ``node`` (a field selector on ``spec.nodeName``): the audit's and fault watch's."""
+        ...
 
     async def label_node(self, name: str, labels: Mapping[str, str | None]) -> None: ...
 
@@ -65,6 +70,13 @@ class LightkubeDraApi:
         from lightkube.resources.core_v1 import Node as KNode
 
         return Node.model_validate(await self._client.get(KNode, name, f"read node {name}"))
+
+    async def pods_on_node(self, node: str) -> list[Pod]:
+        from lightkube.resources.core_v1 import Pod as KPod
+
+        what = f"list the pods of node {node}"
+        pods, _ = await self._client.list(KPod, what, namespace="*", fields={"spec.nodeName": node})
+        return [Pod.model_validate(p) for p in pods]
 
     async def label_node(self, name: str, labels: Mapping[str, str | None]) -> None:
         from lightkube.resources.core_v1 import Node

@@ -21,17 +21,20 @@ log = logging.getLogger(__name__)
 
 
 class SlicePublisher:
-    def __init__(self, node: str, kube: DraKube, catalog: Catalog = DEFAULT_CATALOG) -> None:
+    def __init__(
+        self, node: str, kube: DraKube, catalog: Catalog = DEFAULT_CATALOG, *, mps_multi_user: bool = False
+    ) -> None:
         self.node = node
         self._kube = kube
         self._catalog = catalog
+        self._multi_user = mps_multi_user  # the devices say so (the control plane's DRA ledger reads it)
         self.generation = 0
         self._published: str | None = None  # fingerprint of what was last written
         self._owner: Mapping[str, str] | None = None
 
     async def publish(self, devices: Sequence[DeviceInfo]) -> bool:
         """Write the slices if anything changed; True when it wrote."""
-        wanted = build_slices(self.node, devices, self._catalog)
+        wanted = build_slices(self.node, devices, self._catalog, self._multi_user)
         existing = await self._kube.list_slices(self.node)
         names = {s.metadata.name for s in existing}
         fingerprint = _fingerprint(wanted)

@@ -1,7 +1,9 @@
 """``sharegpu dra-driver`` at run time: label the node as a DRA node, serve the kubelet, keep the slices current.
 
-Every ``interval_s`` it republishes the slices if the GPUs changed or the API server lost some, and releases what no
-prepared claim needs (a MIG instance whose process has only now exited, a daemon left by a failed Prepare). When the
+Every ``interval_s`` it republishes the slices if the GPUs changed or the API server lost some, releases what no
+prepared claim needs (a MIG instance whose process has only now exited, a daemon left by a failed Prepare), and runs
+the node agent's enforcement audit and MPS fault watch on the pods bound to the node (:mod:`sharegpu.node.dra.watch`).
+When the
 kubelet registers the plugin (on every kubelet start, after which the kubelet deletes the node's slices) it checks at
 once and a few times in the next seconds, so the slices are back within about a second. A restart recovers from the
 checkpoint: prepared claims keep their MIG instances and MPS daemons, and the kubelet's retries get the same answers.
@@ -20,6 +22,7 @@ from sharegpu.node.dra.driver import DraDriver
 from sharegpu.node.dra.kube import DraKube
 from sharegpu.node.dra.plugin import DraPluginServer
 from sharegpu.node.dra.publisher import SlicePublisher
+from sharegpu.node.dra.watch import DraWatch
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +43,14 @@ class DraDriverService:
         server: DraPluginServer,
         kube: DraKube,
         publisher: SlicePublisher,
+        watch: DraWatch | None = None,
     ) -> None:
         self.config = config
         self.driver = driver
         self.server = server
         self.kube = kube
         self.publisher = publisher
+        self.watch = watch
 
     async def run(self, stop: asyncio.Event) -> None:
         # The label first: the extender must stop counting this node's GPUs before any claim lands on them.
@@ -84,3 +89,10 @@ class DraDriverService:
         except (KubeError, BackendError) as e:
             log.warning("publishing ResourceSlices failed: %s; retrying", e)
         await self.driver.reconcile()
+        if self.watch is not None:
+            try:
+                pods = await self.kube.pods_on_node(self.config.node_name)
+            except KubeError as e:
+                log.warning("the audit cannot list the node's pods: %s; retrying", e)
+                return
+            await self.watch.check(pods)

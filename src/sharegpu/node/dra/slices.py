@@ -27,6 +27,7 @@ from sharegpu.model.contract import (
     ATTR_MIG_CAPABLE,
     ATTR_MODEL,
     ATTR_MPS_CAPABLE,
+    ATTR_MPS_MULTI_USER,
     ATTR_PARENT_UUID,
     ATTR_PLACEMENT_SIZE,
     ATTR_PLACEMENT_START,
@@ -86,8 +87,9 @@ def node_devices(
     return out
 
 
-def _attrs(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
+def _attrs(d: DeviceInfo, model: GpuModel, mps_multi_user: bool = False) -> dict[str, Any]:
     arch, cc = model.architecture, model.compute_capability
+    multi = {ATTR_MPS_MULTI_USER: {"bool": True}} if mps_multi_user else {}
     return {
         ATTR_TYPE: {"string": DEVICE_TYPE_GPU},
         ATTR_INDEX: {"int": d.index},
@@ -98,14 +100,15 @@ def _attrs(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
         ATTR_CUDA_COMPUTE_CAPABILITY: {"version": cc},
         ATTR_MIG_CAPABLE: {"bool": model.mig_capable},
         ATTR_MPS_CAPABLE: {"bool": model.mps_capable},
+        **multi,
     }
 
 
-def _gpu_device(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
+def _gpu_device(d: DeviceInfo, model: GpuModel, mps_multi_user: bool = False) -> dict[str, Any]:
     memory = f"{d.memory_mib}Mi"
     device: dict[str, Any] = {
         "name": gpu_device_name(d.index),
-        "attributes": _attrs(d, model),
+        "attributes": _attrs(d, model, mps_multi_user),
         "allowMultipleAllocations": True,
         "capacity": {
             # The defaults are the whole capacity: a claim that asks for none gets the GPU to itself.
@@ -129,8 +132,10 @@ def _gpu_device(d: DeviceInfo, model: GpuModel) -> dict[str, Any]:
     return device
 
 
-def _mig_device(d: DeviceInfo, model: GpuModel, p: MigProfile, start: int) -> dict[str, Any]:
-    attrs = _attrs(d, model)
+def _mig_device(
+    d: DeviceInfo, model: GpuModel, p: MigProfile, start: int, mps_multi_user: bool = False
+) -> dict[str, Any]:
+    attrs = _attrs(d, model, mps_multi_user)
     attrs[ATTR_TYPE] = {"string": DEVICE_TYPE_MIG}
     attrs[ATTR_PARENT_UUID] = attrs.pop(ATTR_UUID)
     attrs[ATTR_PROFILE] = {"string": p.name}
@@ -167,8 +172,11 @@ def slice_name(node: str, kind: str, index: int) -> str:
     return f"{node}-{DRIVER}-gpu-{index}-{kind}"
 
 
-def build_slices(node: str, devices: Sequence[DeviceInfo], catalog: Catalog = DEFAULT_CATALOG) -> tuple[SliceSpec, ...]:
-    """The node's pool: per GPU a counter slice (MIG-capable GPUs only) and a device slice."""
+def build_slices(
+    node: str, devices: Sequence[DeviceInfo], catalog: Catalog = DEFAULT_CATALOG, mps_multi_user: bool = False
+) -> tuple[SliceSpec, ...]:
+    """The node's pool: per GPU a counter slice (MIG-capable GPUs only) and a device slice. ``mps_multi_user``: the
+    driver runs one multi-user MPS daemon per unit, which every device says (``mpsMultiUser: true``)."""
     out: list[SliceSpec] = []
     for d in sorted(devices, key=lambda d: d.index):
         if not d.healthy:
@@ -179,9 +187,9 @@ def build_slices(node: str, devices: Sequence[DeviceInfo], catalog: Catalog = DE
             out.append(
                 SliceSpec(slice_name(node, "counters", d.index), {**base, "sharedCounters": [_counter_set(d, model)]})
             )
-        devs = [_gpu_device(d, model)]
+        devs = [_gpu_device(d, model, mps_multi_user)]
         for p in sorted(model.mig_profiles, key=lambda p: (-p.memory_slots, p.name)):
-            devs.extend(_mig_device(d, model, p, s) for s in p.starts)
+            devs.extend(_mig_device(d, model, p, s, mps_multi_user) for s in p.starts)
         out.append(SliceSpec(slice_name(node, "devices", d.index), {**base, "devices": devs}))
     return tuple(out)
 
