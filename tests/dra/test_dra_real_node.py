@@ -30,6 +30,7 @@ import pytest
 
 from realnode import BUSYBOX, RealNode, env_lines, wait_until
 from sharegpu.model.contract import DEVICE_PATH_LABEL, MIG_CLASS, SHARED_CLASS, WHOLE_CLASS
+from sharegpu.model.tenant import tenant_dir
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup
 from sharegpu.node.dra.classes import device_classes
@@ -38,8 +39,13 @@ DRIVER = "gpu.sharegpu.io"
 GIB = 1024
 GPU_MEMORY_MIB = 80 * GIB
 GPU_CONFIG = {"apiVersion": "gpu.sharegpu.io/v1alpha1", "kind": "GpuConfig"}
-# The simulated MPS daemon's marker file, read through the pipe directory's mount, says whose daemon it is.
-PRINT_ENV = 'env | sort; echo "MPS_MARKER=$(cat /run/sharegpu/mps/sim-mps-daemon.json 2>/dev/null)"; echo "--- end"'
+# The simulated MPS daemon's marker file, read through the pipe directory's mount, says whose daemon it is (its unit
+# and tenant); the mount's source (mountinfo's root field: the host directory bound there) says which directory it is.
+PRINT_ENV = (
+    'env | sort; echo "MPS_MARKER=$(cat /run/sharegpu/mps/sim-mps-daemon.json 2>/dev/null)"; '
+    """awk '$5 == "/run/sharegpu/mps" {m = $4} END {print "MPS_MOUNT=" m}' /proc/self/mountinfo; """
+    'echo "UID=$(id -u)"; echo "--- end"'
+)
 
 
 def mib(gib: int) -> str:
@@ -320,7 +326,13 @@ def template_obj(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def pod_obj(
-    name: str, node: str, claim: str | None = None, template: str | None = None, sleep: bool = False, mps: bool = False
+    name: str,
+    node: str,
+    claim: str | None = None,
+    template: str | None = None,
+    sleep: bool = False,
+    mps: bool = False,
+    user: int | None = 0,
 ) -> dict[str, Any]:
     ref: dict[str, str] = {"name": "gpu"}
     ref |= {"resourceClaimName": claim} if claim else {"resourceClaimTemplateName": str(template)}
@@ -333,8 +345,9 @@ def pod_obj(
             "restartPolicy": "Never",
             "nodeSelector": {"kubernetes.io/hostname": node},
             # No hostIPC: an MPS client reaches its daemon through the pipe directory (measured on an H200). One user
-            # for all: an MPS unit serves one Unix user, and a pod that declares none gets a unit of its own.
-            "securityContext": {"runAsUser": 0},
+            # for all (unless ``user`` says otherwise): the pods of one namespace and one declared UID are one MPS
+            # tenant, served by one daemon per GPU; a pod that declares none is a tenant of its own.
+            **({"securityContext": {"runAsUser": user}} if user is not None else {}),
             "terminationGracePeriodSeconds": 0,
             "containers": [
                 {
@@ -377,12 +390,26 @@ def expected_env(s: Session, claim: dict[str, Any]) -> dict[str, str]:
         assert unit == gpus[int(device.split("-")[1])]
     env = {"NVIDIA_VISIBLE_DEVICES": unit, "SHAREGPU_MECHANISM": dev["mechanism"]}
     if dev["mechanism"] == "mps":
+        # The thread cap is the share against the other clients its tenant's daemon had at Prepare (the first one
+        # prepared there is alone: 100 %), so it depends on the order of Prepares: read from the claim's CDI spec,
+        # and held to what that rule allows.
+        spec = json.loads((s.node.cdi_dir / f"sharegpu.io-gpu_{uid}.json").read_text())
+        written = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+        pct = written["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+        assert dev["compute_percent"] <= int(pct) <= 100, (pct, dev)
         env |= {
             "CUDA_MPS_PIPE_DIRECTORY": "/run/sharegpu/mps",
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(dev["compute_percent"]),
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": pct,
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={dev['memory_mib']}M",
         }
     return env
+
+
+def daemon_pipe(s: Session, claim: dict[str, Any]) -> Path:
+    """The host pipe directory of the MPS daemon the claim was prepared into: its tenant's on its unit."""
+    prepared = s.driver.checkpoint()[claim["metadata"]["uid"]]
+    [unit] = prepared["units"]
+    return s.driver.state_dir / "mps" / unit / tenant_dir(prepared["tenant"]) / "pipe"
 
 
 def check_container(s: Session, pod: str, want: dict[str, str]) -> str:
@@ -392,12 +419,22 @@ def check_container(s: Session, pod: str, want: dict[str, str]) -> str:
     assert seen == want, f"pod {pod} saw {seen}, expected exactly {want}"
     if want.get("SHAREGPU_MECHANISM") == "mps":
         # The pipe directory mounted is the daemon's of exactly this unit.
-        [line] = [x for x in log.splitlines() if x.startswith("MPS_MARKER=")]
-        marker = json.loads(line.removeprefix("MPS_MARKER="))
-        assert marker["unit"] == want["NVIDIA_VISIBLE_DEVICES"], log
+        assert mps_marker(log)["unit"] == want["NVIDIA_VISIBLE_DEVICES"], log
     else:
-        assert "MPS_MARKER=\n" in log, log  # no MPS pipe directory mounted
+        assert "MPS_MARKER=\n" in log and "MPS_MOUNT=\n" in log, log  # no MPS pipe directory mounted
     return log
+
+
+def mps_marker(log: str) -> dict[str, Any]:
+    """The simulated daemon's marker, read in the container through its pipe directory's mount."""
+    [line] = [x for x in log.splitlines() if x.startswith("MPS_MARKER=")]
+    marker: dict[str, Any] = json.loads(line.removeprefix("MPS_MARKER="))
+    return marker
+
+
+def printed(log: str, key: str) -> str:
+    [line] = [x for x in log.splitlines() if x.startswith(f"{key}=")]
+    return line.removeprefix(f"{key}=")
 
 
 def wait_driver_ready(s: Session, timeout: float = 30) -> None:
@@ -435,17 +472,23 @@ def test_docs_examples_run_as_real_pods_and_each_container_sees_only_its_claim(s
     # Running, not Succeeded: a finished pod's claim from a template is deleted at once (read it while it runs).
     s.wait_printed(["heavy", "light", "notebook"])
     heavy, light, notebook = (s.claim_of(p) for p in ("heavy", "light", "notebook"))
-    for pod, claim, mech, pct, mem in (
-        ("heavy", heavy, "mps", "80", mib(64)),
-        ("light", light, "mps", "20", mib(16)),
-        ("notebook", notebook, "time-slicing", None, None),
+    caps: dict[str, str | None] = {}
+    for pod, claim, mech, mem in (
+        ("heavy", heavy, "mps", mib(64)),
+        ("light", light, "mps", mib(16)),
+        ("notebook", notebook, "time-slicing", None),
     ):
         want = expected_env(s, claim)
-        assert want["SHAREGPU_MECHANISM"] == mech
-        assert (
-            want.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == pct and want.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == mem
-        )
+        assert want["SHAREGPU_MECHANISM"] == mech and want.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == mem
+        caps[pod] = want.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
         check_container(s, pod, want)
+    # Both pods run as uid 0 in one namespace: one tenant, one daemon on the GPU they share. The first prepared was
+    # its only client (all threads); the second got its share against both (80 of 100, or 20).
+    assert caps in (
+        {"heavy": "100", "light": "20", "notebook": None},
+        {"heavy": "80", "light": "100", "notebook": None},
+    )
+    assert daemon_pipe(s, heavy) == daemon_pipe(s, light)
     # The CDI specs name no device node (the simulated GPUs have none), so containerd started the containers.
     for claim in (heavy, light, notebook):
         spec = json.loads((s.node.cdi_dir / f"sharegpu.io-gpu_{claim['metadata']['uid']}.json").read_text())
@@ -607,12 +650,15 @@ def test_kubelet_and_driver_restarts_mid_burst_keep_shares_and_hand_nothing_out_
         assert specs[n].exists()
     # Every pod saw exactly its own claim's share.
     claims = {n: s.claim_of(n) for n in names[:8]}
+    caps: dict[str, list[int]] = {}
     for n in names[:8]:
         wait_until(lambda n=n: "--- end" in s.pod_log(n), f"{n} printed its env")  # type: ignore[misc]
         want = expected_env(s, claims[n])
-        assert (want["SHAREGPU_MECHANISM"], want["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) == ("mps", "25")
-        assert want["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == mib(10)
+        assert want["SHAREGPU_MECHANISM"] == "mps" and want["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == mib(10)
+        caps.setdefault(want["NVIDIA_VISIBLE_DEVICES"], []).append(int(want["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]))
         check_container(s, n, want)
+    # One tenant (uid 0): per GPU one daemon, whose k-th client prepared got 25 % against k clients' 25 % each.
+    assert {gpu: sorted(c) for gpu, c in caps.items()} == {gpu: [25, 33, 50, 100] for gpu in s.driver.gpu_uuids()}
     # Nothing handed out twice: per GPU, the allocations and the driver's checkpoint stay within its capacity.
     used: dict[str, list[int]] = {}
     share_ids = set()
@@ -631,3 +677,95 @@ def test_kubelet_and_driver_restarts_mid_burst_keep_shares_and_hand_nothing_out_
         per_unit[d["gpu_uuid"]] = (compute + d["compute_percent"], memory + d["memory_mib"])
     assert all(c <= 100 and m <= GPU_MEMORY_MIB for c, m in per_unit.values()), per_unit
     assert s.driver.starts == 2 and "the kubelet registered DRA driver" in s.driver.log_text()
+
+
+# ----- 5. MPS tenants: claims of two tenants on one GPU at once, each through its own daemon ----------------------
+def pod_events(s: Session, pod: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = s.get("events")["items"]
+    return [e for e in items if e.get("involvedObject", {}).get("name") == pod]
+
+
+def test_mps_claims_of_two_tenants_share_a_gpu_each_through_its_own_daemon(session: Session) -> None:
+    s, node = session, session.node.name
+    s.driver.interval = 2  # the audit's pass: a late pod is told within seconds
+    s.driver.start()
+    wait_driver_ready(s)
+    share = claim_spec(SHARED_CLASS, {"memory": "10Gi", "compute": "30"}, cel=index_is(0))
+
+    # Phase A: a uid-1000 pod and a pod that declares no user (the image's: root), each with an MPS claim on GPU 0.
+    s.apply(
+        claim_obj("c-1000", share),
+        claim_obj("c-anon", share),
+        pod_obj("u1000", node, claim="c-1000", sleep=True, mps=True, user=1000),
+        pod_obj("anon", node, claim="c-anon", sleep=True, mps=True, user=None),
+    )
+    s.wait_printed(["u1000", "anon"])
+    assert {s.pod_phase("u1000"), s.pod_phase("anon")} == {"Running"}  # at the same time, on one GPU
+    gpu = s.driver.gpu_uuids()[0]
+    anon_uid = s.get("pod", "anon")["metadata"]["uid"]
+    tenants = {"u1000": f"{s.ns}/uid-1000", "anon": f"pod/{anon_uid}"}
+    pipes: dict[str, str] = {}
+    for pod in ("u1000", "anon"):
+        claim = s.claim_of(pod)
+        want = expected_env(s, claim)
+        assert want["NVIDIA_VISIBLE_DEVICES"] == gpu and want["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+        log = check_container(s, pod, want)
+        assert s.driver.checkpoint()[claim["metadata"]["uid"]]["tenant"] == tenants[pod]
+        # The daemon it reaches is its own tenant's: the marker read through its mount says so, and the mount's
+        # host-side source is that daemon's pipe directory.
+        assert mps_marker(log)["tenant"] == tenants[pod], log
+        mount = printed(log, "MPS_MOUNT")
+        host = daemon_pipe(s, claim)
+        assert host == s.driver.state_dir / "mps" / gpu / tenant_dir(tenants[pod]) / "pipe"
+        assert mount and str(host).endswith(mount), (mount, host)
+        pipes[pod] = mount
+        print(f"{pod} (UID {printed(log, 'UID')}): pipe mount {mount}")
+    assert pipes["u1000"] != pipes["anon"]
+    daemons = sorted(p.name for p in (s.driver.state_dir / "mps" / gpu).iterdir())
+    assert daemons == sorted(tenant_dir(t) for t in tenants.values())
+
+    # Phase B: a pod of a third tenant joins c-1000 after its Prepare; the kubelet gives it the claim's devices
+    # without asking the driver, and the driver's audit tells it why that is wrong.
+    s.apply(pod_obj("joiner", node, claim="c-1000", sleep=True, mps=True, user=None))
+    s.wait_printed(["joiner"])
+    assert mps_marker(s.pod_log("joiner"))["tenant"] == tenants["u1000"]
+
+    def told() -> str:
+        return " ".join(e["message"] for e in pod_events(s, "joiner") if e["reason"] == "GpuAuditMpsOtherTenant")
+
+    message = wait_until(told, "the audit's Event on the pod that joined another tenant's claim", timeout=30)
+    assert f"claim {s.ns}/c-1000" in message and "ResourceClaimTemplate" in message, message
+    s.kubectl("delete", "pod", "-n", s.ns, "u1000", "anon", "joiner", "--wait=true", timeout=120)
+    wait_until(lambda: not s.driver.checkpoint(), "phase A's claims unprepared", timeout=60)
+    wait_until(lambda: not (s.driver.state_dir / "mps" / gpu).exists(), "the tenants' daemons stopped", timeout=30)
+
+    # Phase C: one claim shared by pods of two tenants, both reserved before the kubelet can prepare it (the driver
+    # is down meanwhile): refused, the pods' events say why and what to change.
+    s.driver.stop()
+    s.apply(
+        claim_obj("c-mixed", share),
+        pod_obj("m1000", node, claim="c-mixed", sleep=True, mps=True, user=1000),
+        pod_obj("manon", node, claim="c-mixed", sleep=True, mps=True, user=None),
+    )
+    wait_until(
+        lambda: len(s.get("resourceclaim", "c-mixed").get("status", {}).get("reservedFor") or []) == 2,
+        "c-mixed reserved for both pods",
+        timeout=60,
+    )
+    s.driver.start()
+    wait_driver_ready(s)
+
+    def refused() -> str:
+        for pod in ("m1000", "manon"):
+            for e in pod_events(s, pod):
+                if "used by pods of different MPS tenants" in e.get("message", ""):
+                    return str(e["message"])
+        return ""
+
+    t0 = time.monotonic()
+    message = wait_until(refused, "the kubelet's retry of c-mixed refused with the reason", timeout=150, every=1)
+    for what in ("runAsUser", "ResourceClaimTemplate", "--mps-multi-user", "uid 1000 in", "alone"):
+        assert what in message, message
+    assert {s.pod_phase("m1000"), s.pod_phase("manon")} == {"Pending"}
+    assert not s.driver.checkpoint()
+    print(f"shared claim of two tenants refused {time.monotonic() - t0:.0f}s after the driver came back: {message}")

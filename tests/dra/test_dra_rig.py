@@ -23,6 +23,7 @@ import grpc.aio
 import pytest
 
 from sharegpu.model.contract import DEVICE_PATH_LABEL, MIG_CLASS, SHARED_CLASS
+from sharegpu.model.tenant import user_tenant
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.cli import BackendKind, build_dra_service
 from sharegpu.node.dra.classes import device_classes
@@ -30,7 +31,7 @@ from sharegpu.node.dra.config import TimeSlice
 from sharegpu.node.dra.driver import SimTimeSlicer
 from sharegpu.node.dra.kube import LightkubeDraApi
 from sharegpu.node.dra.service import DraDriverService
-from sharegpu.node.mps import SimMpsDaemon
+from sharegpu.node.mps import DaemonKey, MpsLimits, SimMpsDaemon
 from sharegpu.node.proto import dra_v1_pb2, dra_v1_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
 
 KUBECONFIG = os.environ.get("SHAREGPU_TEST_KUBECONFIG")
@@ -89,8 +90,8 @@ class Rig:
                 "metadata": {"name": name, "namespace": self.ns},
                 "spec": {
                     "nodeSelector": {"kubernetes.io/hostname": self.node},
-                    # One user: an MPS unit serves one Unix user, and a claim whose pods declare none gets a unit of
-                    # its own (the driver refuses to prepare it beside another).
+                    # One user: the pods of one namespace and one declared UID are one MPS tenant, whose claims on a
+                    # GPU share one daemon (a pod that declares none would be a tenant, and a daemon, of its own).
                     "securityContext": {"runAsUser": 0},
                     "containers": [{"name": "main", "image": "cuda", "resources": {"claims": [{"name": "gpu"}]}}],
                     "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
@@ -205,12 +206,21 @@ async def _setup(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
         yield rig, service
     finally:
         await service.server.stop()
-        await service.kube.close()
+        await close(service)
         await client.delete(Namespace, ns)
-        for s in await LightkubeDraApi(Path(KUBECONFIG)).list_slices(node):
+        lister = LightkubeDraApi(Path(KUBECONFIG))
+        for s in await lister.list_slices(node):
             await client.delete(ResourceSlice, s.metadata.name)
+        await lister.close()
         await client.delete(Node, node)
         await client.close()
+
+
+async def close(service: DraDriverService) -> None:
+    """Its API clients: the driver's and the audit's (Events)."""
+    await service.kube.close()
+    if service.watch is not None and service.watch.notifier is not None:
+        await service.watch.notifier.close()
 
 
 def test_dra_driver_on_the_real_control_plane(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,18 +330,25 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
         assert "re-created" in resp.claims["not-the-uid"].error
         assert "no-such-claim" in resp.claims[ghost.uid].error
 
-        # The CDI specs carry each claim's own limits; the MPS daemon holds every client to the largest share.
+        # The CDI specs carry each claim's own limits: its memory, and its compute against the other clients its
+        # tenant's daemon had at its Prepare (infer-a came first: alone, all threads; infer-b: 50 of 30 + 50). The
+        # daemon holds every client to the largest; the claims that failed in the same call released what no
+        # prepared claim needs, which sets each daemon's limits exactly (Prepare alone only widens them).
+        caps = {}
+        for c, mem in ((a, "0=10240M"), (b, "0=20480M")):
+            spec = json.loads((tmp / "cdi" / f"sharegpu.io-gpu_{c['metadata']['uid']}.json").read_text())
+            dev = spec["devices"][0]
+            env = dict(e.split("=", 1) for e in dev["containerEdits"]["env"])
+            assert env["NVIDIA_VISIBLE_DEVICES"] == gpu.uuid and env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == mem
+            assert dev["containerEdits"]["mounts"][0]["containerPath"] == "/run/sharegpu/mps"
+            caps[c["metadata"]["name"]] = env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
+        assert caps == {"infer-a": "100", "infer-b": "62"}
         spec_a = json.loads((tmp / "cdi" / f"sharegpu.io-gpu_{a['metadata']['uid']}.json").read_text())
-        dev = spec_a["devices"][0]
-        assert f"sharegpu.io/gpu={dev['name']}" == pa.devices[0].cdi_device_ids[0]
-        env = dict(e.split("=", 1) for e in dev["containerEdits"]["env"])
-        assert env["NVIDIA_VISIBLE_DEVICES"] == gpu.uuid
-        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
-        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
-        assert dev["containerEdits"]["mounts"][0]["containerPath"] == "/run/sharegpu/mps"
-        mps = service.driver._mps
-        assert mps.limits(gpu.uuid) is not None and mps.limits(gpu.uuid).thread_percentage == 50  # type: ignore[union-attr]
-        assert mps.limits(gpu.uuid).pinned_mem_mib == 20480  # type: ignore[union-attr]
+        assert f"sharegpu.io/gpu={spec_a['devices'][0]['name']}" == pa.devices[0].cdi_device_ids[0]
+        mps = service.driver.mps
+        daemon = DaemonKey(gpu.uuid, user_tenant(rig.ns, 0))  # both pods run as uid 0: one tenant, one daemon
+        assert mps.running() == {daemon}
+        assert mps.limits(daemon) == MpsLimits(62, 20480)
 
         # Idempotent, and the same answer from a restarted driver (its checkpoint).
         again = await dra.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(claims=[claim_msg(a)]))
@@ -368,7 +385,8 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
         assert not (tmp / "cdi" / f"sharegpu.io-gpu_{a['metadata']['uid']}.json").exists()
         un = await dra.NodeUnprepareResources(dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[claim_msg(a)]))
         assert un.claims[a["metadata"]["uid"]].error == ""  # twice is fine
-        assert not SimMpsDaemon().limits(restarted.driver._mps.spec(gpu.uuid))  # the daemon is gone
+        assert not SimMpsDaemon().limits(restarted.driver.mps.spec(gpu.uuid, daemon.tenant))  # the daemon is gone
+        assert restarted.driver.mps.running() == frozenset()
 
     # 5. Once the shares are gone the MIG claim is allocated; a second 3g lands on the other half; then the GPU's
     # slots are used up and neither a third partition nor a share is allocated.
@@ -425,7 +443,8 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
             dra_v1_pb2.NodePrepareResourcesRequest(claims=[claim_msg(heavy), claim_msg(light)])
         )
         assert all(r.error == "" for r in resp.claims.values()), resp
-        for c, pct, mib in ((heavy, "80", "65536"), (light, "20", "16384")):
+        # One tenant: heavy, prepared first, was its daemon's only client (all threads); light got 20 of 80 + 20.
+        for c, pct, mib in ((heavy, "100", "65536"), (light, "20", "16384")):
             spec = json.loads((tmp / "cdi" / f"sharegpu.io-gpu_{c['metadata']['uid']}.json").read_text())
             env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
             assert (env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]) == (
@@ -467,4 +486,4 @@ async def scenario(rig: Rig, service: DraDriverService, tmp: Path) -> None:
         assert resp.claims[notebook["metadata"]["uid"]].error == ""
         slicer = restarted.driver._time_slicer
         assert isinstance(slicer, SimTimeSlicer) and slicer.intervals[gpu.uuid] is TimeSlice.SHORT
-    await restarted.kube.close()
+    await close(restarted)
