@@ -25,6 +25,7 @@ from sharegpu.node.backends.base import XidEvent
 from sharegpu.node.kube import PodInfo
 from sharegpu.node.mps import DaemonKey
 from sharegpu.node.mps_faults import FaultSignal
+from sharegpu.node.xid import XidKind, classify
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +139,13 @@ class EnforcementWatch:
         """Turn this reconcile's signals into incidents and tell every pod of each daemon.
 
         ``daemons``: daemon → GPU index of every daemon that pods share; ``sharers``: daemon → the pods that shared it
-        (live now or at the last reconcile). A log line or a vanished server is its daemon's own sign. An Xid names a
-        unit (a MIG instance, else the whole GPU: then every daemon on the GPU), not a daemon: it is the fault of the
-        one daemon there where there is one; where there are several it only adds to those with a sign of their own
-        in this reconcile, and is otherwise counted and logged without telling anyone, since a fault in one tenant's
-        client ends only its own daemon's clients (H200) and the Xid cannot say whose it was.
+        (live now or at the last reconcile). A log line or a vanished server is its daemon's own sign. An Xid that
+        ends no process (:mod:`sharegpu.node.xid`: Xid 45, the driver cleaning up after a process that ended, e.g. a
+        deleted pod's; an Xid the table does not know) is counted and logged only. One that does names a unit (a MIG
+        instance, else the whole GPU: then every daemon on the GPU), not a daemon: it is the fault of the one daemon
+        there where there is one; where there are several it only adds to those with a sign of their own in this
+        reconcile, and is otherwise counted and logged without telling anyone, since a fault in one tenant's client
+        ends only its own daemon's clients (H200) and the Xid cannot say whose it was.
         """
         per_daemon: dict[DaemonKey, list[FaultSignal]] = {}
         for s in signals:
@@ -150,7 +153,14 @@ class EnforcementWatch:
                 per_daemon.setdefault(s.daemon, []).append(s)
         for x in xids:
             self._xids_total[(x.gpu_index, x.unit_uuid, x.xid)] += 1
-            log.warning("GPU %d (%s): critical Xid %d", x.gpu_index, x.unit_uuid, x.xid)
+            info = classify(x.xid)
+            if not info.told:
+                # The driver's cleanup after a process ended (Xid 45: a deleted pod), a state report, a hardware
+                # condition that ends no process, or a number the table does not know: nobody's clients ended.
+                level = logging.INFO if info.kind is XidKind.NOT_A_FAULT else logging.WARNING
+                log.log(level, "GPU %d (%s): %s: not told to pods", x.gpu_index, x.unit_uuid, info.describe())
+                continue
+            log.warning("GPU %d (%s): critical %s", x.gpu_index, x.unit_uuid, info.describe())
             if x.unit_uuid.startswith("MIG-"):
                 candidates = [k for k in daemons if k.unit_uuid == x.unit_uuid]
             else:
@@ -159,16 +169,16 @@ class EnforcementWatch:
                 signed = [k for k in candidates if k in per_daemon]
                 if not signed:
                     log.warning(
-                        "critical Xid %d on GPU %d names %s, where %d MPS daemons run and none shows a fault of its "
+                        "critical %s on GPU %d names %s, where %d MPS daemons run and none shows a fault of its "
                         "own: not told to any (it cannot say whose client faulted)",
-                        x.xid,
+                        info.describe(),
                         x.gpu_index,
                         x.unit_uuid,
                         len(candidates),
                     )
                 candidates = signed
             for k in candidates:
-                detail = f"critical Xid {x.xid} on GPU {x.gpu_index}"
+                detail = f"critical {info.describe()} on GPU {x.gpu_index}"
                 per_daemon.setdefault(k, []).append(FaultSignal(k.unit_uuid, "xid", detail, k.tenant))
         out: list[MpsFault] = []
         now = self._clock()

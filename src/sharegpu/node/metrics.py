@@ -197,7 +197,9 @@ def _render(s: MetricsSnapshot) -> Iterator[Metric]:
     for gpu, unit, tenant, n in s.counts.faults:
         faults.add_metric([str(gpu), unit, tenant], n)
     xids = CounterMetricFamily(
-        "sharegpu_gpu_xid_errors", "Critical Xid errors the driver reported.", labels=["gpu", "UUID", "xid"]
+        "sharegpu_gpu_xid_errors",
+        "Xid errors the driver reported, told to pods or not (sharegpu.node.xid).",
+        labels=["gpu", "UUID", "xid"],
     )
     for gpu, unit, xid, n in s.counts.xids:
         xids.add_metric([str(gpu), unit, str(xid)], n)
