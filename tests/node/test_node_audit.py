@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from node_fakes import SIM_YAML, FakeKube, agent_config, assignment, pod, share
-from test_node_nvml_backend import FakeGpu, FakeNvml
+from test_node_nvml_backend import FakeGi, FakeGpu, FakeNvml
 
 from sharegpu.kube.api import PodEvent
 from sharegpu.kube.errors import EvictionBlocked
@@ -618,12 +618,70 @@ def test_fault_signals_within_the_window_are_one_incident() -> None:
     asyncio.run(main())
 
 
+class SmErrorNvml(FakeNvml):
+    """A driver whose per-process utilisation query fails with ``sm_error`` (None: answers as FakeNvml does)."""
+
+    sm_error: str | None = None
+
+    def process_utilization(self, h: FakeGpu) -> dict[int, int]:
+        if self.sm_error is not None:
+            raise NvmlCallError(self.sm_error, f"nvmlDeviceGetProcessUtilization: {self.sm_error}")
+        return super().process_utilization(h)
+
+
+P_UID = "0a1b2c3d-0000-1111-2222-00000000000f"
+
+
+def _usage_through_the_agent(tmp_path: Path, gpu: FakeGpu, sm_error: str | None, mig: MigSlot | None) -> list[object]:
+    """One reconcile of the agent over NVML on one H100 running pod p's process 77 (2 GiB, time-sliced; on the MIG
+    instance ``mig`` names where given): the SM figures of the agent's metrics snapshot."""
+    api = SmErrorNvml(gpu)
+    api.sm_error = sm_error
+    backend = NvmlBackend(api, proc_root=tmp_path / "proc")
+    gi = None
+    if mig is not None:
+        gi = next(g.id for g in api.gpus[0].gis if g.start == mig.start)
+    api.gpus[0].procs = [NvmlProcess(77, 2048 * MIB, gi)]
+    (tmp_path / "proc" / "77").mkdir(parents=True)
+    (tmp_path / "proc" / "77" / "cgroup").write_text(f"0::/kubepods/besteffort/pod{P_UID}/abc\n")
+    (tmp_path / "proc" / "77" / "cmdline").write_bytes(b"python3\0")
+    kube = FakeKube(NodeInfo("node-a", {}, {}, 32000, 256 * 1024))
+    inner = Mechanism.TIME_SLICING if mig is not None else None
+    mech = Mechanism.MIG if mig is not None else Mechanism.TIME_SLICING
+    kube.add(pod("p", assignment("p", share(0, "GPU-0", mech, 500, 0, mig, inner)), uid=P_UID, phase="Running"))
+    agent = NodeAgent(agent_config(tmp_path, tmp_path), backend, kube, SimMpsDaemon())
+    asyncio.run(agent.reconcile_once())
+    assert [(u.pod, u.memory_used_mib) for u in agent.snapshot.pod_usage] == [("p", 2048)]
+    return [u.sm_util_percent for u in agent.snapshot.pod_usage]
+
+
+@pytest.mark.parametrize("error", ["unknown", "gpu_lost", "not_supported", "timeout"])
+def test_after_an_nvml_error_every_pods_sm_figure_is_unknown_not_zero(tmp_path: Path, error: str) -> None:
+    """A non-MIG GPU: NVML_ERROR_NOT_FOUND means no sample (no process ran on the SMs: 0 is true); any other error
+    says nothing, and every pod's figure is unknown (absent from the metrics), not 0."""
+    assert _usage_through_the_agent(tmp_path, FakeGpu("NVIDIA H100 80GB HBM3"), error, None) == [None]
+
+
+def test_no_sample_on_a_gpu_is_zero_and_a_sample_is_the_pods(tmp_path: Path) -> None:
+    assert _usage_through_the_agent(tmp_path / "idle", FakeGpu("NVIDIA H100 80GB HBM3", sm=None), None, None) == [0]
+    assert _usage_through_the_agent(tmp_path / "busy", FakeGpu("NVIDIA H100 80GB HBM3", sm={77: 40}), None, None) == [
+        40
+    ]
+
+
 def test_no_per_process_figures_on_a_mig_gpu_are_unknown_not_zero(tmp_path: Path) -> None:
-    backend, _ = _h200_under_mps(tmp_path)
-    r = _reading(backend)
-    views = attribute(r, backend.pod_uid_of, backend.process_name)
-    rows, units = pod_usage(views, {}, _pods("pod-a", "pod-b"), sm_known=False)  # type: ignore[arg-type]
-    assert [(row.memory_mib, row.sm_percent) for row in rows] == [(500, None), (730, None)] and units == ()
+    """In MIG mode NVML keeps no per-process figures: its empty answer there is unknown, through the agent's own
+    reading of the GPU (not a flag a test passes in)."""
+    gpu = FakeGpu("NVIDIA H100 80GB HBM3", mig=True, gis=[FakeGi(1, 9, 4, 4)], sm=None)  # 3g.40gb at slot 4
+    assert _usage_through_the_agent(tmp_path / "a", gpu, None, MigSlot("3g.40gb", 4)) == [None]
+    gpu = FakeGpu("NVIDIA H100 80GB HBM3", mig=True, gis=[FakeGi(1, 9, 4, 4)])
+    assert _usage_through_the_agent(tmp_path / "b", gpu, "not_supported", MigSlot("3g.40gb", 4)) == [None]
+    # A driver that does keep them in MIG mode: the figure is the process's.
+    gpu = FakeGpu("NVIDIA H100 80GB HBM3", mig=True, gis=[FakeGi(1, 9, 4, 4)], sm={77: 25})
+    assert _usage_through_the_agent(tmp_path / "c", gpu, None, MigSlot("3g.40gb", 4)) == [25]
+    # The reading says so itself, for any caller of pod_usage.
+    backend = NvmlBackend(FakeNvml(FakeGpu("NVIDIA H100 80GB HBM3", mig=True)))
+    assert not read_gpu(backend, backend.devices()[0]).sm_known
 
 
 def test_a_client_whose_daemon_cannot_be_read_leaves_a_unit_of_several_servers_unknown() -> None:

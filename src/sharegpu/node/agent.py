@@ -467,9 +467,8 @@ class NodeAgent:
                 )
             )
             mig += [MigSample(d.index, i.uuid, i.profile, i.start, self.mig.is_managed(i.uuid)) for i in r.instances]
-            # In MIG mode NVML keeps no per-process figures: an empty answer there is "unknown", not 0.
-            sm_known = bool(r.sm_percent) or not d.mig_enabled
-            rows, mps_units = pod_usage(views[d.index], r.sm_percent, by_uid, sm_known)
+            # Unknown, not 0, after an NVML error, and where a GPU in MIG mode kept no figures (GpuReading.sm_known).
+            rows, mps_units = pod_usage(views[d.index], r.sm_percent, by_uid, r.sm_known)
             units += mps_units
             for row in rows:
                 owner = by_uid[row.pod_uid]

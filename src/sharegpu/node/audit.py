@@ -65,6 +65,14 @@ class GpuReading:
     mps_clients: frozenset[int] | None  # pids of the MPS-aware list; None where the driver cannot tell
     sm_percent: Mapping[int, int]  # per pid; under MPS only the server's pid has one
     instances: tuple[MigInstanceInfo, ...] = ()
+    sm_read: bool = True  # False: the driver answered the per-process query with an error
+
+    @property
+    def sm_known(self) -> bool:
+        """Whether a process missing from :attr:`sm_percent` really used no SM: the driver answered, and, on a GPU
+        in MIG mode (where NVML keeps no per-process figures), answered with some. Otherwise every figure is
+        unknown, never 0."""
+        return self.sm_read and (bool(self.sm_percent) or not self.device.mig_enabled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +92,16 @@ def read_gpu(backend: GpuBackend, device: DeviceInfo) -> GpuReading:
     """One GPU's processes (both lists), utilisation and MIG instances; raises :class:`BackendError` for a GPU that
     cannot be read."""
     mps = backend.mps_processes(device.index)
+    sm = backend.process_utilization(device.index)
     return GpuReading(
         device,
         backend.utilization(device.index),
         backend.memory_used_mib(device.index),
         backend.processes(device.index),
         None if mps is None else frozenset(p.pid for p in mps),
-        backend.process_utilization(device.index),
+        sm or {},
         backend.mig_instances(device.index) if device.mig_enabled else (),
+        sm_read=sm is not None,
     )
 
 
@@ -324,8 +334,9 @@ def pod_usage(
     gets the server's figure, and one that shares the server with another pod (or with a client of no pod) has an
     unknown figure (None), never 0. A client is tied to its server by its daemon (:attr:`ProcView.daemon`); one
     whose daemon (or its server's) is unknown belongs to the unit's server where the unit has one, and leaves every
-    figure of the unit unknown where it has several (or none is listed). ``sm_known`` False (a GPU in MIG mode that gave no figures: NVML keeps none there)
-    leaves every SM figure unknown.
+    figure of the unit unknown where it has several (or none is listed). ``sm_known`` False
+    (:attr:`GpuReading.sm_known`: the driver's per-process query failed, or a GPU in MIG mode, where NVML keeps no
+    figures, gave none) leaves every SM figure unknown.
     """
     procs = list(procs)
     servers: dict[_Server, int] = {}

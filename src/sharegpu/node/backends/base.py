@@ -175,8 +175,9 @@ class GpuBackend(Protocol):
         """Device memory in use on the whole GPU (all processes and instances)."""
         ...
 
-    def process_utilization(self, gpu_index: int) -> dict[int, int]:
-        """SM utilisation per pid over the last sampling period; empty where the driver cannot tell.
+    def process_utilization(self, gpu_index: int) -> dict[int, int] | None:
+        """SM utilisation per pid over the last sampling period: empty where the driver has no sample (no process
+        ran on the SMs), None where it could not answer (an error: nothing is known, not 0 for everyone).
 
         Under MPS the driver reports the MPS server's pid only, with the figure of all its clients together
         (measured on an H200, driver 580); time-sliced and exclusive processes have their own figures.

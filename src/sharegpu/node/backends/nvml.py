@@ -353,11 +353,15 @@ class NvmlBackend:
         except NvmlCallError as e:
             raise _err(e, f"GPU {gpu_index}: reading memory") from None
 
-    def process_utilization(self, gpu_index: int) -> dict[int, int]:
+    def process_utilization(self, gpu_index: int) -> dict[int, int] | None:
         try:
             return self._api.process_utilization(self._handle(gpu_index))
-        except NvmlCallError:
-            return {}  # no samples yet, or not kept in MIG mode: nothing to report rather than an error
+        except NvmlCallError as e:
+            if e.kind == "not_found":
+                return {}  # NVML_ERROR_NOT_FOUND: no sample in the period, no process ran on the SMs
+            # Any other error (not supported, in MIG mode too; a lost GPU; unknown): no figure is known.
+            log.debug("GPU %d: no per-process SM figures: %s", gpu_index, e)
+            return None
 
     def mps_processes(self, gpu_index: int) -> tuple[ProcessInfo, ...] | None:
         try:
