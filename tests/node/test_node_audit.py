@@ -20,12 +20,16 @@ from sharegpu.model.assignment import Mechanism, MigSlot
 from sharegpu.model.tenant import user_tenant
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.audit import (
+    MPS_CLIENT_CONTEXT_MIB,
+    OWN_CONTEXT_MIB,
+    Finding,
     FindingKind,
     GpuReading,
     ProcView,
     Role,
     attribute,
     audit,
+    context_allowance_mib,
     pod_usage,
     read_gpu,
     unit_shares,
@@ -204,7 +208,8 @@ def test_each_finding_kind(tmp_path: Path) -> None:
     }
     assert shares["uid-b"][0].unit_uuid == mig.uuid
     sim.add_process(10, g[0], 3000, "uid-a", mps=True)  # an honest MPS client…
-    sim.add_process(11, g[0], 2000, "uid-a")  # …and one beside MPS: bypass, and 5000 MiB > 4096 together
+    # …and one beside MPS: bypass, and 6000 MiB > 4096 and the two processes' contexts (640 + 1024) together
+    sim.add_process(11, g[0], 3000, "uid-a")
     sim.add_process(12, other.uuid, 100, "uid-b")  # the other instance of the same GPU: wrong unit
     sim.add_process(13, g[2], 100, "uid-c")  # a pod with no share at all
     sim.add_process(14, g[2], 100)  # no pod
@@ -235,6 +240,36 @@ def test_each_finding_kind(tmp_path: Path) -> None:
     # Where the driver cannot list MPS clients, no bypass is claimed (the memory finding stays).
     found = {f.kind for f in audit(views, pods, shares, {0: False}) if f.pod == "a"}
     assert found == {FindingKind.MEMORY_OVER_SHARE}
+
+
+@pytest.mark.parametrize(
+    ("roles", "allowance"),
+    [
+        ((Role.MPS_CLIENT,), MPS_CLIENT_CONTEXT_MIB),
+        ((Role.OWN_CONTEXT,), OWN_CONTEXT_MIB),
+        ((Role.MPS_CLIENT, Role.MPS_CLIENT, Role.OWN_CONTEXT), 2 * MPS_CLIENT_CONTEXT_MIB + OWN_CONTEXT_MIB),
+    ],
+)
+def test_memory_over_share_allows_each_process_its_cuda_context(roles: tuple[Role, ...], allowance: int) -> None:
+    """NVML counts a process's CUDA context as its memory (500 and 730 MiB for the H200's MPS clients holding 128 MiB
+    each): a pod whose data fills its share exactly is not over it; beyond the share and its processes' contexts it
+    is. With --evict-on-audit, flagging a pod at its share evicted it."""
+    p = pod("a", None, uid="uid-a")
+    mech = Mechanism.MPS if Role.MPS_CLIENT in roles else Mechanism.TIME_SLICING
+    shares = {"uid-a": unit_shares(assignment("a", share(0, "GPU-0", mech, 500, 8192)), {})}
+
+    def found(total_mib: int) -> list[Finding]:
+        first = total_mib - 100 * (len(roles) - 1)  # the others 100 MiB each
+        views = [ProcView(10 + i, 0, "GPU-0", first if i == 0 else 100, r, "uid-a") for i, r in enumerate(roles)]
+        return list(audit(views, {"uid-a": p}, shares, {0: False}))
+
+    assert context_allowance_mib([ProcView(1, 0, "GPU-0", 66, Role.SERVER, None)]) == 0  # a server is nobody's
+    assert found(8192) == []  # exactly the share
+    assert found(8192 + allowance - 1) == []
+    assert found(8192 + allowance) == []  # the share and the contexts, exactly
+    (f,) = found(8192 + allowance + 1)
+    assert f.kind is FindingKind.MEMORY_OVER_SHARE and f.pids == tuple(range(10, 10 + len(roles)))
+    assert f"above its share of 8192 MiB ({mech.value}) and the {allowance} MiB allowed" in f.message
 
 
 # ----- the sim backend through the agent's reconcile -------------------------------------------------------------------

@@ -11,7 +11,8 @@ clients), ties each process to its pod (``/proc/<pid>/cgroup``) and reports what
   than its own: it shares a server, and a fault domain, with pods that were never meant to be its neighbours (and
   waits on them where they run as another user). The daemon is told by the pipe directory the process reaches
   it by (:meth:`~sharegpu.node.backends.base.GpuBackend.mps_pipe_dir`); where that cannot be read, nothing is claimed;
-- ``memory-over-share``: a pod's processes on a unit use more memory than its share (shares with a memory figure);
+- ``memory-over-share``: a pod's processes on a unit use more memory than its share and their CUDA contexts
+  (:func:`context_allowance_mib`) together (shares with a memory figure);
 - ``no-pod``: a process on the GPU that belongs to no pod (the MPS servers themselves excepted).
 
 The same reading gives each pod's usage (:func:`pod_usage`): memory per process always; SM utilisation per process
@@ -38,6 +39,15 @@ from sharegpu.node.backends.base import (
 )
 from sharegpu.node.kube import PodInfo
 from sharegpu.node.mps import DaemonKey
+
+# What a process holds on the GPU beyond its own data: its CUDA context, its libraries' workspaces and its allocator's
+# rounding, which NVML counts as the process's memory and no share does (an MPS client's pinned-memory limit holds its
+# allocations only). Measured on the H200 (driver 580, PyTorch 2.11; gpu-evidence h200-2026-11-26 §4 and
+# gpucheck2.json): two MPS clients, each holding one 128 MiB bf16 matrix, read 500 and 730 MiB (up to 602 MiB beyond
+# it); two processes with contexts of their own (time-slicing: the same PyTorch client, and a CuPy client that
+# allocated nothing) read 612 and 966 MiB (up to 838 MiB beyond the matrix). Each rounded up, per process.
+MPS_CLIENT_CONTEXT_MIB = 640
+OWN_CONTEXT_MIB = 1024
 
 
 class FindingKind(StrEnum):
@@ -284,15 +294,27 @@ def _pod_findings(
             )
         )
     used = sum(p.memory_mib for p in ps)
-    if share.memory_mib > 0 and used > share.memory_mib:
+    contexts = context_allowance_mib(ps)
+    if share.memory_mib > 0 and used > share.memory_mib + contexts:
         out.append(
             finding(
                 FindingKind.MEMORY_OVER_SHARE,
                 f"this pod uses {used} MiB on {share.label}, above its share of {share.memory_mib} MiB "
-                f"({share.sharing.value}); other pods on the unit may not get the memory they were promised",
+                f"({share.sharing.value}) and the {contexts} MiB allowed for its {len(ps)} process(es)' CUDA "
+                "contexts; other pods on the unit may not get the memory they were promised",
             )
         )
     return out
+
+
+def context_allowance_mib(procs: Iterable[ProcView]) -> int:
+    """What a pod's processes on a unit may hold beyond their share: each one's CUDA context (an MPS client's is
+    smaller, its server holding the shared part); an MPS server is nobody's."""
+    return sum(
+        MPS_CLIENT_CONTEXT_MIB if p.role is Role.MPS_CLIENT else OWN_CONTEXT_MIB
+        for p in procs
+        if p.role is not Role.SERVER
+    )
 
 
 def _pids(pids: Iterable[int]) -> str:
