@@ -1,0 +1,46 @@
+"""The node agent's part of the Helm chart, rendered by the real Helm engine (as tests/k8s/test_k8s_helm_chart.py
+does): the agent may evict pods only where eviction is on (issue 33: it held cluster-wide pods/eviction whatever
+the option, and the chart could not turn the option on at all)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (a dev dependency) renders the chart")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate checks the objects")
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "sharegpu"
+
+
+def _agent(values: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """The node agent's ClusterRole and its container's arguments, each rendered object checked against the schema."""
+    out = helm.Chart.load(str(CHART)).render(values, name="sg", namespace="gpu-system", is_install=True)
+    docs = [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    for d in docs:
+        if d["kind"] != "DeviceClass":
+            kubernetes_validate.validate(d, "1.37.0", strict=True)
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "sg-node-agent")
+    ds = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-node-agent")
+    return role, ds["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _grants(role: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(res, verb) for r in role["rules"] for res in r["resources"] for verb in r["verbs"]}
+
+
+def test_the_agent_holds_no_eviction_permission_unless_eviction_is_on() -> None:
+    role, args = _agent(None)
+    assert ("pods/eviction", "create") not in _grants(role)
+    assert ("events", "create") in _grants(role)  # the audit's and the fault watch's Warning Events stay
+    assert "--evict-on-audit" not in args
+
+
+def test_eviction_on_passes_the_flag_and_grants_eviction_alone() -> None:
+    off, _ = _agent(None)
+    role, args = _agent({"nodeAgent": {"evictOnAudit": True}})
+    assert "--evict-on-audit" in args
+    assert _grants(role) - _grants(off) == {("pods/eviction", "create")}
