@@ -40,6 +40,8 @@ class FakeKube:
         self.patches: list[tuple[str, dict[str, str | None], dict[str, str | None]]] = []
         self.honour_field_selector = honour_field_selector
         self.fail_lists = 0
+        self.node_events: list[tuple[str, str, str, str]] = []  # (node, reason, message, component)
+        self.fail_events = 0
 
     async def get_node(self, name: str) -> NodeInfo:
         if name not in self.nodes:
@@ -60,6 +62,12 @@ class FakeKube:
             self.fail_lists -= 1
             raise KubeError("connection refused")
         return [p for p in self.pods.values() if p.node_name == node or not self.honour_field_selector]
+
+    async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None:
+        if self.fail_events:
+            self.fail_events -= 1
+            raise KubeError("events is forbidden")
+        self.node_events.append((node, reason, message, component))
 
     async def close(self) -> None:
         pass
@@ -95,6 +103,7 @@ def pod(
     uid: str = "",
     user: int | None = None,
     host_users: bool | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> PodInfo:
     """A pod; ``user``: the runAsUser its containers declare (None: the image decides, a tenant of its own)."""
     annotations = {}
@@ -113,6 +122,7 @@ def pod(
         containers=tuple(ContainerInfo(f"c{i}", n, user=user) for i, n in enumerate(gpus)),
         init_containers=init,
         host_users=host_users,
+        labels=dict(labels or {}),
     )
 
 

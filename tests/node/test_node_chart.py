@@ -44,3 +44,19 @@ def test_eviction_on_passes_the_flag_and_grants_eviction_alone() -> None:
     role, args = _agent({"nodeAgent": {"evictOnAudit": True}})
     assert "--evict-on-audit" in args
     assert _grants(role) - _grants(off) == {("pods/eviction", "create")}
+
+
+def test_the_agent_knows_its_namespace_where_the_bench_job_runs_with_the_labels_it_recognises() -> None:
+    """The agent recognises the bench Job's pod by BENCH_POD_LABELS in its own namespace ($POD_NAMESPACE): the chart
+    must give both the same (sharegpu.node.audit.bench_pods)."""
+    from sharegpu.node.audit import BENCH_POD_LABELS
+
+    values = {"bench": {"enabled": True, "nodeName": "gpu-1"}}
+    out = helm.Chart.load(str(CHART)).render(values, name="sg", namespace="gpu-system", is_install=True)
+    docs = [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    job = next(d for d in docs if d["kind"] == "Job")
+    ds = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-node-agent")
+    env = {e["name"]: e for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert job["metadata"]["namespace"] == ds["metadata"]["namespace"] == "gpu-system"
+    assert BENCH_POD_LABELS.items() <= job["spec"]["template"]["metadata"]["labels"].items()

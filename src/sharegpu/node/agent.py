@@ -33,6 +33,7 @@ from sharegpu.node.audit import (
     UnitShare,
     attribute,
     audit,
+    bench_pods,
     pod_usage,
     read_gpu,
     unit_shares,
@@ -77,6 +78,9 @@ class AgentConfig:
     evict_on_audit: bool = False  # evict a pod the enforcement audit finds breaking its share (Eviction API)
     # One -M daemon per unit serving every user (checked Volta or later by the CLI), instead of a daemon per tenant.
     mps_multi_user: bool = False
+    # The namespace the agent runs in, sharegpu's own ($POD_NAMESPACE): `sharegpu bench`'s Job pod is recognised
+    # there only (its processes are no finding); empty: nowhere.
+    namespace: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +141,14 @@ class NodeAgent:
         self._recovered = False
         self._absent_before: set[str] = set()  # allocated pods missing from the previous pod list
         self.notifier = notifier
-        self.watch = EnforcementWatch(notifier, evict=config.evict_on_audit)
+        # A process of no pod is told on the Node, through the agent's own API client, wherever Events are posted.
+        self.watch = EnforcementWatch(
+            notifier,
+            evict=config.evict_on_audit,
+            node=config.node_name,
+            node_events=kube if notifier is not None else None,
+        )
+        self._bench_seen: frozenset[str] = frozenset()
         self.mps_logs = MpsLogWatch()
         self.mps_servers = ServerWatch()
         self._sharers_before: dict[DaemonKey, dict[str, PodInfo]] = {}  # daemon → pods it served, last reconcile
@@ -266,7 +277,11 @@ class NodeAgent:
         procs = [p for r in readings for p in views[r.device.index]]
         known = {r.device.index: r.mps_clients is not None for r in readings}
         tenant_by_uid = {uid_of[k]: t for k, t in tenants.items() if k in uid_of}
-        await self.watch.findings(audit(procs, by_uid, shares, known, tenant_by_uid))
+        bench = bench_pods(live, self.config.namespace)
+        for uid in bench - self._bench_seen:
+            log.info("pod %s is sharegpu bench's: its use of the GPUs is not audited", by_uid[uid].key)
+        self._bench_seen = bench
+        await self.watch.findings(audit(procs, by_uid, shares, known, tenant_by_uid, exempt=bench))
 
         sharers_now: dict[DaemonKey, dict[str, PodInfo]] = {}
         daemons_now: dict[DaemonKey, int] = {}

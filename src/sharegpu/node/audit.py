@@ -15,6 +15,9 @@ clients), ties each process to its pod (``/proc/<pid>/cgroup``) and reports what
   (:func:`context_allowance_mib`) together (shares with a memory figure);
 - ``no-pod``: a process on the GPU that belongs to no pod (the MPS servers themselves excepted).
 
+The pod of ``sharegpu bench``'s own Job (:func:`bench_pods`) runs on the node's GPUs without an assignment, by
+design: its processes are not findings.
+
 The same reading gives each pod's usage (:func:`pod_usage`): memory per process always; SM utilisation per process
 except under MPS, where NVML reports each server's pid only, so a pod's figure is known only when it is the one client
 pod of its daemon's server (a unit runs a daemon per tenant). Everything here is pure: the agent passes in what the
@@ -23,11 +26,12 @@ backend read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 from sharegpu.model.assignment import Assignment, Mechanism
+from sharegpu.model.contract import ASSIGNMENT_ANNOTATION
 from sharegpu.model.tenant import describe
 from sharegpu.node.backends.base import (
     DeviceInfo,
@@ -48,6 +52,15 @@ from sharegpu.node.mps import DaemonKey
 # allocated nothing) read 612 and 966 MiB (up to 838 MiB beyond the matrix). Each rounded up, per process.
 MPS_CLIENT_CONTEXT_MIB = 640
 OWN_CONTEXT_MIB = 1024
+
+
+# The labels of the pod of the chart's `sharegpu bench` Job (deploy/helm/sharegpu/templates/bench-job.yaml), which
+# measures the node's GPUs itself: no assignment, bound by nodeName. Recognised only in sharegpu's own namespace
+# (the agent's), where users do not create pods: elsewhere anyone could label a pod so.
+BENCH_POD_LABELS: Mapping[str, str] = {
+    "app.kubernetes.io/name": "sharegpu-bench",
+    "app.kubernetes.io/component": "bench",
+}
 
 
 class FindingKind(StrEnum):
@@ -194,25 +207,41 @@ def unit_shares(assignment: Assignment, instances: Mapping[int, Iterable[MigInst
     return tuple(out)
 
 
+def bench_pods(pods: Iterable[PodInfo], namespace: str) -> frozenset[str]:
+    """The UIDs of the pods of ``sharegpu bench``'s Job among ``pods``: labelled as the chart labels it, in
+    ``namespace`` (sharegpu's own; empty: none is recognised), holding no sharegpu GPU and no assignment."""
+    return frozenset(
+        p.uid
+        for p in pods
+        if namespace
+        and p.namespace == namespace
+        and all(p.labels.get(k) == v for k, v in BENCH_POD_LABELS.items())
+        and p.gpu_demand == 0
+        and ASSIGNMENT_ANNOTATION not in p.annotations
+    )
+
+
 def audit(
     procs: Iterable[ProcView],
     pods: Mapping[str, PodInfo],
     shares: Mapping[str, tuple[UnitShare, ...]],
     mps_known: Mapping[int, bool],
     tenants: Mapping[str, str] | None = None,
+    exempt: Collection[str] = (),
 ) -> tuple[Finding, ...]:
     """The findings of one reading.
 
     ``pods``: the node's pods by UID; ``shares``: each pod's units by pod UID (a pod without an assignment has none);
     ``mps_known``: per GPU index, whether the driver answered the MPS-aware query (a bypass can only be told then);
     ``tenants``: per pod UID, the tenant whose daemon serves it on this node (a client of another tenant's daemon is
-    told; a pod missing here is not checked).
+    told; a pod missing here is not checked); ``exempt``: pod UIDs whose processes are sharegpu's own use of the GPUs
+    (:func:`bench_pods`), never a finding.
     """
     findings: list[Finding] = []
     per_pod_unit: dict[tuple[str, str], list[ProcView]] = {}
     no_pod: dict[tuple[int, str], list[int]] = {}
     for p in procs:
-        if p.role is Role.SERVER:
+        if p.role is Role.SERVER or (p.pod_uid is not None and p.pod_uid in exempt):
             continue
         owner = pods.get(p.pod_uid) if p.pod_uid else None
         if owner is None:

@@ -1,9 +1,10 @@
 """``sharegpu node-agent``: the command the node agent DaemonSet runs.
 
 Register it on the main typer app with ``app.command("node-agent")(node_agent)``.
-Two settings are environment variables rather than flags: ``SHAREGPU_STATE_DIR`` (default /var/lib/sharegpu;
-MPS pipe directories live there, so it must be the same path on the host and in the agent's container) and
-``SHAREGPU_MPS_CONTROL`` (default nvidia-cuda-mps-control).
+Three settings are environment variables rather than flags: ``SHAREGPU_STATE_DIR`` (default /var/lib/sharegpu;
+MPS pipe directories live there, so it must be the same path on the host and in the agent's container),
+``SHAREGPU_MPS_CONTROL`` (default nvidia-cuda-mps-control) and ``POD_NAMESPACE`` (the agent's own namespace, where
+the chart's ``sharegpu bench`` Job runs: its pod's use of the GPUs is not audited; unset: no pod is taken for it).
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def build_agent(
         cdi_dir=cdi_dir,
         evict_on_audit=evict_on_audit,
         mps_multi_user=mps_multi_user,
+        namespace=os.environ.get("POD_NAMESPACE", "").strip(),
     )
     return NodeAgent(config, backend, kube, daemon, notifier=notifier)
 

@@ -2,8 +2,9 @@
 
 :class:`EnforcementWatch` runs once per reconcile on what the agent read. A finding (:mod:`sharegpu.node.audit`) gets a
 Warning Event on its pod when it first appears, not on every reconcile while it persists; once gone, a recurrence is
-told again. With ``evict`` (``sharegpu node-agent --evict-on-audit``, off by default) a pod with a finding is evicted
-through the Eviction API, which honours its PodDisruptionBudget. An MPS fault (:mod:`sharegpu.node.mps_faults`) gets a
+told again; a process of no pod gets one on the Node instead, with what to do. With ``evict`` (``sharegpu node-agent
+--evict-on-audit``, off by default) a pod with a finding is evicted through the Eviction API, which honours its
+PodDisruptionBudget. An MPS fault (:mod:`sharegpu.node.mps_faults`) gets a
 Warning Event on every pod of the daemon whose clients it ended (a unit runs a daemon per tenant; the others' clients
 run on) and one count per incident: signals of one daemon within ``fault_window_s`` of each other are one incident.
 """
@@ -42,6 +43,17 @@ FINDING_REASONS: Mapping[FindingKind, str] = {
     FindingKind.MEMORY_OVER_SHARE: "GpuAuditMemoryOverShare",
 }
 EVICTED_REASON = "GpuAuditEvicted"
+# A finding of no pod is told on the Node (there is no pod to tell), for the node's operator.
+NODE_FINDING_REASONS: Mapping[FindingKind, str] = {FindingKind.NO_POD: "GpuAuditProcessOfNoPod"}
+
+
+def no_pod_message(f: Finding) -> str:
+    """A process of no pod, told on the Node: what was found, and what to do."""
+    return (
+        f"{f.message}; on the node, `ps -o pid,user,args -p {','.join(map(str, f.pids))}` (or nvidia-smi) shows what "
+        "they are: stop them, or run that work as a pod that asks for sharegpu.io/gpu. A pod's process the agent "
+        "cannot tie to its pod (/proc/<pid>/cgroup unreadable: the agent needs hostPID) is counted here too"
+    )
 
 
 class PodNotifier(Protocol):
@@ -52,6 +64,12 @@ class PodNotifier(Protocol):
     async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None: ...
 
     async def close(self) -> None: ...
+
+
+class NodeEvents(Protocol):
+    """Where Events about the Node go (:class:`sharegpu.node.kube.LightkubeApi` has it)."""
+
+    async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +106,14 @@ class EnforcementWatch:
         evict: bool = False,
         fault_window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        node: str = "",
+        node_events: NodeEvents | None = None,
     ) -> None:
+        """``node_events`` (with ``node``, the node's name) posts the findings of no pod on the Node; without it
+        they are logged and counted only."""
         self._notifier = notifier
+        self._node = node
+        self._node_events = node_events
         self.evict = evict
         self._window = fault_window_s
         self._clock = clock
@@ -121,7 +145,7 @@ class EnforcementWatch:
                 )
         self.active = now
         self._told &= set(now)
-        todo = [f for k, f in now.items() if k not in self._told and f.kind in FINDING_REASONS]
+        todo = [f for k, f in now.items() if k not in self._told and (f.kind in FINDING_REASONS or self._on_node(f))]
         results = await asyncio.gather(*(self._tell(f) for f in todo))
         self._told |= {f.key for f, ok in zip(todo, results, strict=True) if ok}
         if self.evict:
@@ -209,8 +233,23 @@ class EnforcementWatch:
             out.append(MpsFault(gpu, key.unit_uuid, sources, details, tuple(p.key for p in pods), key.tenant))
         return out
 
+    def _on_node(self, f: Finding) -> bool:
+        return f.kind in NODE_FINDING_REASONS and self._node_events is not None and bool(self._node)
+
     async def _tell(self, f: Finding) -> bool:
+        if f.kind in NODE_FINDING_REASONS:
+            return await self._post_on_node(NODE_FINDING_REASONS[f.kind], no_pod_message(f))
         return await self._post(PodEvent(f.namespace, f.pod, f.pod_uid, FINDING_REASONS[f.kind], f.message, "Warning"))
+
+    async def _post_on_node(self, reason: str, message: str) -> bool:
+        if self._node_events is None:
+            return True
+        try:
+            await self._node_events.create_node_event(self._node, reason, message, COMPONENT)
+        except KubeError as e:
+            log.info("cannot record event %s on node %s (retrying next reconcile): %s", reason, self._node, e)
+            return False
+        return True
 
     async def _post(self, event: PodEvent) -> bool:
         if self._notifier is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,6 +20,8 @@ from sharegpu.kube.quantity import asked_whole, capacity_mib, capacity_milli, qu
 from sharegpu.model.contract import GPU_RESOURCE
 from sharegpu.model.demand import ContainerDemand, pod_demand
 from sharegpu.model.tenant import tenant_of
+
+EVENT_MESSAGE_MAX = 1024  # events.k8s.io/v1 refuses a longer note; a core/v1 Event is kept under it too
 
 if TYPE_CHECKING:
     # Imported where an object is parsed (LightkubeApi): the GPU check (bench/gpu_node_check.py) imports the node
@@ -50,6 +53,7 @@ class PodInfo:
     deleting: bool = False
     reason: str = ""  # status.reason: set when the kubelet rejected or evicted the pod
     host_users: bool | None = None  # spec.hostUsers: false runs it in a user namespace of its own
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -103,6 +107,11 @@ class KubeApi(Protocol):
 
     async def pods_on_node(self, node: str) -> list[PodInfo]: ...
 
+    async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None:
+        """A Warning Event on the Node, where `kubectl describe node` shows it (as the kubelet records its own: in
+        the default namespace, the involved object's UID being the node's name)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -121,6 +130,7 @@ def pod_info(pod: Pod) -> PodInfo:
         deleting=pod.metadata.deletion_timestamp is not None,
         reason=pod.status.reason,
         host_users=pod.spec.host_users,
+        labels=dict(pod.metadata.labels),
     )
 
 
@@ -178,6 +188,27 @@ class LightkubeApi:
         what = f"list the pods of node {node}"
         pods, _ = await self._client.list(KPod, what, namespace="*", fields={"spec.nodeName": node})
         return [pod_info(Pod.model_validate(p)) for p in pods]
+
+    async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None:
+        from lightkube.models.core_v1 import EventSource, ObjectReference
+        from lightkube.models.meta_v1 import ObjectMeta
+        from lightkube.resources.core_v1 import Event
+
+        now = datetime.now(UTC)
+        obj = Event(
+            metadata=ObjectMeta(generateName=f"{node}.", namespace="default"),
+            involvedObject=ObjectReference(apiVersion="v1", kind="Node", name=node, uid=node),
+            reason=reason,
+            message=message[:EVENT_MESSAGE_MAX],
+            type="Warning",
+            source=EventSource(component=component, host=node),
+            reportingComponent=component,
+            reportingInstance=node,
+            firstTimestamp=now,
+            lastTimestamp=now,
+            count=1,
+        )
+        await self._client.create(obj, f"create event {reason} on node {node}")
 
     async def close(self) -> None:
         await self._client.close()
