@@ -266,7 +266,11 @@ def test_node_reasons_are_typed_and_say_whether_eviction_could_help() -> None:
     every = np.array([s.ledger.index[n] for n in ("t4", "v100", "small")], dtype=np.int64)
 
     def why(req: GpuRequest) -> list[tuple[ReasonCode, bool, str]]:
-        return [(r.code, r.unresolvable, r.text) for r in s.explain_nodes(req, s.feasible(req)[1], every)]
+        reasons = s.explain_nodes(req, s.feasible(req)[1], every)
+        # The kube-scheduler writes a node count before each reason ("0/3 nodes are available: 1 <reason>"): a
+        # reason that starts with a number reads "1 1 healthy GPU(s)" in the pod's events.
+        assert not any(r.text[:1].isdigit() for r in reasons), [r.text for r in reasons]
+        return [(r.code, r.unresolvable, r.text) for r in reasons]
 
     assert why(GpuRequest("m", 1, allowed_models=frozenset({"V100-32GB"}))) == [
         (ReasonCode.NO_ALLOWED_MODEL, True, "no GPU of an allowed model (V100-32GB)"),
@@ -274,7 +278,7 @@ def test_node_reasons_are_typed_and_say_whether_eviction_could_help() -> None:
         (ReasonCode.NO_ALLOWED_MODEL, True, "no GPU of an allowed model (V100-32GB)"),
     ]
     assert why(GpuRequest("two", 2, cpu_milli=2_000)) == [
-        (ReasonCode.TOO_FEW_HEALTHY, True, "1 healthy GPU(s) of an allowed model < 2 asked"),
+        (ReasonCode.TOO_FEW_HEALTHY, True, "healthy GPUs of an allowed model: 1 < 2 asked"),
         (ReasonCode.FITS, False, "fits"),
         (ReasonCode.CPU, False, "free CPU 1000m < 2000m asked"),
     ]

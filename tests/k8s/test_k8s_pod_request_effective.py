@@ -72,7 +72,7 @@ def test_fewer_healthy_gpus_than_asked_is_unresolvable() -> None:
     # Reasons are given when no node fits (a narrowed answer names only the pick).
     r = ext.filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": ["node-a"]}))
     assert r.NodeNames == []
-    assert "1 healthy GPU(s) of an allowed model < 2 asked" in r.FailedAndUnresolvableNodes["node-a"]
+    assert "healthy GPUs of an allowed model: 1 < 2 asked" in r.FailedAndUnresolvableNodes["node-a"]
     assert "node-a" not in r.FailedNodes
 
 

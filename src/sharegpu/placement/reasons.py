@@ -202,7 +202,8 @@ RULES: tuple[_Rule, ...] = (
         ReasonKind.GPU_ROOM,
         True,  # evicting frees room, never GPUs
         lambda q, r: r.n_healthy < q.gpu_count,
-        lambda q, r: f"{r.n_healthy} healthy GPU(s) of an allowed model < {q.gpu_count} asked",
+        # Worded to follow the count the kube-scheduler puts in front of a reason ("0/3 nodes are available: 1 …").
+        lambda q, r: f"healthy GPUs of an allowed model: {r.n_healthy} < {q.gpu_count} asked",
     ),
     _Rule(
         ReasonCode.SHARE_MEMORY,
@@ -223,7 +224,7 @@ RULES: tuple[_Rule, ...] = (
         ReasonKind.GPU_ROOM,
         False,
         lambda q, r: q.is_whole,
-        lambda q, r: f"{r.n_usable} idle GPU(s) < {q.gpu_count} asked (whole GPUs need idle ones)",
+        lambda q, r: f"idle GPUs: {r.n_usable} < {q.gpu_count} asked (whole GPUs need idle ones)",
     ),
     _Rule(
         ReasonCode.NO_ROOM_FOR_MECHANISM,
@@ -240,7 +241,7 @@ RULES: tuple[_Rule, ...] = (
         ReasonKind.GPU_ROOM,
         False,
         _always,
-        lambda q, r: f"{r.n_usable} GPU(s) with room for the share < {q.gpu_count} asked",
+        lambda q, r: f"GPUs with room for the share: {r.n_usable} < {q.gpu_count} asked",
     ),
     _Rule(ReasonCode.FITS, None, False, _always, lambda q, r: "fits"),
 )
