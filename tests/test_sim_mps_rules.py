@@ -1,7 +1,7 @@
 """The simulator's MPS tenancy (issue 32 item 5): whom the pods run as, the four rules, and what each places.
 
 `sharegpu sim` draws a share of pods that declare no user (each a tenant of its own) and the others among N UIDs,
-and places under one of four rules: none, one-user (one tenant a unit, the rule before issue 32), per-tenant (a
+and places under one of four rules: none, one-user (one tenant a unit, the cap before issue 32), per-tenant (a
 daemon per tenant, what sharegpu does) and multi-user (one daemon a unit for all).
 """
 
@@ -51,8 +51,9 @@ def test_the_undeclared_share_is_drawn_as_asked(undeclared: float, users: int, s
     assert [r.name for r in drawn] == [r.name for r in reqs]
     alone = [r.tenant == own_tenant(r.name) for r in drawn]
     share = sum(alone) / len(alone)
-    # Each pod drawn on its own: within 5 standard deviations of the share asked (a false alarm once in ~3.5 million).
-    assert abs(share - undeclared) <= 5 * math.sqrt(undeclared * (1 - undeclared) / len(reqs)) + 1e-9
+    # Each pod drawn on its own: within 5 standard deviations of the share asked (a false alarm once in ~3.5 million),
+    # and 3 pods, for shares so near 0 or 1 that one pod is many deviations.
+    assert abs(share - undeclared) <= 5 * math.sqrt(undeclared * (1 - undeclared) / len(reqs)) + 3 / len(reqs)
     declared = {r.tenant for r, own in zip(drawn, alone, strict=True) if not own}
     assert declared <= {user_tenant("sim", 1000 + u) for u in range(users)}
     assert drawn == draw_tenants(reqs, users, seed, undeclared)  # seeded: the same draw again

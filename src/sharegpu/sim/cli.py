@@ -137,7 +137,9 @@ def sim(
         help=f"Who may share an MPS unit (a GPU, or a MIG instance shared through MPS). Default: {DEFAULT_RULE} "
         "(what sharegpu does: a daemon per tenant on a unit; a tenant is the pods of one namespace and runAsUser, or "
         "a pod that declares no user alone). none: no rule, any pod joins a unit's one daemon; one-user: one tenant "
-        "a unit (the rule before issue 32); multi-user: every node in multi-user mode, one daemon a unit for all. "
+        "a unit (the cap before issue 32, not that rule exactly: an undeclared isolation-none share may now open an "
+        "MPS GPU it holds alone, where it was time-sliced then); multi-user: every node in multi-user mode, one "
+        "daemon a unit for all. "
         "Several, comma-separated, or all: each policy × seed runs under each rule, and a table compares them (every "
         f"rule counts each daemon's {MPS_DAEMON_MEMORY_MIB} MiB of GPU memory).",
     ),

@@ -5,8 +5,10 @@ and places under one of four rules:
 
 - ``none``: no rule: every pod's MPS share joins the one daemon of any MPS unit (the tenant left unset), the
   baseline the others are measured against;
-- ``one-user``: one daemon per unit (MpsTenancy(daemons_per_unit=1)), the rule before issue 32: a unit serves
-  the pods of one tenant only, and a pod that declares no user holds the unit it opens alone;
+- ``one-user``: one daemon per unit (MpsTenancy(daemons_per_unit=1)), the cap of the rule before issue 32: a unit
+  serves the pods of one tenant only, and a pod that declares no user holds the unit it opens alone. It is not that
+  rule exactly: placement now opens an idle GPU as MPS for an undeclared ``isolation: none`` share too (which then
+  holds it alone), where the rule before time-sliced such a share (BENCHMARKS.md "MPS tenancy" measures both);
 - ``per-tenant``: a daemon per (unit, tenant), at most ``--mps-daemons-per-gpu`` a unit (default 16), what sharegpu
   does;
 - ``multi-user``: every node in multi-user mode (NodeSpec.mps_multi_user): one daemon per unit for every tenant.
@@ -41,7 +43,7 @@ class MpsRule(StrEnum):
     def describe(self, daemons_per_gpu: int = DEFAULT_DAEMONS_PER_UNIT) -> str:
         return {
             MpsRule.NONE: "no rule (one daemon a unit, any pod joins)",
-            MpsRule.ONE_USER: "one tenant per unit (the rule before issue 32)",
+            MpsRule.ONE_USER: "one tenant a unit (the cap before issue 32, with today's mechanism choice)",
             MpsRule.PER_TENANT: f"a daemon per tenant (at most {daemons_per_gpu} a unit)",
             MpsRule.MULTI_USER: "multi-user (one -M daemon a unit for every tenant)",
         }[self]
