@@ -142,6 +142,21 @@ def test_consolidation_is_turned_on_with_its_rate() -> None:
     assert "--consolidation" in args and "--consolidation-moves-per-minute=2" in args
 
 
+def test_the_mps_daemon_cap_goes_to_the_extender_and_the_status_page_alike() -> None:
+    """Issue 32: both build a ledger that counts MPS daemons per GPU; a status page that counted with another cap
+    than the extender's would say why pods wait wrongly."""
+    from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT
+
+    def args(values: dict[str, Any]) -> tuple[list[str], list[str]]:
+        deployments = by_kind(render(values | {"statusPage": {"enabled": True}}), "Deployment")
+        extender, page = (deployments[n]["spec"]["template"]["spec"]["containers"][0]["args"] for n in
+                          ("sg-extender", "sg-status-page"))  # fmt: skip
+        return extender, page
+
+    assert all(f"--mps-daemons-per-gpu={DEFAULT_DAEMONS_PER_UNIT}" in a for a in args({}))
+    assert all("--mps-daemons-per-gpu=4" in a for a in args({"extender": {"mpsDaemonsPerGpu": 4}}))
+
+
 def test_webhook_is_served_with_a_certificate_the_api_server_trusts(default_docs: list[dict[str, Any]]) -> None:
     secret = by_kind(default_docs, "Secret")["sg-webhook-tls"]
     cert_pem = base64.b64decode(secret["data"]["tls.crt"]).decode()

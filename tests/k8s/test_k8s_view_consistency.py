@@ -299,11 +299,11 @@ def test_a_node_whose_inventory_cannot_be_accounted_is_left_out_and_reported(
     real = view_module.Ledger
 
     class PickyLedger(real):  # type: ignore[misc, valid-type]
-        def __init__(self, nodes: Any, catalog: Any = None) -> None:
+        def __init__(self, nodes: Any, catalog: Any = None, tenancy: Any = None) -> None:
             nodes = list(nodes)
             if any(n.name == "node-bad" for n in nodes):
                 raise ValueError("overlapping static MIG instances")
-            super().__init__(nodes, catalog)
+            super().__init__(nodes, catalog, tenancy)
 
     monkeypatch.setattr(view_module, "Ledger", PickyLedger)
     api = MemoryClusterApi()

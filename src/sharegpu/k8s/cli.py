@@ -22,6 +22,7 @@ from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.errors import ConfigError, KubeError
 from sharegpu.kube.kubeconfig import KUBECONFIG_HELP, quiet_http_logging
 from sharegpu.kube.quantity import MIB
+from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT, MPS_MAX_CLIENTS, MpsTenancy
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
@@ -69,6 +70,24 @@ def _service_account_namespace() -> str:
         return path.read_text().strip()
     except OSError:
         return ""
+
+
+MPS_DAEMONS_HELP = (
+    "Most MPS daemons on one GPU or MIG instance: one per tenant there (the pods of one namespace that declare one "
+    "runAsUser, or a pod alone; docs/placement.md). A share of a tenant that runs none on a GPU at the cap goes "
+    "elsewhere. The control plane's ledgers all count with it: give the extender and `sharegpu status` the same."
+)
+
+
+def mps_tenancy(daemons_per_gpu: int) -> MpsTenancy:
+    """The ledgers' MPS tenancy from ``--mps-daemons-per-gpu``; raises :class:`SetupError` out of range."""
+    if not 1 <= daemons_per_gpu <= MPS_MAX_CLIENTS:
+        raise SetupError(
+            f"--mps-daemons-per-gpu {daemons_per_gpu} is out of range: 1 to {MPS_MAX_CLIENTS} daemons a GPU or MIG "
+            f"instance (each serves at least one client, and an MPS unit takes at most {MPS_MAX_CLIENTS}), e.g. "
+            f"{DEFAULT_DAEMONS_PER_UNIT}"
+        )
+    return MpsTenancy(daemons_per_unit=daemons_per_gpu)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -172,6 +191,7 @@ def scheduler_extender(
         rich_help_panel=PACE,
         help="Most pods consolidation moves (evicts) in any minute.",
     ),
+    mps_daemons_per_gpu: int = typer.Option(DEFAULT_DAEMONS_PER_UNIT, "--mps-daemons-per-gpu", help=MPS_DAEMONS_HELP),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.cache.view import ClusterView
@@ -199,7 +219,8 @@ def scheduler_extender(
                 f"--consolidation-moves-per-minute {consolidation_moves_per_minute} must be 1 or more, e.g. 4"
             )
         check_policy(policy)
-        view = ClusterView(scheduler_name=scheduler_name, follow_dra=dra_steering)
+        tenancy = mps_tenancy(mps_daemons_per_gpu)
+        view = ClusterView(scheduler_name=scheduler_name, follow_dra=dra_steering, tenancy=tenancy)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
     except (SetupError, UnknownPolicy, TlsError) as e:
@@ -293,8 +314,10 @@ def status(
     serve: str | None = typer.Option(
         None, "--serve", help="HOST:PORT to serve the live read-only status page on (e.g. 127.0.0.1:8080)."
     ),
+    mps_daemons_per_gpu: int = typer.Option(DEFAULT_DAEMONS_PER_UNIT, "--mps-daemons-per-gpu", help=MPS_DAEMONS_HELP),
 ) -> None:
-    """Show every sharegpu GPU: model, mechanism, used memory and compute, MIG layout and the pods sharing it."""
+    """Show every sharegpu GPU: model, mechanism, used memory and compute, MIG layout, the MPS daemons (tenants and
+    their clients) and the pods sharing it."""
     from sharegpu.k8s.cache.view import ClusterView
     from sharegpu.k8s.status.report import FollowedStatus, print_status, status_report, watch_status
 
@@ -310,6 +333,7 @@ def status(
             raise SetupError(f"--interval {interval:g} must be between 0.2 and 3600 seconds")
         if serve is not None:
             addr = parse_listen(serve, "--serve")
+        tenancy = mps_tenancy(mps_daemons_per_gpu)
     except SetupError as e:
         raise _fail(str(e)) from None
     try:
@@ -318,7 +342,7 @@ def status(
         raise _fail(f"cannot load Kubernetes credentials: {e}") from None
 
     async def load() -> dict[str, object]:
-        view = ClusterView(follow_dra=True)
+        view = ClusterView(follow_dra=True, tenancy=tenancy)
         try:
             await view.load(api)
         finally:
@@ -330,7 +354,7 @@ def status(
     async def follow() -> None:
         from sharegpu.k8s.status.page import serve_page
 
-        followed = FollowedStatus()
+        followed = FollowedStatus(ClusterView(follow_dra=True, tenancy=tenancy))
 
         try:
             if addr is not None:

@@ -23,7 +23,7 @@ from sharegpu.k8s.pod_request import PERCENT_MILLI, cpu_and_memory
 from sharegpu.kube.api import DELETED
 from sharegpu.kube.quantity import capacity_mib, capacity_milli, quantity_or_zero
 from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
-from sharegpu.ledger import Ledger, LedgerError
+from sharegpu.ledger import Ledger, LedgerError, MpsTenancy
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import DEVICE_TYPE_GPU, DRIVER, mig_profile_token, parse_device_name
@@ -48,8 +48,11 @@ class ClaimUse:
 class DraLedger:
     """The ledger of the DRA nodes, kept in step with the cluster cache's Nodes, Pods, slices and claims."""
 
-    def __init__(self, assumed: AssumeCache, catalog: Catalog = DEFAULT_CATALOG) -> None:
+    def __init__(
+        self, assumed: AssumeCache, catalog: Catalog = DEFAULT_CATALOG, tenancy: MpsTenancy | None = None
+    ) -> None:
         self.catalog = catalog
+        self.tenancy = tenancy or MpsTenancy()  # the MPS daemon cap and memory, as the device-plugin ledger counts
         self._assumed = assumed
         self.claims: dict[str, ResourceClaim] = {}  # ns/name → claim (its spec is read when its pod is steered)
         self.slices: dict[
@@ -169,7 +172,7 @@ class DraLedger:
             for name in sorted(gpus)
             if name in self._nodes
         ]
-        led = Ledger(specs, self.catalog)
+        led = Ledger(specs, self.catalog, self.tenancy)
         self._ledger = led
         for key, use in self._uses.items():
             self._account(f"claim:{key}", self._claim_assignment(key, use))

@@ -31,7 +31,7 @@ from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
 from sharegpu.kube.api import DELETED
 from sharegpu.kube.informer import Tombstones, older
 from sharegpu.kube.schema import Node, Pod
-from sharegpu.ledger import Ledger, LedgerConflict, LedgerError
+from sharegpu.ledger import Ledger, LedgerConflict, LedgerError, MpsTenancy
 from sharegpu.model.assignment import Assignment, InvalidAssignment
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
@@ -62,8 +62,13 @@ class Problem:
 class LedgerView:
     """The ledger of the nodes' inventories and the pods' assignments, with this process's assumed placements."""
 
-    def __init__(self, catalog: Catalog = DEFAULT_CATALOG, assumed: AssumeCache | None = None) -> None:
+    def __init__(
+        self, catalog: Catalog = DEFAULT_CATALOG, assumed: AssumeCache | None = None, tenancy: MpsTenancy | None = None
+    ) -> None:
         self.catalog = catalog
+        # How the ledger counts MPS daemons (the cap per GPU or MIG instance, each daemon's memory): the extender's
+        # and status's --mps-daemons-per-gpu.
+        self.tenancy = tenancy or MpsTenancy()
         self._specs: dict[str, NodeSpec] = {}
         self._parsed: dict[str, tuple[str, NodeSpec]] = {}  # node → (its inventory text, that text parsed)
         self._node_problems: dict[str, str] = {}
@@ -394,12 +399,12 @@ class LedgerView:
     def _new_ledger(self) -> Ledger:
         """A ledger of every node whose inventory it can hold; a node it cannot is reported and left out."""
         try:
-            return Ledger(self._specs.values(), self.catalog)
+            return Ledger(self._specs.values(), self.catalog, self.tenancy)
         except Exception:  # find the node(s) at fault; the rest must keep working
             pass
         for name, spec in list(self._specs.items()):
             try:
-                Ledger([spec], self.catalog)
+                Ledger([spec], self.catalog, self.tenancy)
             except Exception as e:  # whatever an inventory does wrong, only its node is left out
                 del self._specs[name]
                 self._parsed.pop(name, None)
@@ -408,7 +413,7 @@ class LedgerView:
                     f"its {INVENTORY_ANNOTATION} cannot be accounted, so its GPUs are not "
                     f"scheduled: {type(e).__name__}: {e}",
                 )
-        return Ledger(self._specs.values(), self.catalog)
+        return Ledger(self._specs.values(), self.catalog, self.tenancy)
 
     # ----- the assume cache, accounted in the ledger (the binder) --------------------------------------------------
     def pod_keys_by_uid(self) -> dict[str, str]:

@@ -24,6 +24,7 @@ from sharegpu.kube.api import ClusterApi, DraApi
 from sharegpu.kube.errors import Forbidden, NotFound
 from sharegpu.kube.informer import WATCH_CLOSE_S, WATCH_TIMEOUT_S, Informer, Source, Timing
 from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
+from sharegpu.ledger import MpsTenancy
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import DRIVER
 
@@ -42,11 +43,12 @@ class ClusterView(LedgerView):
         scheduler_name: str | None = None,
         watch_close_s: float = WATCH_CLOSE_S,
         follow_dra: bool = False,
+        tenancy: MpsTenancy | None = None,
     ) -> None:
-        super().__init__(catalog)
+        super().__init__(catalog, tenancy=tenancy)
         # The DRA nodes' ledger, fed by the same informer (None: no slice or claim is followed; the extender follows
         # them for DRA steering, ``sharegpu status`` to show the DRA nodes).
-        self.dra: DraLedger | None = DraLedger(self._assumed, catalog) if follow_dra else None
+        self.dra: DraLedger | None = DraLedger(self._assumed, catalog, self.tenancy) if follow_dra else None
         # Why the DRA objects cannot be followed ("": they can): resource.k8s.io/v1 not served, or not readable with
         # these credentials. The view then follows Nodes and Pods alone.
         self.dra_unavailable = ""
