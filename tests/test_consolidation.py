@@ -1,5 +1,6 @@
 """Consolidation planner: a plan is complete (the waiting pod fits and every moved pod has a new place, with no
-over-allocation when all of it is applied) or there is none; unit cases for each refusal."""
+over-allocation when all of it is applied) or there is none; unit cases for each refusal. The random clusters' pods
+belong to MPS tenants, under a daemon cap per unit now and then (issue 32): a plan never takes a unit past it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sharegpu.ledger import Ledger
+from sharegpu.ledger import Ledger, MpsTenancy
 from sharegpu.model.inventory import GpuDevice, NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest, Isolation
+from sharegpu.model.tenant import own_tenant
 from sharegpu.placement.consolidation import (
     AlreadyFits,
     ConsolidationPlan,
@@ -30,7 +32,8 @@ def pinned(led: Ledger, req: GpuRequest, node: str, gpu: int) -> None:
     from sharegpu.model.assignment import Assignment
 
     n = led.node_of(node)
-    led.place(Assignment(req.name, node, (make_share(led, n, gpu, req),), req.cpu_milli, req.host_memory_mib))
+    share = make_share(led, n, gpu, req)
+    led.place(Assignment(req.name, node, (share,), req.cpu_milli, req.host_memory_mib, tenant=req.tenant))
 
 
 def fragmented() -> tuple[Ledger, dict[str, GpuRequest]]:
@@ -112,6 +115,32 @@ def test_every_moved_pod_needs_a_place() -> None:
         plan_consolidation(led, GpuRequest("w", compute_milli=900), POLICY, reqs)
 
 
+def test_a_moved_pod_goes_only_where_its_tenant_may_run_a_daemon() -> None:
+    """Issue 32. Two A100s at a cap of one MPS daemon each: a runs tenant t1's 30 % share, b tenant t2's; a pod asking
+    80 % waits. Moving t1's share beside t2's would open a second daemon there: no plan. Where both shares are one
+    tenant's, the move joins the daemon that runs there."""
+
+    def scene(tenant_b: str) -> tuple[Ledger, dict[str, GpuRequest]]:
+        led = Ledger([NodeSpec(n, 64_000, 262_144, sim_gpus(n, "A100-40GB", 1)) for n in ("a", "b")],
+                     tenancy=MpsTenancy(daemons_per_unit=1))  # fmt: skip
+        reqs = {}
+        for name, node, tenant in (("on-a", "a", "ns/uid-1"), ("on-b", "b", tenant_b)):
+            reqs[name] = GpuRequest(name, compute_milli=300, memory_mib=4096, isolation=Isolation.MEMORY, tenant=tenant)
+            pinned(led, reqs[name], node, 0)
+        return led, reqs
+
+    w = GpuRequest("w", compute_milli=800, memory_mib=4096, isolation=Isolation.MEMORY, tenant="other/uid-1")
+    led, reqs = scene("ns/uid-2")
+    with pytest.raises(NoPlan):
+        plan_consolidation(led, w, POLICY, reqs)
+    led, reqs = scene("ns/uid-1")
+    plan = plan_consolidation(led, w, POLICY, reqs)
+    (move,) = plan.moves
+    after = apply(led, plan)
+    moved_to = after.index[move.assignment.node]
+    assert after.unit_tenants[(moved_to, 0, None)] == {"ns/uid-1": 2}
+
+
 def test_bad_bounds() -> None:
     led, reqs = fragmented()
     with pytest.raises(ValueError, match="at least 1"):
@@ -129,8 +158,14 @@ SHAPES = [
 ]
 
 
-def named(shape: GpuRequest, name: str) -> GpuRequest:
-    return GpuRequest(name, shape.gpu_count, shape.compute_milli, shape.memory_mib, shape.isolation, shape.sharing)
+def named(shape: GpuRequest, name: str, tenant: str | None = None) -> GpuRequest:
+    return GpuRequest(
+        name, shape.gpu_count, shape.compute_milli, shape.memory_mib, shape.isolation, shape.sharing, tenant=tenant
+    )
+
+
+# MPS tenants (issue 32): shared ones, pods of their own, and none (any).
+TENANTS = st.sampled_from(["ns/uid-1000", "ns/uid-2000", "own", None])
 
 
 @st.composite
@@ -146,17 +181,20 @@ def scenes(draw: st.DrawFn) -> tuple[Ledger, dict[str, GpuRequest], GpuRequest, 
                 tuple(GpuDevice(g, f"GPU-n{i}-{g}", model) for g in range(draw(st.integers(1, 2)))),
             )
         )
-    led = Ledger(specs)
+    led = Ledger(specs, tenancy=MpsTenancy(daemons_per_unit=draw(st.sampled_from([1, 2, 16]))))
     sched = Scheduler(led, make_policy("random", PolicyContext()), seed=draw(st.integers(0, 99)))
     reqs: dict[str, GpuRequest] = {}
     for k in range(draw(st.integers(4, 16))):
-        req = named(draw(st.sampled_from(SHAPES)), f"p{k}")
+        drawn = draw(TENANTS)
+        req = named(draw(st.sampled_from(SHAPES)), f"p{k}", own_tenant(f"p{k}") if drawn == "own" else drawn)
         d = sched.decide(req)
         if isinstance(d, Decision):
             led.place(d.assignment)
             if draw(st.integers(0, 3)):  # most pods may move, some may not
                 reqs[req.name] = req
-    return led, reqs, named(draw(st.sampled_from(SHAPES[1:5])), "w"), draw(st.integers(1, 3))
+    drawn = draw(TENANTS)
+    waiting = named(draw(st.sampled_from(SHAPES[1:5] + SHAPES[6:])), "w", own_tenant("w") if drawn == "own" else drawn)
+    return led, reqs, waiting, draw(st.integers(1, 3))
 
 
 @SETTINGS

@@ -1,6 +1,7 @@
 """Preemption planner: unit cases that pin the kube-scheduler's order of criteria, and properties over random small
 clusters checked against a brute force written from the rules (fresh ledgers rebuilt by replay, the framework's
-filter on each), not from the planner's own helpers."""
+filter on each), not from the planner's own helpers. The pods of the random clusters belong to MPS tenants and the
+units have a small daemon cap now and then (issue 32): room across tenants is the same brute force's."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sharegpu.ledger import Ledger, replay
+from sharegpu.ledger import Ledger, MpsTenancy, replay
 from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.inventory import GpuDevice, NodeSpec, sim_gpus
 from sharegpu.model.request import GpuRequest, Isolation
+from sharegpu.model.tenant import own_tenant
 from sharegpu.placement.framework import Decision, Policy, Scheduler
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.preemption import (
@@ -191,6 +193,14 @@ SHAPES: list[GpuRequest] = [
 ]
 
 
+# MPS tenants (issue 32): a few shared ones (pods of one namespace and user), pods of their own, and none (any).
+TENANTS = st.sampled_from(["ns/uid-1000", "ns/uid-2000", "other/uid-1000", "own", None])
+
+
+def tenant_of(drawn: str | None, pod: str) -> str | None:
+    return own_tenant(pod) if drawn == "own" else drawn
+
+
 @st.composite
 def scenes(draw: st.DrawFn) -> tuple[Ledger, dict[str, int], dict[str, float], set[str], Preemptor]:
     specs = []
@@ -198,7 +208,8 @@ def scenes(draw: st.DrawFn) -> tuple[Ledger, dict[str, int], dict[str, float], s
         model = draw(st.sampled_from(MODELS))
         gpus = tuple(GpuDevice(g, f"GPU-n{i}-{g}", model) for g in range(draw(st.integers(1, 2))))
         specs.append(NodeSpec(f"n{i}", draw(st.sampled_from([16_000, 64_000])), 262_144, gpus))
-    led = Ledger(specs)
+    # A small daemon cap makes the MPS daemons, not memory or compute, what is short on some units.
+    led = Ledger(specs, tenancy=MpsTenancy(daemons_per_unit=draw(st.sampled_from([1, 2, 3, 16]))))
     sched = Scheduler(led, POLICY)
     prio: dict[str, int] = {}
     start: dict[str, float] = {}
@@ -215,6 +226,7 @@ def scenes(draw: st.DrawFn) -> tuple[Ledger, dict[str, int], dict[str, float], s
             shape.allowed_models,
             shape.mig_profile,
             shape.cpu_milli,
+            tenant=tenant_of(draw(TENANTS), f"p{k}"),
         )
         d = sched.decide(req)
         if isinstance(d, Decision):
@@ -226,13 +238,14 @@ def scenes(draw: st.DrawFn) -> tuple[Ledger, dict[str, int], dict[str, float], s
                 pdb.add(req.name)
     shape = draw(st.sampled_from(SHAPES))
     hp = GpuRequest("hp", shape.gpu_count, shape.compute_milli, shape.memory_mib, shape.isolation, shape.sharing,
-                    shape.allowed_models, shape.mig_profile, shape.cpu_milli)  # fmt: skip
+                    shape.allowed_models, shape.mig_profile, shape.cpu_milli,
+                    tenant=tenant_of(draw(TENANTS), "hp"))  # fmt: skip
     return led, prio, start, pdb, Preemptor(hp, draw(st.integers(0, 4)))
 
 
 def _fits_without(led: Ledger, req: GpuRequest, node: int, gone: set[str]) -> bool:
     """The reference's fit: a fresh ledger rebuilt from the other assignments, the framework's filter on it."""
-    fresh = replay(led.nodes, [a for p, a in led.assignments.items() if p not in gone], led.catalog)
+    fresh = replay(led.nodes, [a for p, a in led.assignments.items() if p not in gone], led.catalog, led.tenancy)
     return Scheduler(fresh, POLICY).fits(req, node)
 
 
@@ -337,3 +350,42 @@ def test_uses_the_policys_gpu_choice() -> None:
     plan = plan_preemption(led, Preemptor(share("hp", 700), 1), policy, PodFacts({"v": 0, "keep": 1}))
     assert plan.victim_pods == ("v",)
     assert plan.assignment.shares[0].gpu_index == 0
+
+
+# ----- MPS tenants (issue 32) -------------------------------------------------------------------------------------
+def mps_share(name: str, gib: int, tenant: str | None) -> GpuRequest:
+    return GpuRequest(name, memory_mib=gib * 1024, isolation=Isolation.MEMORY, tenant=tenant)
+
+
+def test_a_preemptor_of_another_tenant_fits_where_a_victims_daemon_closes() -> None:
+    """Cap 2: tenants t1 (two pods) and t2 (one, more important than t1's) run daemons on the only GPU; a third
+    tenant's pod fits in memory and needs a slot. Evicting one pod of t1 frees memory and no slot: both go, and the
+    more important pod of t2 stays."""
+    led = Ledger([node("a", "A100-80GB", gpus=1)], tenancy=MpsTenancy(daemons_per_unit=2))
+    place(led, mps_share("t1-a", 5, "ns/uid-1"), "a")
+    place(led, mps_share("t1-b", 5, "ns/uid-1"), "a")
+    place(led, mps_share("t2", 5, "ns/uid-2"), "a")
+    hp = Preemptor(mps_share("hp", 5, "ns/uid-3"), 10)
+    plan = plan_preemption(led, hp, POLICY, PodFacts({"t1-a": 0, "t1-b": 1, "t2": 5}))
+    assert sorted(plan.victim_pods) == ["t1-a", "t1-b"]
+    after = copy_ledger(led)
+    for p in plan.victim_pods:
+        after.release(p)
+    after.place(plan.assignment)
+    after.check_invariants()
+    assert after.unit_tenants[(0, 0, None)] == {"ns/uid-2": 1, "ns/uid-3": 1}
+
+
+def test_the_preemptors_own_daemon_memory_decides_who_is_reprieved() -> None:
+    """t2 runs two 30Gi pods (one daemon), t1 one 19Gi pod; the preemptor, of a third tenant, asks 20,380 MiB. With
+    t1 gone and both of t2's back, 20,414 MiB are free: enough for the share, not for the share and its own daemon's
+    66 MiB. So t2's less important pod goes (its daemon stays), and t1, least important, is reprieved."""
+    led = Ledger([node("a", "A100-80GB", gpus=1)])
+    place(led, mps_share("t1", 19, "ns/uid-1"), "a")
+    place(led, mps_share("t2-a", 30, "ns/uid-2"), "a")
+    place(led, mps_share("t2-b", 30, "ns/uid-2"), "a")
+    ask = GpuRequest("hp", memory_mib=20_380, isolation=Isolation.MEMORY, tenant="ns/uid-3")
+    plan = plan_preemption(led, Preemptor(ask, 10), POLICY, PodFacts({"t1": 0, "t2-a": 1, "t2-b": 2}))
+    assert plan.victim_pods == ("t2-a",)
+    daemon = led.tenancy.daemon_memory_mib
+    assert 80 * 1024 - 60 * 1024 - daemon == 20_414 < 20_380 + daemon  # t1 gone, t2's both back

@@ -7,6 +7,12 @@ preemptor's room that is free already (the cluster view's kept room: typed entri
 last victim is gone the room is held for the preemptor (a HELD placement, as filter's own) until it binds or the
 hold lapses. :meth:`Reservations.settle` moves every reservation along and says which ended and how; the
 controller counts and logs them.
+
+MPS daemons (issue 32): a unit shared through MPS runs a daemon per tenant, each with its server's memory, at most
+the cap. A gone victim's MPS share is kept as the preemptor's tenant where the preemptor's own share on that unit is
+an MPS client too, so the ledger counts the daemon that will run there (not a daemon of a tenant that left, which a
+pod of that tenant could join meanwhile); the part of the room free already includes the preemptor's daemon memory
+where its tenant runs none there once the victims are gone.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.extender.schedulers import Schedulers
 from sharegpu.ledger import Ledger, LedgerError
-from sharegpu.model.assignment import Assignment
+from sharegpu.model.assignment import Assignment, GpuShare, Mechanism
 from sharegpu.placement.framework import Decision
 from sharegpu.placement.preemption import copy_ledger
 
@@ -161,40 +167,48 @@ class Reservations:
         a = r.kept.get(victim)
         if a is None or self.view.kept_room(r.pod, victim) is not None:
             return
+        mine = _as_preemptors(r, a)
         try:
+            self.view.keep_room(r.pod, victim, mine, expires)
+            return
+        except LedgerError as e:
+            if mine is a:  # its room was taken in the same step: the preemptor's hold will say so
+                log.info("cannot keep the room of %s for %s: %s", victim, r.pod, e)
+                return
+        try:
+            # As the victim held it: its tenant's daemon on the unit still serves others, and the preemptor's would
+            # need memory that is not free yet.
             self.view.keep_room(r.pod, victim, a, expires)
-        except LedgerError as e:  # its room was taken in the same step: the preemptor's hold will say so
+        except LedgerError as e:
             log.info("cannot keep the room of %s for %s: %s", victim, r.pod, e)
 
     def _keep_free(self, r: Reservation, expires: float) -> None:
-        """Hold what ``r``'s pod needs on its GPUs beyond what its victims hold (see :class:`Reservation`)."""
+        """Hold what ``r``'s pod needs on its GPUs beyond what its victims hold (see :class:`Reservation`), MPS
+        daemons counted: its tenant's daemon where that runs none on the GPU once the victims are gone. Held from
+        the free memory if it can be; else counting on the victims' daemons that close as their last clients leave
+        (a pod of a victim's tenant that joins the daemon meanwhile keeps it open: the room is then short of it)."""
         if r.assignment is None or self.view.kept_room(r.pod, None) is not None:
             return
-        memory: dict[int, int] = {}
-        milli: dict[int, int] = {}
-        for a in r.kept.values():
-            if a.node != r.node:
-                continue
-            for s in a.shares:
-                memory[s.gpu_index] = memory.get(s.gpu_index, 0) + s.memory_mib
-                milli[s.gpu_index] = milli.get(s.gpu_index, 0) + s.compute_milli
-        shares = []
-        for s in r.assignment.shares:
-            if s.mig is not None:
-                return  # a MIG instance is had whole or not at all: nothing partial to hold
-            mem = s.memory_mib - memory.get(s.gpu_index, 0)
-            compute = s.compute_milli - milli.get(s.gpu_index, 0)
-            if mem > 0 or compute > 0:
-                shares.append(replace(s, memory_mib=max(mem, 0), compute_milli=max(compute, 1)))
-        if not shares:
+        led = self.view.ledger
+        n = led.index.get(r.node)
+        if n is None:
             return
-        try:
-            # The preemptor's user goes with the part it holds: an MPS unit serves one user (ledger).
-            self.view.keep_room(
-                r.pod, None, Assignment(r.pod, r.node, tuple(shares), tenant=r.assignment.tenant), expires
-            )
-        except (LedgerError, ValueError) as e:  # taken in the same step: the pod's own hold will say so
-            log.info("cannot hold the free part of %s's room on %s: %s", r.pod, r.node, e)
+        tenant = r.assignment.tenant
+        last: Exception | None = None
+        for count_closing in (False, True):
+            shares = _free_part(led, n, r, count_closing)
+            if shares is None:
+                return  # a MIG instance is had whole or not at all: nothing partial to hold
+            if not shares:
+                return
+            try:
+                # As the preemptor's tenant: the ledger counts its daemon on each GPU, as it will run there.
+                self.view.keep_room(r.pod, None, Assignment(r.pod, r.node, tuple(shares), tenant=tenant), expires)
+                return
+            except (LedgerError, ValueError) as e:
+                last = e
+        # Taken in the same step: the pod's own hold will say so.
+        log.info("cannot hold the free part of %s's room on %s: %s", r.pod, r.node, last)
 
     def _hold(self, r: Reservation, expires: float) -> None:
         view = self.view
@@ -216,3 +230,58 @@ class Reservations:
                 r.assignment = decision.assignment
             except LedgerError as e:
                 log.info("cannot hold room for %s on %s yet: %s", r.pod, r.node, e)
+
+
+def _as_preemptors(r: Reservation, a: Assignment) -> Assignment:
+    """A gone victim's assignment ``a`` as the room kept for ``r``'s pod: where every MPS share of it is on a GPU or
+    MIG instance where the preemptor's own share is an MPS client too, it is kept as the preemptor's tenant, so that
+    the ledger counts the daemon that will run there (the preemptor's) and not one of a victim that is gone; else
+    as the victim held it."""
+    mine = r.assignment
+    if mine is None or a.node != mine.node or a.tenant == mine.tenant:
+        return a
+    theirs = {(s.gpu_index, s.mig.start if s.mig else None) for s in a.shares if s.sharing is Mechanism.MPS}
+    ours = {(s.gpu_index, s.mig.start if s.mig else None) for s in mine.shares if s.sharing is Mechanism.MPS}
+    if not theirs or not theirs <= ours:
+        return a
+    return replace(a, tenant=mine.tenant)
+
+
+def _free_part(led: Ledger, n: int, r: Reservation, count_closing: bool) -> list[GpuShare] | None:
+    """The shares that hold what ``r``'s pod needs on node ``n`` beyond what its victims hold (None: it takes a MIG
+    instance, which is held whole or not at all). Where its share is an MPS client of a tenant that runs no daemon on
+    the GPU once the victims are gone, it needs that daemon's memory too; ``count_closing``: less the memory of the
+    victims' daemons whose every client there is a victim (they close as the victims leave)."""
+    assert r.assignment is not None
+    daemon = led.tenancy.daemon_memory_mib
+    memory: dict[int, int] = {}
+    milli: dict[int, int] = {}
+    leaving: dict[tuple[int, str], int] = {}  # (GPU, tenant) → the victims' MPS clients there still present
+    for victim, a in r.kept.items():
+        if a.node != r.node:
+            continue
+        present = victim in led.assignments
+        for s in a.shares:
+            memory[s.gpu_index] = memory.get(s.gpu_index, 0) + s.memory_mib
+            milli[s.gpu_index] = milli.get(s.gpu_index, 0) + s.compute_milli
+            if present and s.mig is None and s.sharing is Mechanism.MPS:
+                key = (s.gpu_index, led.tenant_key(n, a.tenant))
+                leaving[key] = leaving.get(key, 0) + 1
+    mine = led.tenant_key(n, r.assignment.tenant)
+    shares = []
+    for s in r.assignment.shares:
+        if s.mig is not None:
+            return None
+        g = s.gpu_index
+        clients = led.unit_tenants.get((n, g, None), {})
+        needs_daemon = s.sharing is Mechanism.MPS and clients.get(mine, 0) <= leaving.get((g, mine), 0)
+        closing = sum(1 for t, c in clients.items() if leaving.get((g, t), 0) >= c) if count_closing else 0
+        short = s.memory_mib + daemon * (int(needs_daemon) - closing) - memory.get(g, 0)
+        compute = s.compute_milli - milli.get(g, 0)
+        if short <= 0 and compute <= 0:
+            continue
+        # A share of the preemptor's tenant where that runs no daemon now opens one: the ledger counts its memory.
+        opens = s.sharing is Mechanism.MPS and mine not in clients
+        mem = short - daemon if opens else short
+        shares.append(replace(s, memory_mib=max(mem, 0), compute_milli=max(compute, 1)))
+    return shares
