@@ -20,17 +20,23 @@ from sharegpu.model.inventory import GpuDevice, NodeSpec
 
 
 def build() -> ClusterView:
+    """node-h: GPU 0 shared through MPS by a pod of uid 1000 and a pod that declares no user (two tenants, so two
+    daemons); node-m: an A100 with a 3g.40gb instance."""
     mig = NodeSpec("node-m", 64000, 262144, (GpuDevice(0, "GPU-m-0", "A100-80GB", mig_enabled=True),))
     h100 = node_spec("node-h", gpus=2)
-    a1 = Assignment("ml/infer-a", "node-h", (GpuShare(0, "GPU-node-h-0", Mechanism.MPS, 300, 10240),))
-    a2 = Assignment("ml/infer-b", "node-h", (GpuShare(0, "GPU-node-h-0", Mechanism.MPS, 200, 20480),))
+    a1 = Assignment(
+        "ml/infer-a", "node-h", (GpuShare(0, "GPU-node-h-0", Mechanism.MPS, 300, 10240),), tenant="ml/uid-1000"
+    )
+    a2 = Assignment(
+        "ml/infer-b", "node-h", (GpuShare(0, "GPU-node-h-0", Mechanism.MPS, 200, 20480),), tenant="pod/uid-ml-infer-b"
+    )
     a3 = Assignment(
         "ml/iso",
         "node-m",
         (GpuShare(0, "GPU-m-0", Mechanism.MIG, 1000, 40960, MigSlot("3g.40gb", 4), Mechanism.EXCLUSIVE),),
     )
     pod_list = [
-        with_assignment(pod_obj("infer-a", "ml", memory="10Gi"), a1.to_json(), "node-h"),
+        with_assignment(pod_obj("infer-a", "ml", memory="10Gi", run_as_user=1000), a1.to_json(), "node-h"),
         with_assignment(pod_obj("infer-b", "ml", memory="20Gi"), a2.to_json(), "node-h"),
         with_assignment(pod_obj("iso", "ml", memory="40Gi"), a3.to_json(), "node-m"),
         with_assignment(pod_obj("broken", "ml", memory="1Gi"), "{oops", "node-h"),
@@ -47,10 +53,16 @@ def test_report_has_the_json_contract_and_the_sharing_pods() -> None:
     for key in ("uuid", "model", "mechanism", "memory_mib_total", "memory_mib_used", "compute_pct_used", "pods"):
         assert key in g0
     assert g0["uuid"] == "GPU-node-h-0" and g0["model"] == "H100-80GB" and g0["mechanism"] == "mps"
-    assert (g0["memory_mib_total"], g0["memory_mib_used"], g0["compute_pct_used"]) == (81920, 30720, 50.0)
+    # Used: the two pods' 30Gi and the 66 MiB each of their two MPS daemons' servers takes.
+    assert (g0["memory_mib_total"], g0["memory_mib_used"], g0["compute_pct_used"]) == (81920, 30720 + 2 * 66, 50.0)
+    assert g0["memory_mib_daemons"] == 2 * 66
     assert g0["pods"] == ["ml/infer-a", "ml/infer-b"]
+    assert g0["mps_daemons"] == [
+        {"tenant": "ml/uid-1000", "who": "uid 1000 in ml", "clients": 1},
+        {"tenant": "pod/uid-ml-infer-b", "who": "pod ml/infer-b alone", "clients": 1},  # by name, not UID
+    ]
     g1 = by_name["node-h"]["gpus"][1]
-    assert (g1["mechanism"], g1["memory_mib_used"], g1["pods"]) == ("free", 0, [])
+    assert (g1["mechanism"], g1["memory_mib_used"], g1["pods"], g1["mps_daemons"]) == ("free", 0, [], [])
     m = by_name["node-m"]["gpus"][0]
     assert m["mechanism"] == "mig" and m["pods"] == ["ml/iso"]
     assert m["mig"] == [
@@ -63,9 +75,13 @@ def test_report_has_the_json_contract_and_the_sharing_pods() -> None:
             "memory_mib_used": 40960,
             "compute_pct_used": 100.0,
             "static": False,
+            "mps_daemons": [],
+            "memory_mib_daemons": 0,
             "pods": ["ml/iso"],
         }
     ]
+    s = report["summary"]
+    assert (s["mps_daemons"], s["mps_daemons_per_gpu"], s["mps_daemon_memory_mib"]) == (2, 16, 66)
     assert [p["name"] for p in report["problems"]] == ["ml/broken"]
     json.dumps(report)  # serialisable as is
 
@@ -78,12 +94,18 @@ def test_table_shows_models_mechanisms_mig_layout_and_pods() -> None:
         "node node-h",
         "H100-80GB",
         "mps",
-        "30Gi / 80Gi",
+        "30.1Gi / 80Gi",  # with the daemons' memory
+        "MPS daemons",
+        "uid 1000 in ml: 1 client",
+        "1 pod alone",  # infer-b, a tenant of its own (the pods column names it)
         "ml/infer-a",
         "3g.40gb@4 exclusive",
         "ml/broken",
     ):
         assert fragment in text
+    h_head, m_head = [line for line in text.splitlines() if line.startswith("GPU ")]
+    assert h_head.index("compute") < h_head.index("MPS daemons") < h_head.index("pods")
+    assert "MPS daemons" not in m_head and "MIG layout" in m_head  # node-m runs no daemon: no such column
 
 
 def test_status_command_reports_a_missing_kubeconfig_without_a_traceback(tmp_path: Path) -> None:

@@ -2,8 +2,8 @@
 
 A small read-only web page over exactly the report of ``sharegpu status`` (:func:`sharegpu.k8s.status.report.status_report`):
 the cluster's allocation and fragmentation at the top, then every node and GPU with its mechanism, its MIG layout
-drawn to scale on the model's memory-slot axis, memory and compute used and the pods on it, then the pending pods and
-their reasons. It refreshes itself (a script fetches ``fragment`` every few seconds; without scripts the page is
+drawn to scale on the model's memory-slot axis, memory and compute used, its MPS daemons (one per tenant, with the
+clients each serves) and the pods on it, then the pending pods and their reasons. It refreshes itself (a script fetches ``fragment`` every few seconds; without scripts the page is
 still complete, only static).
 
 Every route is GET (HEAD) only and changes nothing; the page loads nothing from elsewhere, and its Content Security
@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from sharegpu.k8s.status.report import FollowedStatus, StatusSnapshot, summary_line
+from sharegpu.k8s.status.report import FollowedStatus, StatusSnapshot, cap_words, daemon_line, summary_line
 from sharegpu.kube.api import ClusterApi
 from sharegpu.placement.reasons import ReasonKind, fmt_mib
 
@@ -104,7 +104,29 @@ def _pods(names: list[str]) -> str:
     return '<ul class="pods">' + "".join(f'<li class="pod">{_e(n)}</li>' for n in names) + "</ul>"
 
 
-def _gpu_row(node: str, g: dict[str, Any]) -> str:
+def _daemons(g: dict[str, Any], cap: int | None) -> str:
+    """The GPU's MPS daemons (on the GPU, and in each MIG instance), one item each: who and how many clients; a
+    unit at the daemon cap says so."""
+    units = [
+        ("", g.get("mps_daemons", [])),
+        *((f"{m['profile']}@{m['start']} ", m.get("mps_daemons", [])) for m in g["mig"]),
+    ]
+    if not any(daemons for _, daemons in units):
+        return '<span class="muted">-</span>'
+    out = ['<ul class="daemons">']
+    for where, daemons in units:
+        for d in daemons:  # each one by name: the page has the room the terminal's table lacks
+            out.append(
+                f'<li class="daemon" data-tenant="{_e(d["tenant"])}" data-clients="{int(d["clients"])}">'
+                f"{_e(daemon_line(d, where))}</li>"
+            )
+        if (full := cap_words(daemons, cap, where)) is not None:
+            out.append(f'<li class="cap">{_e(full)}</li>')
+    out.append("</ul>")
+    return "".join(out)
+
+
+def _gpu_row(node: str, g: dict[str, Any], cap: int | None = None) -> str:
     mem_pct = 100 * g["memory_mib_used"] / g["memory_mib_total"] if g["memory_mib_total"] else 0.0
     mem = f"{fmt_mib(g['memory_mib_used'])} / {fmt_mib(g['memory_mib_total'])}"
     health = "" if g["healthy"] else ' <span class="bad">unhealthy</span>'
@@ -118,6 +140,7 @@ def _gpu_row(node: str, g: dict[str, Any]) -> str:
         f'<td class="num">{_bar(mem_pct, "mem", f"memory {mem}")}<span>{_e(mem)}</span></td>'
         f'<td class="num">{_bar(g["compute_pct_used"], "cpu", "compute")}<span>{g["compute_pct_used"]:g}%</span></td>'
         f"<td>{_mig_layout(g)}</td>"
+        f"<td>{_daemons(g, cap)}</td>"
         f"<td>{_pods(pods)}</td>"
         "</tr>"
     )
@@ -145,6 +168,9 @@ def render_fragment(state: StatusSnapshot) -> str:
         f"{_pct(s['fragmentation_pct'])}</div>{_bar(s['fragmentation_pct'], 'frag', 'fragmentation')}</div>"
         f'<div class="card"><div class="k">GPU memory promised</div><div class="v">'
         f"{fmt_mib(s['memory_mib_promised'])} / {fmt_mib(s['memory_mib_total'])}</div></div>"
+        f'<div class="card"><div class="k">MPS daemons</div><div class="v" id="mps-daemons">'
+        f'{int(s.get("mps_daemons", 0))}</div><div class="sub">at most {_e(s.get("mps_daemons_per_gpu", "-"))} a GPU, '
+        f"one per tenant</div></div>"
         f'<div class="card"><div class="k">pods placed</div><div class="v" id="placed">{s["pods_placed"]}</div></div>'
         f'<div class="card"><div class="k">pending</div><div class="v" id="pending-count">{s["pending"]}</div>'
         f'<div class="sub">{reasons}</div></div>'
@@ -155,11 +181,12 @@ def render_fragment(state: StatusSnapshot) -> str:
     if not report["nodes"]:
         out.append('<p class="warn">No node has a sharegpu inventory (is the sharegpu node agent running?)</p>')
     for node in report["nodes"]:
-        rows = "".join(_gpu_row(node["name"], g) for g in node["gpus"])
+        cap = s.get("mps_daemons_per_gpu")
+        rows = "".join(_gpu_row(node["name"], g, cap) for g in node["gpus"])
         out.append(
             f'<section class="node" data-node="{_e(node["name"])}"><h2>node {_e(node["name"])}</h2>'
             "<table><thead><tr><th>GPU</th><th>model</th><th>mechanism</th><th>memory used</th>"
-            "<th>compute used</th><th>MIG layout</th><th>pods</th></tr></thead>"
+            "<th>compute used</th><th>MIG layout</th><th>MPS daemons</th><th>pods</th></tr></thead>"
             f"<tbody>{rows}</tbody></table></section>"
         )
     if report["pending"]:
@@ -234,7 +261,8 @@ svg.mig .slot { fill: #f3f5f8; stroke: #c9cfda; }
 svg.mig .inst rect { stroke: #6b4fb3; } svg.mig .inst.used rect { fill: #d9cdf7; } svg.mig .inst.idle rect { fill: #f1edfb; }
 svg.mig text { font-size: 11px; text-anchor: middle; fill: #2c2547; } svg.mig text.small { font-size: 9px; }
 svg.mig text.axis { font-size: 9px; fill: #8a93a3; }
-ul.pods { margin: 0; padding-left: 1.1em; }
+ul.pods, ul.daemons { margin: 0; padding-left: 1.1em; }
+ul.daemons li.cap { list-style: none; color: #a35200; }
 .muted { color: #8a93a3; } .warn { color: #a35200; font-weight: 600; } .bad { color: #b3261e; font-weight: 600; }
 .line { font-family: ui-monospace, monospace; font-size: .85em; }
 """

@@ -1,6 +1,7 @@
-"""``sharegpu status``: per node and GPU, the model, mechanism, used and free memory and compute, the MIG layout
-and the pods that share it — built from the API server exactly as the extender builds its ledger — and a cluster
-summary: GPUs in use, allocation and fragmentation as the simulator measures them, pending pods and why.
+"""``sharegpu status``: per node and GPU, the model, mechanism, used and free memory and compute, the MIG layout,
+the MPS daemons (one per tenant: who, and how many clients each serves) and the pods that share it — built from the
+API server exactly as the extender builds its ledger — and a cluster summary: GPUs in use, allocation and
+fragmentation as the simulator measures them, pending pods and why.
 
 The report is the one source of the terminal table, ``--json``, the live page (:mod:`sharegpu.k8s.status.page`) and the
 extender's cluster metrics (:mod:`sharegpu.k8s.extender.metrics`).
@@ -29,8 +30,9 @@ from sharegpu.k8s.pending import PendingPod, pending_pods
 from sharegpu.k8s.status.bench_note import InvalidBenchNote, parse_note
 from sharegpu.k8s.status.dra import dra_status
 from sharegpu.kube.api import ClusterApi
-from sharegpu.ledger import GpuMode, Ledger
+from sharegpu.ledger import GpuMode, Ledger, Unit
 from sharegpu.model.request import FULL_MILLI
+from sharegpu.model.tenant import describe, own_tenant
 from sharegpu.placement.fragmentation import FragmentationModel, Workload, fragmentation_of
 from sharegpu.placement.reasons import fmt_mib
 
@@ -71,6 +73,11 @@ def cluster_summary(view: ClusterView, pending: list[PendingPod]) -> dict[str, A
         "fragmentation_pct": None if frag is None or not total else round(100 * frag / total, 2),
         "memory_mib_total": int(led.gpu_mem_total.sum()),
         "memory_mib_promised": sum(s.memory_mib for a in led.assignments.values() for s in a.shares),
+        # MPS daemons running (one per tenant on each GPU or MIG instance shared through MPS), the most one unit may
+        # run (--mps-daemons-per-gpu) and the GPU memory each one's server takes (in memory_mib_used beside its pods').
+        "mps_daemons": sum(len(clients) for clients in led.unit_tenants.values()),
+        "mps_daemons_per_gpu": led.tenancy.daemons_per_unit,
+        "mps_daemon_memory_mib": led.tenancy.daemon_memory_mib,
         "pods_placed": len(led),
         "pending": len(pending),
         "pending_reasons": [{"reason": r.value, "pods": c} for r, c in reasons.most_common()],
@@ -81,6 +88,12 @@ def status_report(view: ClusterView) -> dict[str, Any]:
     """The report of everything the view follows: the device-plugin nodes from its ledger, the DRA nodes (when it
     follows them) from the driver's slices and the claims allocated on them."""
     led = view.ledger
+    names = view.pod_keys_by_uid()
+    daemon_mib = led.tenancy.daemon_memory_mib
+
+    def daemons(unit: Unit) -> list[dict[str, Any]]:
+        return mps_daemons(led, unit, names)
+
     users: dict[tuple[int, int], list[str]] = {}
     inst_users: dict[tuple[int, int, int], list[str]] = {}
     for key, a in sorted(led.assignments.items()):
@@ -107,6 +120,8 @@ def status_report(view: ClusterView) -> dict[str, Any]:
                     "memory_mib_used": inst.profile.memory_mib - inst.free_mem,
                     "compute_pct_used": round((FULL_MILLI - inst.free_milli) / 10, 1),
                     "static": inst.persistent,
+                    "mps_daemons": daemons((n, g.index, start)),
+                    "memory_mib_daemons": led.daemons_on((n, g.index, start)) * daemon_mib,
                     "pods": inst_users.get((n, g.index, start), []),
                 }
                 for start, inst in sorted(led.instances_on(n, g.index).items())
@@ -125,6 +140,9 @@ def status_report(view: ClusterView) -> dict[str, Any]:
                     "compute_pct_used": round((FULL_MILLI - free_milli) / 10, 1),
                     "compute_pct_free": round(free_milli / 10, 1),
                     "mig": mig,
+                    "mps_daemons": daemons((n, g.index, None)),
+                    # Of memory_mib_used: what the MPS daemons' servers take (each daemon_memory_mib), not a pod.
+                    "memory_mib_daemons": led.daemons_on((n, g.index, None)) * daemon_mib,
                     "pods": users.get((n, g.index), []),
                 }
             )
@@ -149,6 +167,47 @@ def status_report(view: ClusterView) -> dict[str, Any]:
     }
 
 
+def mps_daemons(led: Ledger, unit: Unit, pod_names: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The MPS daemons of ``unit`` (a GPU, or a MIG instance of it) as the ledger counts them, one per tenant:
+    ``tenant`` (its key), ``who`` (in words; a pod that is a tenant of its own by its name, from ``pod_names``: UID →
+    namespace/name) and ``clients`` (the MPS shares it serves there)."""
+    alone = own_tenant("")
+    out = []
+    for tenant, clients in sorted(led.unit_tenants.get(unit, {}).items()):
+        uid = tenant.removeprefix(alone) if tenant.startswith(alone) else None
+        name = pod_names.get(uid) if pod_names is not None and uid is not None else None
+        who = describe(own_tenant(name) if name is not None else tenant)
+        out.append({"tenant": tenant, "who": who, "clients": clients})
+    return out
+
+
+def daemon_line(daemon: dict[str, Any], where: str = "") -> str:
+    """One daemon of the report in words: ``uid 1000 in ml: 2 clients`` (``where``, a MIG instance, before it)."""
+    clients = daemon["clients"]
+    return f"{where}{daemon['who']}: {clients} client{'s' if clients != 1 else ''}"
+
+
+def daemon_words(daemons: list[dict[str, Any]], cap: int | None = None, where: str = "") -> list[str]:
+    """A unit's daemons in a few lines, ``where`` (a MIG instance) before each: a line per tenant of declared users
+    (or the multi-user daemon) with its clients, one for the pods that are tenants of their own (``3 pods alone``: a
+    daemon each; the pods column names them), and a last one where the unit runs ``cap`` daemons already (a tenant
+    that runs none there cannot join)."""
+    alone = own_tenant("")
+    lines = [daemon_line(d, where) for d in daemons if not d["tenant"].startswith(alone)]
+    if n := sum(1 for d in daemons if d["tenant"].startswith(alone)):
+        lines.append(f"{where}{n} pod{'s' if n != 1 else ''} alone")
+    if (full := cap_words(daemons, cap, where)) is not None:
+        lines.append(full)
+    return lines
+
+
+def cap_words(daemons: list[dict[str, Any]], cap: int | None, where: str = "") -> str | None:
+    """``at the cap of 2 daemons`` where a unit runs ``cap`` daemons already; None where it does not."""
+    if cap is None or not daemons or len(daemons) < cap:
+        return None
+    return f"{where}at the cap of {cap} daemon{'s' if cap != 1 else ''}"
+
+
 def bench_of(text: str | None) -> dict[str, Any] | None:
     """A node's ``sharegpu bench --publish`` result as the report carries it: its picks in words (``text``), the
     GPU and when it was measured — or ``error`` where the annotation cannot be read."""
@@ -159,6 +218,14 @@ def bench_of(text: str | None) -> dict[str, Any] | None:
     except InvalidBenchNote as e:
         return {"error": str(e)}
     return {"text": note.text(), "gpu": note.gpu, "unit": note.unit, "measuredAt": note.measured_at}
+
+
+def gpu_daemon_words(gpu: dict[str, Any], cap: int | None = None) -> list[str]:
+    """The MPS daemons of a GPU of the report, on the GPU and in each of its MIG instances, a line each."""
+    lines = daemon_words(gpu.get("mps_daemons", []), cap)
+    for m in gpu["mig"]:
+        lines += daemon_words(m.get("mps_daemons", []), cap, f"{m['profile']}@{m['start']} ")
+    return lines
 
 
 def bench_words(bench: dict[str, Any]) -> str:
@@ -200,19 +267,26 @@ def short_uuid(uuid: str) -> str:
     return bare if len(bare) <= 7 else f"{bare[:6]}…"
 
 
+GPU_COLUMNS = ("GPU", "model", "mechanism", "memory", "compute", "MIG layout", "MPS daemons")
+OPTIONAL_COLUMNS = ("MIG layout", "MPS daemons")  # shown only where a GPU of the table has something in them
+
+
 def _gpu_table(title: str, used: str, last: str, rows: Sequence[Sequence[str]], width: int | None) -> Table:
-    """A node's table. In a terminal of ``width`` columns the ones a user reads (model, mechanism, the pods or
-    claims) keep their width: the UUID is short, the MIG column is there only where a GPU has MIG instances, the
-    figures wrap first and a pod's name folds rather than being cut (rich would shrink every column alike)."""
-    mig = any(r[5] != "-" for r in rows)
-    cells = [list(r) if mig else [*r[:5], r[6]] for r in rows]
-    headers = ["GPU", "model", "mechanism", "memory", "compute", *(["MIG layout"] if mig else []), last]
+    """A node's table (rows: a cell per :data:`GPU_COLUMNS`, then ``last``). In a terminal of ``width`` columns the
+    ones a user reads (model, mechanism, the pods or claims) keep their width: the UUID is short, the MIG and MPS
+    daemon columns are there only where a GPU has MIG instances or MPS daemons, the figures wrap first and a pod's
+    name folds rather than being cut (rich would shrink every column alike)."""
+    names = [*GPU_COLUMNS, last]
+    keep = [i for i, h in enumerate(names) if h not in OPTIONAL_COLUMNS or any(r[i] != "-" for r in rows)]
+    cells = [[r[i] for i in keep] for r in rows]
+    headers = [names[i] for i in keep]
     natural = [max([len(h), *(len(line) for c in cells for line in c[i].splitlines())]) for i, h in enumerate(headers)]
-    wrapping = ("memory", "MIG layout", last)  # the columns that may wrap; the others keep their width
+    wrapping = ("memory", *OPTIONAL_COLUMNS, last)  # the columns that may wrap; the others keep their width
     widths: dict[str, int] = {}
     gaps = 2 * (len(headers) - 1)  # the cells' padding: no box, two spaces between columns
     if width is not None and sum(natural) + gaps > width:
-        # The figures and the MIG layout wrap at their longest word; the names get what is left (at least 12).
+        # The figures, the MIG layout and the daemons wrap at their longest word; the names get what is left (at
+        # least 12).
         for i, h in enumerate(headers):
             if h in wrapping and h != last:
                 words = [len(w) for c in cells for w in c[i].split()]
@@ -223,7 +297,19 @@ def _gpu_table(title: str, used: str, last: str, rows: Sequence[Sequence[str]], 
             - sum(widths.values())
             - sum(n for h, n in zip(headers, natural, strict=True) if h not in wrapping)
         )
+        if "MPS daemons" in widths and rest < natural[-1]:
+            # The daemons' words fold before a pod's name does (the pods column names the same pods).
+            give = min(natural[-1] - rest, widths["MPS daemons"] - 8)
+            if give > 0:
+                widths["MPS daemons"] -= give
+                rest += give
         widths[last] = max(12, min(natural[-1], rest))
+        spare = rest - widths[last]
+        for h in ("MPS daemons", "memory", "MIG layout"):  # what is left widens the wrapped columns, most words first
+            if h in widths and spare > 0:
+                grow = min(spare, natural[headers.index(h)] - widths[h])
+                widths[h] += max(grow, 0)
+                spare -= max(grow, 0)
     table = Table(
         title=f"{title} · memory and compute {used}",
         title_justify="left",
@@ -244,6 +330,7 @@ def status_renderable(report: dict[str, Any], width: int | None = None) -> Rende
     """The summary line, one table per node, the pending pods and the problems (what ``print_status`` prints and
     ``--watch`` redraws), the tables fitted to ``width`` columns where given."""
     parts: list[RenderableType] = [Text(summary_line(report), style="bold")]
+    cap = report["summary"].get("mps_daemons_per_gpu")
     if not report["nodes"] and not report.get("dra_nodes"):
         parts.append(Text("no node has a sharegpu inventory (is the sharegpu node agent running?)"))
     for node in report["nodes"]:
@@ -258,6 +345,7 @@ def status_renderable(report: dict[str, Any], width: int | None = None) -> Rende
                     f"{m['profile']}@{m['start']} {m['inner']}{' (static)' if m['static'] else ''}" for m in g["mig"]
                 )
                 or "-",
+                "\n".join(gpu_daemon_words(g, cap)) or "-",
                 "\n".join(g["pods"]) or "-",
             )
             for g in node["gpus"]
@@ -290,6 +378,7 @@ def dra_node_tables(nodes: list[dict[str, Any]], width: int | None = None) -> li
                 f"{fmt_mib(g['memory_mib_used'])} / {fmt_mib(g['memory_mib_total'])}",
                 f"{g['compute_pct_used']:g}%",
                 "\n".join(f"{m['profile']}@{m['start']}" for m in g["mig"]) or "-",
+                "-",  # the DRA driver keeps its claims' daemons on the node: not in the report
                 "\n".join(g["claims"]) or "-",
             )
             for g in node["gpus"]
