@@ -64,10 +64,11 @@ def pod_obj(
     env: Mapping[str, str] | None = None,
     cpu: str | None = "1",
     scheduler_name: str | None = "sharegpu-scheduler",
-    run_as_user: int | None = 0,
+    run_as_user: int | None = None,
 ) -> dict[str, Any]:
-    """A pod as a user would write it; it runs as ``run_as_user`` (None: as its image says, which the API never
-    shows), since an MPS unit serves one Unix user and pods of an undeclared user each get a unit of their own."""
+    """A pod as a user would write it: it runs as its image says (most pods declare no user), or as ``run_as_user``
+    (the pod's securityContext). Each undeclared pod is an MPS tenant of its own, and shares MPS units with any
+    other (sharegpu.model.tenant)."""
     limits: dict[str, str] = {}
     if gpu is not None:
         limits["sharegpu.io/gpu"] = str(gpu)

@@ -1,9 +1,11 @@
 """Consolidation in the running system (issue 19 item 2), against the in-memory API server: the preemption
 controller's harness (tests/k8s/test_k8s_preemption.py) with a :class:`Consolidator` attached.
 
-The shape throughout: nodes of one H100 (80 GiB), each half taken by a 40 GiB share; a pod asking 70 GiB waits with
-the same priority as the shares (so preemption may evict none of them). Moving one share onto the other node's free
-half makes room; whether consolidation does so depends on what the test changes.
+The shape throughout: nodes of one H100 (80 GiB), each about half taken by a 39 GiB share; a pod asking 70 GiB waits
+with the same priority as the shares (so preemption may evict none of them). Moving one share onto the other node's
+free half makes room; whether consolidation does so depends on what the test changes. The shares are MPS clients of
+pods that declare no user, each a tenant of its own: each runs its own MPS daemon, which takes 66 MiB of its GPU, so
+two shares of 39 GiB fit one GPU where two of 40 GiB no longer do.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ async def share(
     h: Harness,
     name: str,
     node: str,
-    memory: str = "40Gi",
+    memory: str = "39Gi",
     movable: str | None = "true",
     owner: dict[str, Any] | None = OWNER,
     labels: dict[str, str] | None = None,
@@ -63,7 +65,7 @@ async def share(
 
 
 async def fragmented(h: Harness, **kw: Any) -> tuple[str, str, str]:
-    """n1 and n2 each half full with a 40 GiB share; a 70 GiB pod of the same priority waits."""
+    """n1 and n2 each half full with a 39 GiB share; a 70 GiB pod of the same priority waits."""
     await h.nodes("n1", "n2", gpus=1)
     a = await share(h, "a", "n1", **kw)
     b = await share(h, "b", "n2", **kw)
@@ -105,7 +107,7 @@ def test_a_movable_share_moves_and_the_freed_room_goes_to_the_waiting_pod() -> N
 
         # The moved pod's controller recreates it at once: the replica goes to the other node's free half, never
         # beside its terminating original (that half is held for the waiting pod already).
-        again = h.pod("a2", memory="40Gi")
+        again = h.pod("a2", memory="39Gi")
         await until(lambda: h.view.request(again) is not None, again)
         assert h.filter(again) == [{"n1": "n2", "n2": "n1"}[node]]
 
@@ -173,7 +175,7 @@ def test_a_budget_that_refuses_stops_the_plan() -> None:
         batch = {"app": "batch"}
         await share(h, "a", "n1", memory="20Gi", labels=batch)
         await share(h, "b", "n1", memory="20Gi", labels=batch)
-        await share(h, "c", "n2", memory="40Gi", movable=None)
+        await share(h, "c", "n2", memory="39Gi", movable=None)
         big = await h.waiting("big", priority=0, memory="70Gi")
         listed = DisruptionBudget("default", "batch", (("app", "batch"),), (), 2)
 

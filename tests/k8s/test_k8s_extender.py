@@ -61,7 +61,8 @@ def cluster() -> Iterator[Cluster]:
 
 
 def test_filter_node_names_mode_explains_each_rejected_node(cluster: Cluster) -> None:
-    # Fill node-a's only GPU to 68Gi, node-b's two to 70Gi: the largest free share is then 12Gi.
+    # Fill node-a's only GPU to 68Gi, node-b's two to 70Gi: 12Gi and 10Gi left, less the 66 MiB that the MPS daemon
+    # of each pod there takes (each declares no user: a tenant of its own, a daemon each).
     for name, node in (("big-a", "node-a"), ("big-b0", "node-b"), ("big-b1", "node-b")):
         memory = "68Gi" if node == "node-a" else "70Gi"
         f, _, bind = cluster.schedule(pod_obj(name, memory=memory), [node])
@@ -72,8 +73,8 @@ def test_filter_node_names_mode_explains_each_rejected_node(cluster: Cluster) ->
     assert set(body) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
     assert body["NodeNames"] == [] and body["Nodes"] is None and body["Error"] == ""
     assert body["FailedNodes"] == {
-        "node-a": "largest free share 12Gi < 20Gi asked",
-        "node-b": "largest free share 10Gi < 20Gi asked",
+        "node-a": "largest free share 11.9Gi < 20Gi asked",
+        "node-b": "largest free share 9.9Gi < 20Gi asked",
     }
     assert body["FailedAndUnresolvableNodes"]["node-v"] == "no GPU of an allowed model (H100-80GB)"
     assert "no sharegpu.io/inventory annotation" in body["FailedAndUnresolvableNodes"]["cpu-only"]
@@ -207,8 +208,8 @@ def test_bind_refuses_a_node_without_room_and_leaves_nothing_behind(cluster: Clu
 
 
 def test_preempt_keeps_only_nodes_where_the_victims_free_enough(cluster: Cluster) -> None:
-    for name in ("v1", "v2"):
-        _, _, bind = cluster.schedule(pod_obj(name, memory="40Gi"), ["node-a"])
+    for name in ("v1", "v2"):  # two MPS daemons (each pod a tenant of its own) take 132 MiB of the 80Gi beside them
+        _, _, bind = cluster.schedule(pod_obj(name, memory="39Gi"), ["node-a"])
         assert bind == {"Error": ""}
     _, _, bind = cluster.schedule(pod_obj("v3", memory="79Gi"), ["node-b"])
     assert bind == {"Error": ""}

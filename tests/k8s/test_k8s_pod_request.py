@@ -102,23 +102,70 @@ def _with_users(obj: dict, pod_uid: int | None, **container_uids: int | None) ->
     return obj
 
 
-def test_the_user_is_the_containers_run_as_user_else_the_pods_else_unknown() -> None:
-    base = pod_obj("infer", memory="10Gi", annotations={"sharegpu.io/isolation": "memory"}, run_as_user=None)
-    name = base["spec"]["containers"][0]["name"]
-    assert parse(base).user is None  # type: ignore[attr-defined]
-    assert parse(_with_users(pod_obj("infer", memory="10Gi", run_as_user=None), 1000)).user == 1000  # type: ignore[attr-defined]
-    own = _with_users(pod_obj("infer", memory="10Gi", run_as_user=None), 1000, **{name: 0})
-    assert parse(own).user == 0  # type: ignore[attr-defined]  # a container's own securityContext wins
+def tenant(obj: dict) -> str | None:
+    req = pod_request(Pod.model_validate(obj))
+    assert req is not None
+    return req.tenant
 
 
-def test_gpu_containers_of_different_users_are_refused_with_what_to_do() -> None:
-    obj = pod_obj("two", memory="10Gi", run_as_user=None)
+def _two_gpu_containers(obj: dict) -> dict:
     second = json.loads(json.dumps(obj["spec"]["containers"][0]))
     second["name"] = "side"
     obj["spec"]["containers"].append(second)
+    return obj
+
+
+def test_the_tenant_is_the_namespace_and_run_as_user_else_the_pod_alone() -> None:
+    """sharegpu.model.tenant: pods of one namespace that declare one runAsUser share an MPS daemon; a pod that
+    declares none (the image's USER decides, which the API never shows) is a tenant of its own."""
+    assert tenant(pod_obj("infer", memory="10Gi")) == "pod/uid-default-infer"
+    assert tenant(_with_users(pod_obj("infer", memory="10Gi"), 1000)) == "default/uid-1000"
+    assert tenant(_with_users(pod_obj("infer", memory="10Gi", namespace="team-b"), 1000)) == "team-b/uid-1000"
+    own = _with_users(pod_obj("infer", memory="10Gi"), 1000, main=0)
+    assert tenant(own) == "default/uid-0"  # a container's own securityContext wins over the pod's
+    # hostUsers: false maps the declared UID to another one on the host: the pod is a tenant of its own.
+    apart = _with_users(pod_obj("infer", memory="10Gi"), 1000)
+    apart["spec"]["hostUsers"] = False
+    assert tenant(apart) == "pod/uid-default-infer"
+    apart["spec"]["hostUsers"] = True
+    assert tenant(apart) == "default/uid-1000"
+    nameless = pod_obj("infer", memory="10Gi")
+    del nameless["metadata"]["uid"]  # not created yet (the webhook's view): the pod's name stands in
+    assert tenant(nameless) == "pod/default/infer"
+
+
+def test_gpu_containers_of_different_users_are_refused_with_what_to_do() -> None:
+    obj = _two_gpu_containers(pod_obj("two", memory="10Gi"))
     obj["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1000}
     obj["spec"]["containers"][1]["securityContext"] = {"runAsUser": 0}
-    with pytest.raises(InvalidPodRequest, match=r"different Unix users.*runAsUser"):
+    with pytest.raises(InvalidPodRequest, match=r"different Unix users \('main': 1000, 'side': 0\).*runAsUser"):
         parse(obj)
     obj["spec"]["containers"][1]["securityContext"] = {"runAsUser": 1000}
-    assert parse(obj).user == 1000  # type: ignore[attr-defined]
+    assert tenant(obj) == "default/uid-1000"
+
+
+def test_a_pod_with_one_declared_and_one_undeclared_gpu_container_is_a_tenant_of_its_own() -> None:
+    """The undeclared container runs as its image's user, who may be anyone: the pod is not the declared user's
+    tenant (issue 33 names this mutation), and it is not refused either (one UID is declared)."""
+    obj = _two_gpu_containers(pod_obj("half", memory="10Gi"))
+    obj["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1000}
+    assert tenant(obj) == "pod/uid-default-half"
+    obj["spec"]["containers"][1]["securityContext"] = {"runAsUser": 1000}
+    assert tenant(obj) == "default/uid-1000"
+
+
+def test_only_the_containers_that_hold_a_gpu_decide_the_tenant() -> None:
+    """A sidecar without a GPU runs no MPS client: its user (declared or not) decides nothing; an init container that
+    holds a GPU does."""
+    obj = pod_obj("sc", memory="10Gi")
+    obj["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1000}
+    obj["spec"]["containers"].append({"name": "log", "image": "busybox", "securityContext": {"runAsUser": 0}})
+    assert tenant(obj) == "default/uid-1000"
+    obj["spec"]["containers"][1] = {"name": "log", "image": "busybox"}
+    assert tenant(obj) == "default/uid-1000"
+    init = json.loads(json.dumps(obj["spec"]["containers"][0]))
+    init["name"] = "warm"
+    init["securityContext"] = {"runAsUser": 0}
+    obj["spec"]["initContainers"] = [init]
+    with pytest.raises(InvalidPodRequest, match=r"different Unix users \('warm': 0, 'main': 1000\)"):
+        parse(obj)

@@ -177,14 +177,29 @@ def test_the_webhook_command_serves_https(tmp_path: Path) -> None:
     assert out["response"]["allowed"] is True and out["response"]["patchType"] == "JSONPatch"
 
 
-def test_an_mps_pod_without_run_as_user_is_admitted_with_a_warning_that_says_what_it_costs(
-    srv: LoopbackServer,
-) -> None:
-    pod = pod_obj("mps", memory="10Gi", compute=30, annotations={"sharegpu.io/isolation": "memory"}, run_as_user=None)
+def test_an_mps_pod_is_admitted_without_a_warning_whoever_it_runs_as(srv: LoopbackServer) -> None:
+    """Issue 32: a pod that declares no user is an MPS tenant of its own and shares MPS units with any other (a
+    daemon each), so there is nothing to warn about; the warning that asked for runAsUser is gone."""
+    pod = pod_obj("mps", memory="10Gi", compute=30, annotations={"sharegpu.io/isolation": "memory"})
     resp = admit(srv, "/mutate", review(pod))
-    assert resp["allowed"] is True
-    assert any("runAsUser" in w and "one Unix user at a time" in w for w in resp.get("warnings", []))
+    assert resp["allowed"] is True and "warnings" not in resp
     pod["spec"]["securityContext"] = {"runAsUser": 1000}
     assert "warnings" not in admit(srv, "/mutate", review(pod))
-    whole = pod_obj("whole", gpu=1)  # a whole GPU is no MPS client: its user does not matter
-    assert "warnings" not in admit(srv, "/mutate", review(whole))
+    pod["spec"]["hostUsers"] = False
+    assert "warnings" not in admit(srv, "/mutate", review(pod))
+
+
+def test_gpu_containers_of_different_users_are_refused_at_admission_with_what_to_do(srv: LoopbackServer) -> None:
+    pod = pod_obj("two", memory="10Gi", annotations={"sharegpu.io/isolation": "memory"})
+    side = json.loads(json.dumps(pod["spec"]["containers"][0]))
+    side["name"] = "side"
+    pod["spec"]["containers"].append(side)
+    pod["spec"]["containers"][0]["securityContext"] = {"runAsUser": 1000}
+    pod["spec"]["containers"][1]["securityContext"] = {"runAsUser": 0}
+    resp = admit(srv, "/mutate", review(pod))
+    assert resp["allowed"] is False
+    message = resp["status"]["message"]
+    assert "different Unix users ('main': 1000, 'side': 0)" in message and "securityContext.runAsUser" in message
+    # One declared and one left to its image: admitted, the pod a tenant of its own (not uid 1000's).
+    del pod["spec"]["containers"][1]["securityContext"]
+    assert admit(srv, "/mutate", review(pod))["allowed"] is True
