@@ -46,7 +46,6 @@ from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Decision, Scheduler
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.sim.openb import load_nodes, load_pods
-from sharegpu.sim.protocol import with_users
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openb"
 
@@ -69,8 +68,6 @@ def pod_json(req: GpuRequest, uid: str) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": ns, "uid": uid, "resourceVersion": "1", "annotations": annotations},
         "spec": {
             "schedulerName": "sharegpu-scheduler",
-            # The trace's pods as one Unix user (sim --users 1): an MPS unit serves one user.
-            "securityContext": {"runAsUser": 0},
             "containers": [{"name": "main", "image": "x", "resources": {"limits": limits}}],
         },
         "status": {"phase": "Pending"},
@@ -122,7 +119,7 @@ def fill(
     allocated = 0
     placed: list[tuple[GpuRequest, Assignment]] = []
     rest: list[GpuRequest] = []
-    for req in with_users(tasks, 1, seed):
+    for req in tasks:
         if allocated >= goal:
             rest.append(req)
             continue

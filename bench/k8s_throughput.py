@@ -61,7 +61,6 @@ def share_pod(i: int) -> dict[str, Any]:
         "metadata": {"name": f"share-{i:04d}", "annotations": {"sharegpu.io/isolation": "memory"}},
         "spec": {
             "schedulerName": SCHEDULER_NAME,
-            "securityContext": {"runAsUser": 1000},  # one team's pods: an MPS unit serves one Unix user
             "restartPolicy": "Never",
             "containers": [
                 {

@@ -772,9 +772,29 @@ LOAD_NODES: dict[str, list[dict[str, Any]]] = {
 }
 
 
+# Room for every pod of mixed_pods(150) (issue 32: pods that declare no user pack as densely as before the one-user
+# rule, so a cluster that held all 150 before it holds them again): eleven nodes of 16 GPUs, every model of the
+# mixed load's pins with room to spare. In-process, with the sharegpu policy, 150 of 150 bind in creation order and
+# in 30 shuffled orders; with at most one MPS daemon per GPU (--mps-daemons-per-gpu 1) 146 to 150.
+ROOMY_NODES: dict[str, list[dict[str, Any]]] = {
+    "h100-0": [{"model": "H100-80GB", "count": 15}, {"model": "H100-80GB", "count": 1, "mig": True}],
+    "h100-1": [{"model": "H100-80GB", "count": 16}],
+    "h100-2": [{"model": "H100-80GB", "count": 16}],
+    "a100-0": [{"model": "A100-80GB", "count": 14}, {"model": "A100-80GB", "count": 2, "mig": True}],
+    "a100-1": [{"model": "A100-80GB", "count": 16}],
+    "a100-40": [{"model": "A100-40GB", "count": 14}, {"model": "A100-40GB", "count": 2, "mig": True}],
+    "t4-0": [{"model": "T4", "count": 16}],
+    "t4-1": [{"model": "T4", "count": 16}],
+    "t4-2": [{"model": "T4", "count": 16}],
+    "t4-3": [{"model": "T4", "count": 16}],
+    "a30": [{"model": "A30-24GB", "count": 14}, {"model": "A30-24GB", "count": 2, "mig": True}],
+}
+
+
 def mixed_pods(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` pods of every kind sharegpu places: MPS shares with memory and compute limits (isolation memory),
-    time-sliced shares, hardware-isolated MIG instances, whole GPUs and 2-GPU pods, some pinned to GPU models."""
+    time-sliced shares, hardware-isolated MIG instances, whole GPUs and 2-GPU pods, some pinned to GPU models. Like
+    most pods they declare no user (no securityContext): each MPS client is a tenant of its own."""
     import random
 
     rng = random.Random(seed)
@@ -806,7 +826,6 @@ def mixed_pods(n: int, seed: int = 0) -> list[dict[str, Any]]:
                 "metadata": {"name": f"{kind}-{i:04d}", "annotations": ann},
                 "spec": {
                     "schedulerName": SCHEDULER_NAME,
-                    "securityContext": {"runAsUser": 1000},  # one user's pods: an MPS unit serves one Unix user
                     "restartPolicy": "Never",
                     "containers": [
                         {

@@ -1,8 +1,9 @@
 """Consolidation through the real kube-scheduler (issue 19 item 2), on the rig's control plane.
 
-Two fake nodes of one H100 each hold a movable 40Gi share owned by a ReplicaSet (the rig runs the
+Two fake nodes of one H100 each hold a movable 39Gi share owned by a ReplicaSet (the rig runs the
 kube-controller-manager, so an evicted share is recreated); a 70Gi pod of the same priority then waits: free room
-is 40 + 40 GiB but no GPU has 70. The extender's leader (``--consolidation``) moves one share; its replica lands on
+is 41 + 41 GiB but no GPU has 70. (39Gi: each share's pod declares no user, a tenant of its own, and its MPS daemon
+takes 66 MiB of the GPU too, so two shares of 40Gi no longer fit one GPU.) The extender's leader (``--consolidation``) moves one share; its replica lands on
 the other node and the waiting pod binds. The Watchdog of test_k8s_rig_preemption.py plays the kubelet of the fake
 nodes and audits every GPU from the API server's objects all the while.
 
@@ -58,11 +59,11 @@ def test_a_movable_share_moves_so_that_a_pod_waiting_for_fragmented_room_binds(r
 
     # Fragment the room: a bare filler takes half of one GPU, share a packs beside it, share b goes to the other
     # node; the filler leaves. Each node is then half full with one movable share.
-    rig.create_pods(ns, [rig_pod("filler", memory="40Gi", cpu="100m")])
+    rig.create_pods(ns, [rig_pod("filler", memory="39Gi", cpu="100m")])
     wait_for(lambda: bool(on_node().get("filler")), "the filler bound", 60)
-    rig.client.create(ReplicaSet.from_dict(_replica_set("a", "40Gi")), namespace=ns)
+    rig.client.create(ReplicaSet.from_dict(_replica_set("a", "39Gi")), namespace=ns)
     wait_for(lambda: any(n.startswith("a-") and node for n, node in on_node().items()), "share a bound", 60)
-    rig.client.create(ReplicaSet.from_dict(_replica_set("b", "40Gi")), namespace=ns)
+    rig.client.create(ReplicaSet.from_dict(_replica_set("b", "39Gi")), namespace=ns)
     wait_for(lambda: any(n.startswith("b-") and node for n, node in on_node().items()), "share b bound", 60)
     rig.client.delete(Pod, "filler", namespace=ns, grace_period=0)
     wait_for(lambda: "filler" not in on_node(), "the filler gone", 60)
@@ -90,7 +91,7 @@ def test_a_movable_share_moves_so_that_a_pod_waiting_for_fragmented_room_binds(r
     events = rig.events(ns)
     consolidated = [e for e in events if e.get("reason") == "Consolidated"]
     print(
-        f"\nconsolidation: 2x1 H100 with a 40Gi movable share each, a 70Gi pod waiting: bound {elapsed:.1f}s after "
+        f"\nconsolidation: 2x1 H100 with a 39Gi movable share each, a 70Gi pod waiting: bound {elapsed:.1f}s after "
         f"creation, moved {moved}, {dog.audits} audits, findings {len(dog.findings)}, placement {after}"
     )
     assert dog.findings == [], dog.findings[:5]

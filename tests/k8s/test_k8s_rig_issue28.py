@@ -158,7 +158,7 @@ def _budget(rig: Rig, ns: str, app: str, min_available: int) -> None:
 
 
 def _on(name: str, node: str, app: str | None) -> dict[str, Any]:
-    obj = rig_pod(name, memory="40Gi", cpu="100m")
+    obj = rig_pod(name, memory="39Gi", cpu="100m")  # two a GPU, beside their MPS daemons' 66 MiB each
     obj["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
     if app:
         obj["metadata"]["labels"] = {"app": app}
@@ -166,7 +166,7 @@ def _on(name: str, node: str, app: str | None) -> dict[str, Any]:
 
 
 def test_preemption_prefers_the_node_whose_victims_break_no_real_budget(rig: Rig) -> None:
-    """n1: two 40Gi shares under a PodDisruptionBudget that allows one disruption; n2: two such shares, no budget. A
+    """n1: two 39Gi shares under a PodDisruptionBudget that allows one disruption; n2: two such shares, no budget. A
     whole-GPU high-priority pod must take both shares of one node: n2's, and nothing under the budget is evicted."""
     n1 = rig.add_node("n1", [{"model": "H100-80GB", "count": 1}])
     n2 = rig.add_node("n2", [{"model": "H100-80GB", "count": 1}])

@@ -101,9 +101,10 @@ def _delete_priority_class(rig: Rig, name: str) -> None:
 
 
 def _fill(rig: Rig, ns: str, nodes: int, gpus: int) -> list[str]:
-    """Two low-priority 40Gi shares on every GPU; returns their names once all are bound."""
+    """Two low-priority 39Gi shares on every GPU (each pod declares no user: a tenant of its own, whose MPS daemon
+    takes 66 MiB of the GPU as well, so two of 40Gi no longer fit); returns their names once all are bound."""
     names = [f"low-{i}" for i in range(2 * nodes * gpus)]
-    rig.create_pods(ns, [rig_pod(n, memory="40Gi", cpu="100m") for n in names])
+    rig.create_pods(ns, [rig_pod(n, memory="39Gi", cpu="100m") for n in names])
     wait_for(lambda: sum(bool(p["spec"].get("nodeName")) for p in rig.pods(ns)) == len(names), "the fill", 120)
     return names
 
@@ -124,7 +125,7 @@ def test_a_burst_of_high_priority_pods_preempts_low_priority_shares(rig: Rig) ->
             names = [f"high-{i}" for i in range(burst)]
             rig.create_pods(ns, [rig_pod(n, high, gpu=1, cpu="100m") for n in names])
             # Low-priority latecomers that must not take the room freed for the burst.
-            rig.create_pods(ns, [rig_pod(f"late-{i}", memory="40Gi", cpu="100m") for i in range(2)])
+            rig.create_pods(ns, [rig_pod(f"late-{i}", memory="39Gi", cpu="100m") for i in range(2)])
 
             def bound() -> int:
                 return sum(bool(p["spec"].get("nodeName")) for p in rig.pods(ns) if p["metadata"]["name"] in names)
