@@ -86,11 +86,19 @@ def probes_only(app: Starlette) -> Starlette:
     return Starlette(routes=routes)
 
 
+# hypercorn ends a connection after 1,000 requests by default, and on HTTP/2 it does so with the client's next requests
+# already in flight: the kube-scheduler keeps one connection to the extender, and every 500 pods 24-35 of its calls
+# failed with GOAWAY PROTOCOL_ERROR (bench/extender_profile.py on the rig, BENCHMARKS.md "Where the extender's time
+# goes"). A connection is ended by its client or by stopping the server, never after a count.
+UNLIMITED_REQUESTS = 2**62
+
+
 def _config() -> Config:
-    """hypercorn's settings for a connection: no access log, its errors into this module's logger."""
+    """hypercorn's settings for a connection: no access log, its errors into this module's logger, no request limit."""
     config = Config()
     config.accesslog = None
     config.errorlog = _server_log
+    config.keep_alive_max_requests = UNLIMITED_REQUESTS
     return config
 
 
