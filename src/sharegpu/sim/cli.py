@@ -30,11 +30,11 @@ from sharegpu.sim.openb import (
 )
 from sharegpu.sim.protocol import DEFAULT_UNDECLARED, MAX_SEEDS, MAX_USERS, parse_seeds
 from sharegpu.sim.replay import PriorityOptions, arrivals_to_load
-from sharegpu.sim.report import print_table, write_json, write_plot
+from sharegpu.sim.report import is_report, print_table, write_json, write_plot
 from sharegpu.sim.runner import Experiment, never_fit, run_experiment, run_size
 from sharegpu.sim.scenario import DEFAULT_POLICIES, DEFAULT_SEEDS, scenario_nodes, scenario_tasks
 from sharegpu.sim.scenario import DEFAULT_TUNE as SCENARIO_TUNE
-from sharegpu.sim.terminal import err_console, error, out_console, same_file, warn
+from sharegpu.sim.terminal import err_console, error, out_console, overwrite_refusal, same_file, warn
 
 DEFAULT_OUT = Path("sharegpu-report")
 TRACE_POLICIES = "fgd,sharegpu"
@@ -173,6 +173,12 @@ def sim(
         "set no runAsUser and leave their user to the image (every pod of the rig's load tests, the docs' first "
         "examples); a judgement, not a measured count.",
     ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Overwrite the report's files even where one exists that is not a sharegpu report (without it, only an "
+        "earlier report is replaced).",
+    ),
     jobs: int = typer.Option(0, "--jobs", help="Parallel runs; 0 = one per CPU core."),
     large: bool = typer.Option(
         False,
@@ -191,6 +197,7 @@ def sim(
         paths = report_paths(_path_option("--json", json_out), _path_option("--out", out))
         inputs = {"--nodes": nodes_path, "--pods": pods_path}
         check_not_inputs(paths, {flag: path for flag, path in inputs.items() if path is not None})
+        check_overwrite(paths, json_out is not None, force)
         exp = _experiment(nodes_path, pods_path, policy, seeds, tune, replay, warnings.append)
         exp = _priority(exp, high_share, preemption, consolidation, max_moves, load, arrivals, warnings.append)
         exp = _mps(exp, mps_rule, mps_daemons, daemon_memory, users, undeclared, warnings.append)
@@ -399,6 +406,18 @@ def report_paths(json_out: Path | None, out: Path | None) -> ReportPaths:
     for what, path in (("--json", paths.json), ("the plot", paths.plot)):
         _check_writable(what, path)
     return paths
+
+
+def check_overwrite(paths: ReportPaths, json_given: bool, force: bool) -> None:
+    """Refuse, without ``force``, a report path where a file exists that is not an earlier report (:func:`is_report`;
+    the plot also when the JSON report beside it is one, as plots were not marked before): trace vary's rule."""
+    earlier = is_report(paths.json)
+    for what, path in (("--json" if json_given else "the JSON report", paths.json), ("the plot", paths.plot)):
+        refused = overwrite_refusal(
+            what, path, force, lambda p: earlier or is_report(p), "a sharegpu report (sim replaces only its own)"
+        )
+        if refused is not None:
+            raise UsageError(refused)
 
 
 def check_not_inputs(paths: ReportPaths, inputs: dict[str, Path]) -> None:

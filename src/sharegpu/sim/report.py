@@ -296,6 +296,26 @@ def replay_table(runs: Sequence[RunResult], title: str) -> Table:
     return t
 
 
+PLOT_SOFTWARE = "sharegpu sim"  # the plot's PNG Software text, by which a rerun tells the plot as its own
+REPORT_KEYS = frozenset({"experiment", "runs", "summary"})
+
+
+def is_report(path: Path) -> bool:
+    """Whether ``path`` is a file ``sim`` wrote: a JSON report (an object with the keys of :func:`write_json`) or a
+    plot (a PNG whose Software text is :data:`PLOT_SOFTWARE`); a rerun may replace it, any other file it refuses."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096)
+            if head.startswith(b"\x89PNG\r\n\x1a\n"):
+                return b"tEXtSoftware\x00" + PLOT_SOFTWARE.encode() in head
+            if not head.lstrip().startswith(b"{"):
+                return False
+            doc = json.loads(head + f.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.keys() >= REPORT_KEYS
+
+
 def write_json(path: Path, runs: Sequence[RunResult], meta: dict[str, object]) -> None:
     """The JSON report: ``meta``, every run and a summary per policy; with several MPS rules, a summary per rule and
     policy (each entry names its rule), the paired comparison per rule and the rules side by side."""
@@ -527,7 +547,7 @@ def write_plot(path: Path, runs: Sequence[RunResult], title: str) -> None:
         # Below the axes, so that it reads as the plot's caption rather than a label of some line.
         fig.text(0.01, -0.02, "\n".join(textwrap.wrap("; ".join(notes), 110)), fontsize=7.5, va="top")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
+    fig.savefig(path, bbox_inches="tight", metadata={"Software": PLOT_SOFTWARE})
     plt.close(fig)
 
 
@@ -565,7 +585,7 @@ def write_replay_plot(path: Path, runs: Sequence[RunResult], title: str) -> None
     bottom.set_ylim(bottom=0)
     bottom.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
+    fig.savefig(path, bbox_inches="tight", metadata={"Software": PLOT_SOFTWARE})
     plt.close(fig)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -39,3 +40,15 @@ def same_file(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def overwrite_refusal(
+    flag: str, path: Path, force: bool, ours: Callable[[Path], bool] | None = None, ours_name: str = ""
+) -> str | None:
+    """The one rule of ``sim`` and ``trace vary`` for an output file that already exists: without ``--force`` it is
+    refused, unless ``ours`` tells it as a file the command itself writes (``ours_name``: a sharegpu report, which a
+    rerun replaces). Returns the refusal's words, or None to go ahead."""
+    if force or not path.exists() or (ours is not None and ours(path)):
+        return None
+    kept = f" and is not {ours_name}" if ours is not None else ""
+    return f"{flag} {path} exists{kept}; give --force to overwrite it"

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from sharegpu.sim.openb import TraceError, read_pod_table
 from sharegpu.sim.report import fit_tables
-from sharegpu.sim.terminal import error, out_console, same_file, warn
+from sharegpu.sim.terminal import error, out_console, overwrite_refusal, same_file, warn
 from sharegpu.sim.variants import Shares, VariantError, VariantSpec, measure, vary, write_variant
 
 trace_app = typer.Typer(
@@ -84,8 +84,8 @@ def trace_vary(
         spec = VariantSpec(cpu_only, sharing, multi_gpu, gpu_spec, seed)
         if out.is_dir():
             raise VariantError(f"--out {out} is a folder; give a file name, e.g. {out / 'variant.csv'}")
-        if out.exists() and not force:
-            raise VariantError(f"--out {out} exists; give --force to overwrite it")
+        if (refused := overwrite_refusal("--out", out, force)) is not None:
+            raise VariantError(refused)
         if cpu_only is None and sharing is None and multi_gpu is None and gpu_spec is None:
             # The variant would be the base's rows again: a copy, not a variant.
             raise VariantError(

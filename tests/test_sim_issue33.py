@@ -1,0 +1,60 @@
+"""The simulator's cases of issue 33's new user's sweep, one test per case; each fails on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from sharegpu.cli import app
+
+runner = CliRunner()
+NODES = "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,131072,2,V100M16\nn1,32000,131072,4,T4\n"
+PODS = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time\n" + "".join(
+    f"p{i:03d},2000,4096,1,{300 + 50 * (i % 10)},,LS,Running,{10 * i},{10 * i + 95}\n" for i in range(12)
+)
+
+
+def sim(tmp_path: Path, *args: str):  # type: ignore[no-untyped-def]
+    n, p = tmp_path / "nodes.csv", tmp_path / "pods.csv"
+    n.write_text(NODES, encoding="utf-8")
+    p.write_text(PODS, encoding="utf-8")
+    return runner.invoke(app, ["sim", "--nodes", str(n), "--pods", str(p), "--jobs", "1", "--seeds", "1", *args])
+
+
+def test_sim_never_overwrites_a_file_that_is_not_its_report_without_force(tmp_path: Path) -> None:
+    notes, picture = tmp_path / "notes.txt", tmp_path / "notes.png"
+    notes.write_text("my notes\n")
+    picture.write_bytes(b"\x89PNG\r\n\x1a\nsomeone else's picture")
+    r = sim(tmp_path, "--json", str(notes))
+    assert r.exit_code == 2, r.output
+    err = " ".join(r.stderr.split())
+    assert err.startswith("error: --json") and "not a sharegpu report" in err and "--force" in err, err
+    assert "Traceback" not in r.output and r.stdout == ""
+    assert notes.read_text() == "my notes\n" and picture.read_bytes().endswith(b"someone else's picture")
+
+    # The plot alone is refused too: notes.png is not a sharegpu plot.
+    notes.unlink()
+    r = sim(tmp_path, "--json", str(notes))
+    assert r.exit_code == 2 and "the plot" in r.stderr and not notes.exists(), r.output
+
+    # --force overwrites both; a rerun then replaces its own report and plot without it.
+    r = sim(tmp_path, "--json", str(notes), "--force")
+    assert r.exit_code == 0, r.output
+    assert json.loads(notes.read_text())["runs"] and not picture.read_bytes().endswith(b"picture")
+    r = sim(tmp_path, "--json", str(notes))
+    assert r.exit_code == 0, r.output
+
+    # A report folder from before plots were marked: the plot beside an earlier JSON report is replaced.
+    folder = tmp_path / "earlier"
+    folder.mkdir()
+    (folder / "report.json").write_text(notes.read_text())
+    (folder / "allocation.png").write_bytes(b"\x89PNG\r\n\x1a\nan unmarked plot")
+    r = sim(tmp_path, "--out", str(folder))
+    assert r.exit_code == 0, r.output
+
+    # Under --out, a file at report.json that is not a report is refused the same way.
+    (folder / "report.json").write_text("[1, 2]")
+    r = sim(tmp_path, "--out", str(folder))
+    assert r.exit_code == 2 and "the JSON report" in r.stderr and (folder / "report.json").read_text() == "[1, 2]"
