@@ -25,23 +25,11 @@ from sharegpu.model.contract import ASSIGNMENT_ANNOTATION, GPU_RESOURCE
 from sharegpu.model.tenant import TenantConflict
 from sharegpu.node.allocation import Allocator
 from sharegpu.node.attribution import CHECKPOINT_FILE, DEFAULT_POD_RESOURCES_SOCKET, Attributor, PodResourcesClient
-from sharegpu.node.audit import (
-    GpuReading,
-    MpsUnitUsage,
-    ProcView,
-    Role,
-    UnitShare,
-    attribute,
-    audit,
-    bench_pods,
-    pod_usage,
-    read_gpu,
-    unit_shares,
-)
+from sharegpu.node.audit import GpuReading, MpsUnitUsage, ProcView, pod_usage, unit_shares
 from sharegpu.node.backends.base import BackendError, GpuBackend
 from sharegpu.node.cdi import DEFAULT_CDI_DIR, CdiError, CdiWriter
 from sharegpu.node.device_plugin import TOKENS_PER_GPU, DevicePluginServer, device_tokens
-from sharegpu.node.enforcement import EnforcementWatch, MpsFault, PodNotifier
+from sharegpu.node.enforcement import MpsFault, PodNotifier
 from sharegpu.node.kube import KubeApi, PodInfo
 from sharegpu.node.metrics import (
     GpuSample,
@@ -53,10 +41,10 @@ from sharegpu.node.metrics import (
     new_registry,
 )
 from sharegpu.node.mig import MigManager, MigNeed
-from sharegpu.node.mps import DaemonKey, MpsDaemon, MpsError, MpsLimits, MpsManager
-from sharegpu.node.mps_faults import MpsLogWatch, ServerWatch
+from sharegpu.node.mps import DaemonKey, MpsDaemon, MpsLimits, MpsManager
 from sharegpu.node.publish import InventoryPublisher, build_node_spec
 from sharegpu.node.state import AgentState, StateError
+from sharegpu.node.watch import NodeWatch, read_gpus
 
 log = logging.getLogger(__name__)
 
@@ -141,18 +129,17 @@ class NodeAgent:
         self._recovered = False
         self._absent_before: set[str] = set()  # allocated pods missing from the previous pod list
         self.notifier = notifier
-        # A process of no pod is told on the Node, through the agent's own API client, wherever Events are posted.
-        self.watch = EnforcementWatch(
+        # The audit and the MPS fault watch; a process of no pod is told on the Node, through the agent's own client.
+        self.node_watch = NodeWatch(
+            backend,
+            self.mps,
             notifier,
-            evict=config.evict_on_audit,
             node=config.node_name,
-            node_events=kube if notifier is not None else None,
+            node_events=kube,
+            evict=config.evict_on_audit,
+            namespace=config.namespace,
         )
-        self._bench_seen: frozenset[str] = frozenset()
-        self.mps_logs = MpsLogWatch()
-        self.mps_servers = ServerWatch()
-        self._sharers_before: dict[DaemonKey, dict[str, PodInfo]] = {}  # daemon → pods it served, last reconcile
-        self._mps_daemons_before: dict[DaemonKey, int] = {}
+        self.watch = self.node_watch.enforcement
         self.metrics_server: MetricsServer | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -216,18 +203,10 @@ class NodeAgent:
             mps_multi_user=self.config.mps_multi_user,
         )
         published = await self.publisher.publish(spec, node.labels, node.annotations)
-        readings = self.read_gpus()
-        views = {
-            r.device.index: attribute(r, self.backend.pod_uid_of, self.backend.process_name, self._daemon_of)
-            for r in readings
-        }
+        readings, views = read_gpus(self.backend, self.mps)
         faults = await self._enforce(readings, views, live, assignments, errors, tenants)
         self.snapshot = self._snapshot(pods, assignments, readings, views, len(invalid), len(errors))
         return ReconcileResult(tuple(assignments), tuple(invalid), tuple(errors), published, tuple(faults))
-
-    def _daemon_of(self, pid: int) -> DaemonKey | None:
-        """The daemon (of this agent's) an MPS client or server is tied to by its pipe directory; None: unknown."""
-        return self.mps.daemon_of_pipe(self.backend.mps_pipe_dir(pid))
 
     def _tenants(self, live: list[PodInfo], assignments: list[Assignment], invalid: list[str]) -> dict[str, str]:
         """Per pod key, the tenant of the daemon that serves its MPS shares on this node (pods with MPS shares only);
@@ -245,17 +224,6 @@ class NodeAgent:
                 log.warning("pod %s: %s", a.pod, e)
         return out
 
-    def read_gpus(self) -> list[GpuReading]:
-        """Every GPU's processes, MPS clients, utilisation and MIG instances, read once per reconcile; a GPU that
-        cannot be read is left out (with a warning) and the others are still served."""
-        out = []
-        for d in self.backend.devices():
-            try:
-                out.append(read_gpu(self.backend, d))
-            except BackendError as e:
-                log.warning("GPU %d: cannot sample: %s", d.index, e)
-        return out
-
     async def _enforce(
         self,
         readings: list[GpuReading],
@@ -264,74 +232,16 @@ class NodeAgent:
         assignments: list[Assignment],
         errors: list[str],
         tenants: dict[str, str],
-    ) -> list[MpsFault]:
-        """The enforcement audit and the MPS fault watch, per daemon; a fault gets its daemon checked (and
-        restarted), the unit's other daemons are left alone."""
-        by_uid = {p.uid: p for p in live}
+    ) -> tuple[MpsFault, ...]:
+        """The enforcement audit and the MPS fault watch (:class:`~sharegpu.node.watch.NodeWatch`) on the pods'
+        assignments: each pod's units from its assignment, its daemon's tenant from ``tenants`` (by pod key)."""
         uid_of = {p.key: p.uid for p in live}
         instances = {r.device.index: r.instances for r in readings}
-        shares: dict[str, tuple[UnitShare, ...]] = {}
-        for a in assignments:
-            if a.pod in uid_of:
-                shares[uid_of[a.pod]] = unit_shares(a, instances)
-        procs = [p for r in readings for p in views[r.device.index]]
-        known = {r.device.index: r.mps_clients is not None for r in readings}
+        shares = {uid_of[a.pod]: unit_shares(a, instances) for a in assignments if a.pod in uid_of}
         tenant_by_uid = {uid_of[k]: t for k, t in tenants.items() if k in uid_of}
-        bench = bench_pods(live, self.config.namespace)
-        for uid in bench - self._bench_seen:
-            log.info("pod %s is sharegpu bench's: its use of the GPUs is not audited", by_uid[uid].key)
-        self._bench_seen = bench
-        await self.watch.findings(audit(procs, by_uid, shares, known, tenant_by_uid, exempt=bench))
-
-        sharers_now: dict[DaemonKey, dict[str, PodInfo]] = {}
-        daemons_now: dict[DaemonKey, int] = {}
-        for uid, held in shares.items():
-            if uid not in tenant_by_uid:
-                continue
-            for s in held:
-                if s.sharing is Mechanism.MPS:
-                    key = DaemonKey(s.unit_uuid, tenant_by_uid[uid])
-                    sharers_now.setdefault(key, {})[uid] = by_uid[uid]
-                    daemons_now[key] = s.gpu_index
-        # Pods whose clients just died may be finished already: those of the last reconcile are told too.
-        daemons = self._mps_daemons_before | daemons_now
-        sharers = {k: [*(self._sharers_before.get(k, {}) | sharers_now.get(k, {})).values()] for k in daemons}
-        self._sharers_before, self._mps_daemons_before = sharers_now, daemons_now
-        running = self.mps.running()
-        log_dirs = {}
-        for k in set(daemons) | running:
-            try:
-                log_dirs[k] = self.mps.spec_of(k).log_dir
-            except MpsError:
-                continue
-        servers: dict[DaemonKey, list[int]] = {}
-        for p in procs:
-            if p.role is not Role.SERVER:
-                continue
-            key_of: DaemonKey | None = p.daemon
-            if key_of is None:  # its pipe directory unread: the unit's one daemon, where it runs one
-                here = [k for k in running if k.unit_uuid == p.unit_uuid]
-                key_of = here[0] if len(here) == 1 else None
-            if key_of is not None:
-                servers.setdefault(key_of, []).append(p.pid)
-        signals = self.mps_logs.scan(log_dirs) + self.mps_servers.update(servers, running, daemons)
-        try:
-            xids = self.backend.xid_events()
-        except BackendError as e:
-            log.warning("cannot read Xid events: %s", e)
-            xids = ()
-        faults = await self.watch.faults(signals, xids, daemons, sharers)
-        for f in faults:
-            if f.daemon not in self.mps.running():
-                continue
-            try:
-                # A daemon that no longer answers is restarted with the limits it enforced (grow: an Allocate that
-                # widened them meanwhile is kept); a healthy one keeps its state: its server serves the next client
-                # once the faulting clients have exited (the H200's daemon did).
-                await self.mps.ensure(f.unit_uuid, f.tenant, self.mps.limits(f.daemon))
-            except MpsError as e:
-                errors.append(f"after a fault on {f.daemon}: {e}")
-        return faults
+        result = await self.node_watch.check(readings, views, live, shares, tenant_by_uid)
+        errors += result.errors
+        return result.faults
 
     async def _reconcile_units(
         self,

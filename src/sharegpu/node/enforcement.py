@@ -1,12 +1,14 @@
 """Telling people what the audit and the fault signals found: Kubernetes Events, counters, and (if asked) evictions.
 
-:class:`EnforcementWatch` runs once per reconcile on what the agent read. A finding (:mod:`sharegpu.node.audit`) gets a
-Warning Event on its pod when it first appears, not on every reconcile while it persists; once gone, a recurrence is
-told again; a process of no pod gets one on the Node instead, with what to do. With ``evict`` (``sharegpu node-agent
---evict-on-audit``, off by default) a pod with a finding is evicted through the Eviction API, which honours its
-PodDisruptionBudget. An MPS fault (:mod:`sharegpu.node.mps_faults`) gets a
-Warning Event on every pod of the daemon whose clients it ended (a unit runs a daemon per tenant; the others' clients
-run on) and one count per incident: signals of one daemon within ``fault_window_s`` of each other are one incident.
+:class:`EnforcementWatch` runs once per pass (:class:`~sharegpu.node.watch.NodeWatch`, of the node agent or the DRA
+driver) on what was read. A finding (:mod:`sharegpu.node.audit`) gets a Warning Event on its pod when it first appears,
+not on every pass while it persists; once gone, a recurrence is told again; a process of no pod gets one on the Node
+instead, with what to do. With ``evict`` (``--evict-on-audit`` of ``sharegpu node-agent`` and ``sharegpu dra-driver``,
+off by default) a pod with a finding is evicted through the Eviction API, which honours its PodDisruptionBudget. An MPS
+fault (:mod:`sharegpu.node.mps_faults`) gets a Warning Event on every pod of the daemon whose clients it ended (a unit
+runs a daemon per tenant; the others' clients run on) and one count per incident: signals of one daemon within
+``fault_window_s`` of each other are one incident. Every Event names the component that posts it (:data:`COMPONENT`,
+the node agent's, unless told otherwise).
 """
 
 from __future__ import annotations
@@ -108,10 +110,13 @@ class EnforcementWatch:
         clock: Callable[[], float] = time.monotonic,
         node: str = "",
         node_events: NodeEvents | None = None,
+        component: str = COMPONENT,
     ) -> None:
         """``node_events`` (with ``node``, the node's name) posts the findings of no pod on the Node; without it
-        they are logged and counted only."""
+        they are logged and counted only. ``component``: who posts the Events (their source), the node agent by
+        default; the DRA driver names itself."""
         self._notifier = notifier
+        self.component = component
         self._node = node
         self._node_events = node_events
         self.evict = evict
@@ -245,7 +250,7 @@ class EnforcementWatch:
         if self._node_events is None:
             return True
         try:
-            await self._node_events.create_node_event(self._node, reason, message, COMPONENT)
+            await self._node_events.create_node_event(self._node, reason, message, self.component)
         except KubeError as e:
             log.info("cannot record event %s on node %s (retrying next reconcile): %s", reason, self._node, e)
             return False
@@ -255,7 +260,7 @@ class EnforcementWatch:
         if self._notifier is None:
             return True  # no API to tell: the log line and the metric are all there is
         try:
-            await self._notifier.create_event(event, COMPONENT)
+            await self._notifier.create_event(event, self.component)
         except KubeError as e:
             log.info(
                 "cannot record event %s on %s/%s (retrying next reconcile): %s",
@@ -290,7 +295,8 @@ class EnforcementWatch:
                 f.pod,
                 f.pod_uid,
                 EVICTED_REASON,
-                f"evicted by the sharegpu node agent (--evict-on-audit): {f.message}",
+                # "the sharegpu node agent", "the sharegpu dra driver"
+                f"evicted by the {self.component.replace('-', ' ')} (--evict-on-audit): {f.message}",
                 "Warning",
             )
         )
