@@ -1,10 +1,12 @@
-"""Fakes shared by the DRA driver's tests: the API server's claims and pods, and a driver on a simulated node."""
+"""Fakes shared by the DRA driver's tests: the API server's claims, pods and Events, and a driver on a simulated node."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from sharegpu.kube.api import PodEvent
+from sharegpu.kube.errors import KubeError
 from sharegpu.kube.schema import Pod, ResourceClaim
 from sharegpu.node.backends.sim import SimBackend
 from sharegpu.node.backends.sim_config import SimConfig, SimGpuGroup
@@ -16,12 +18,42 @@ from sharegpu.node.mps import MpsManager, SimMpsDaemon
 from sharegpu.node.state import AgentState
 
 
+class Notifier:
+    """Records what the watch tells on pods, and as whom."""
+
+    def __init__(self) -> None:
+        self.events: list[PodEvent] = []
+        self.components: list[str] = []
+        self.evicted: list[str] = []
+
+    async def create_event(self, event: PodEvent, component: str) -> None:
+        self.events.append(event)
+        self.components.append(component)
+
+    async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:
+        self.evicted.append(f"{namespace}/{name}")
+
+    async def close(self) -> None:
+        pass
+
+    def told(self) -> list[tuple[str, str]]:
+        return [(e.pod, e.reason) for e in self.events]
+
+
 class Api:
-    """Claims and pods by name, as the driver reads them."""
+    """Claims and pods by name, as the driver reads them; the Events it posts on its Node."""
 
     def __init__(self) -> None:
         self.claims: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
+        self.node_events: list[tuple[str, str, str, str]] = []  # (node, reason, message, component)
+        self.fail_events = 0  # how many Node Events to refuse next
+
+    async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None:
+        if self.fail_events:
+            self.fail_events -= 1
+            raise KubeError("events is forbidden")
+        self.node_events.append((node, reason, message, component))
 
     async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
         return ResourceClaim.model_validate(self.claims[name])

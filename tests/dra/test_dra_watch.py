@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dra_fakes import Api, backend, driver
+from dra_fakes import Api, Notifier, backend, driver
 
-from sharegpu.kube.api import PodEvent
 from sharegpu.kube.errors import KubeError
 from sharegpu.kube.schema import Node, Pod, ResourceSlice
 from sharegpu.model.tenant import own_tenant, user_tenant
@@ -21,26 +20,6 @@ from sharegpu.node.dra.publisher import SlicePublisher
 from sharegpu.node.dra.service import DraDriverService, ServiceConfig
 from sharegpu.node.dra.watch import DraWatch
 from sharegpu.node.mps import DaemonKey, SimMpsDaemon
-
-
-class Notifier:
-    """Records what the watch tells."""
-
-    def __init__(self) -> None:
-        self.events: list[PodEvent] = []
-        self.evicted: list[str] = []
-
-    async def create_event(self, event: PodEvent, component: str) -> None:
-        self.events.append(event)
-
-    async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:
-        self.evicted.append(f"{namespace}/{name}")
-
-    async def close(self) -> None:
-        pass
-
-    def told(self) -> list[tuple[str, str]]:
-        return [(e.pod, e.reason) for e in self.events]
 
 
 def two_tenants(root: Path) -> tuple[SimBackend, Api, DraDriver, SimMpsDaemon]:
@@ -179,6 +158,29 @@ def test_a_daemon_that_died_is_told_and_restarted(root: Path) -> None:
         status = {s.tenant: s for s in d.mps.status()}
         assert status[TA].restarts == 1 and status[TA].up and await daemon.healthy(d.mps.spec(gpu, TA))
         assert status[TB].restarts == 0
+
+    asyncio.run(main())
+
+
+def test_a_restart_after_a_fault_waits_for_the_drivers_lock(root: Path) -> None:
+    """Prepare and Unprepare change the daemons too: the watch restarts one only under the driver's lock."""
+    sim, api, d, daemon = two_tenants(root)
+    gpu = sim.devices()[0].uuid
+    assert sim.add_process(101, gpu, 2000, "uid-pa", mps=True, daemon=pipe(d, TA), user=1000)
+    watch = DraWatch(d, Notifier())
+
+    async def main() -> None:
+        pods = await api.pods_on_node("n1")
+        await watch.check(pods)
+        daemon.crash(d.mps.spec(gpu, TA))
+        async with d.lock:  # a Prepare in progress
+            task = asyncio.create_task(watch.check(pods))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not task.done() and {s.tenant: s.restarts for s in d.mps.status()}[TA] == 0
+        got = await task
+        assert [f.daemon for f in got.faults] == [DaemonKey(gpu, TA)]
+        assert {s.tenant: s.restarts for s in d.mps.status()}[TA] == 1
 
     asyncio.run(main())
 

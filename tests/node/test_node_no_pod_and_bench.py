@@ -19,6 +19,7 @@ from proc_helpers import kubeconfig
 from sharegpu.kube.schema import Pod
 from sharegpu.node.agent import NodeAgent
 from sharegpu.node.audit import BENCH_POD_LABELS, FindingKind
+from sharegpu.node.dra.kube import LightkubeDraApi
 from sharegpu.node.enforcement import COMPONENT
 from sharegpu.node.kube import LightkubeApi, NodeInfo, pod_info
 from sharegpu.node.mps import SimMpsDaemon
@@ -125,7 +126,13 @@ def test_pod_info_keeps_the_labels() -> None:
     assert pod_info(p).labels == BENCH_POD_LABELS
 
 
-def test_the_node_event_is_posted_where_kubectl_describe_node_finds_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("api_class", "component"),
+    [(LightkubeApi, COMPONENT), (LightkubeDraApi, "sharegpu-dra-driver")],  # the agent's client, the DRA driver's
+)
+def test_the_node_event_is_posted_where_kubectl_describe_node_finds_it(
+    tmp_path: Path, api_class: type[LightkubeApi | LightkubeDraApi], component: str
+) -> None:
     """As the kubelet records a Node's Events: in the default namespace, the involved object's UID the node's name
     (kubectl describe node searches for exactly that)."""
     posted: list[tuple[str, dict[str, Any]]] = []
@@ -148,9 +155,9 @@ def test_the_node_event_is_posted_where_kubectl_describe_node_finds_it(tmp_path:
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
 
     async def main() -> None:
-        api = LightkubeApi(kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{httpd.server_address[1]}"))
+        api = api_class(kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{httpd.server_address[1]}"))
         try:
-            await api.create_node_event("node-a", "GpuAuditProcessOfNoPod", "x" * 5000, COMPONENT)
+            await api.create_node_event("node-a", "GpuAuditProcessOfNoPod", "x" * 5000, component)
         finally:
             await api.close()
 
@@ -164,6 +171,6 @@ def test_the_node_event_is_posted_where_kubectl_describe_node_finds_it(tmp_path:
     assert (event["reason"], event["type"], event["source"]["component"]) == (
         "GpuAuditProcessOfNoPod",
         "Warning",
-        COMPONENT,
+        component,
     )
     assert len(event["message"]) == 1024  # kept under the API server's limit

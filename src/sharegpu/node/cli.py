@@ -5,6 +5,7 @@ Three settings are environment variables rather than flags: ``SHAREGPU_STATE_DIR
 MPS pipe directories live there, so it must be the same path on the host and in the agent's container),
 ``SHAREGPU_MPS_CONTROL`` (default nvidia-cuda-mps-control) and ``POD_NAMESPACE`` (the agent's own namespace, where
 the chart's ``sharegpu bench`` Job runs: its pod's use of the GPUs is not audited; unset: no pod is taken for it).
+``sharegpu dra-driver`` reads the same three.
 """
 
 from __future__ import annotations
@@ -369,11 +370,11 @@ def build_dra_service(
     slicer: TimeSlicer = SimTimeSlicer() if backend_kind is BackendKind.SIM else NvidiaSmiTimeSlicer()
     if kube is None:
         from sharegpu.kube.api import LightkubeClusterApi
-        from sharegpu.node.dra.kube import LightkubeDraApi
+        from sharegpu.node.dra.kube import FIELD_MANAGER, LightkubeDraApi
 
         kube = LightkubeDraApi(kubeconfig)
         # Events (and evictions) of the audit and the MPS fault watch, as the node agent posts them.
-        notifier = LightkubeClusterApi(kubeconfig, field_manager="sharegpu-dra-driver")
+        notifier = LightkubeClusterApi(kubeconfig, field_manager=FIELD_MANAGER)
     state_dir = state_dir_from_env()
     # Its own state file: during a switch of paths the node agent may still run beside it for a moment.
     mig = MigManager(backend, AgentState(state_dir / "dra-mig-state.json"))
@@ -385,7 +386,14 @@ def build_dra_service(
         DraPluginServer(driver, paths),
         kube,
         SlicePublisher(node_name, kube, mps_multi_user=mps_multi_user),
-        DraWatch(driver, notifier, evict=evict_on_audit),
+        # A process of no pod is told on the Node through the driver's own client, as the agent tells it.
+        DraWatch(
+            driver,
+            notifier,
+            evict=evict_on_audit,
+            namespace=os.environ.get("POD_NAMESPACE", "").strip(),
+            node_events=kube,
+        ),
     )
 
 

@@ -26,6 +26,7 @@ EVENT_MESSAGE_MAX = 1024  # events.k8s.io/v1 refuses a longer note; a core/v1 Ev
 if TYPE_CHECKING:
     # Imported where an object is parsed (LightkubeApi): the GPU check (bench/gpu_node_check.py) imports the node
     # code that uses PodInfo on a bare GPU machine, which has no pydantic.
+    from sharegpu.kube.client import KubeClient
     from sharegpu.kube.schema import Container, Node, Pod
 
 
@@ -190,25 +191,32 @@ class LightkubeApi:
         return [pod_info(Pod.model_validate(p)) for p in pods]
 
     async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None:
-        from lightkube.models.core_v1 import EventSource, ObjectReference
-        from lightkube.models.meta_v1 import ObjectMeta
-        from lightkube.resources.core_v1 import Event
-
-        now = datetime.now(UTC)
-        obj = Event(
-            metadata=ObjectMeta(generateName=f"{node}.", namespace="default"),
-            involvedObject=ObjectReference(apiVersion="v1", kind="Node", name=node, uid=node),
-            reason=reason,
-            message=message[:EVENT_MESSAGE_MAX],
-            type="Warning",
-            source=EventSource(component=component, host=node),
-            reportingComponent=component,
-            reportingInstance=node,
-            firstTimestamp=now,
-            lastTimestamp=now,
-            count=1,
-        )
-        await self._client.create(obj, f"create event {reason} on node {node}")
+        await post_node_event(self._client, node, reason, message, component)
 
     async def close(self) -> None:
         await self._client.close()
+
+
+async def post_node_event(client: KubeClient, node: str, reason: str, message: str, component: str) -> None:
+    """A Warning Event on Node ``node`` from ``component`` (the node agent, the DRA driver), where the kubelet records
+    a Node's Events and ``kubectl describe node`` finds them: the default namespace, the involved object's UID the
+    node's name. The message is cut to :data:`EVENT_MESSAGE_MAX`."""
+    from lightkube.models.core_v1 import EventSource, ObjectReference
+    from lightkube.models.meta_v1 import ObjectMeta
+    from lightkube.resources.core_v1 import Event
+
+    now = datetime.now(UTC)
+    obj = Event(
+        metadata=ObjectMeta(generateName=f"{node}.", namespace="default"),
+        involvedObject=ObjectReference(apiVersion="v1", kind="Node", name=node, uid=node),
+        reason=reason,
+        message=message[:EVENT_MESSAGE_MAX],
+        type="Warning",
+        source=EventSource(component=component, host=node),
+        reportingComponent=component,
+        reportingInstance=node,
+        firstTimestamp=now,
+        lastTimestamp=now,
+        count=1,
+    )
+    await client.create(obj, f"create event {reason} on node {node}")

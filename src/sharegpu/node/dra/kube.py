@@ -2,8 +2,8 @@
 
 It reads the claims the kubelet names, their pods, its Node (for the owner reference), the pods bound to the node (for
 the audit) and its ResourceSlices, listed by field selector (``spec.nodeName``, ``spec.driver``) so it never sees
-another node's, as :mod:`sharegpu.kube.schema` objects (the ones the control plane reads); it labels its Node and
-writes its slices as JSON.
+another node's, as :mod:`sharegpu.kube.schema` objects (the ones the control plane reads); it labels its Node, posts
+the audit's Events on it (a process of no pod) and writes its slices as JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from sharegpu.kube.errors import ConfigError, NotFound
 from sharegpu.kube.schema import Node, Pod, ResourceClaim, ResourceSlice
 from sharegpu.model.contract import DRIVER
+from sharegpu.node.kube import post_node_event
 
 FIELD_MANAGER = "sharegpu-dra-driver"
 
@@ -32,6 +33,10 @@ class DraKube(Protocol):
         ...
 
     async def label_node(self, name: str, labels: Mapping[str, str | None]) -> None: ...
+
+    async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None:
+        """A Warning Event on the Node (the audit's process of no pod), where ``kubectl describe node`` finds it."""
+        ...
 
     async def list_slices(self, node: str) -> list[ResourceSlice]: ...
 
@@ -82,6 +87,9 @@ class LightkubeDraApi:
         from lightkube.resources.core_v1 import Node
 
         await self._client.merge_patch(Node, name, {"metadata": {"labels": dict(labels)}}, f"label node {name}")
+
+    async def create_node_event(self, node: str, reason: str, message: str, component: str) -> None:
+        await post_node_event(self._client, node, reason, message, component)
 
     async def list_slices(self, node: str) -> list[ResourceSlice]:
         from lightkube.resources.resource_v1 import ResourceSlice as KSlice

@@ -3,10 +3,11 @@
 Every pass of the service (:mod:`sharegpu.node.dra.service`) reads each GPU once (:func:`sharegpu.node.watch.read_gpus`:
 each process tied to its pod, each MPS client to the daemon it reaches) and runs the agent's own pass on it
 (:class:`~sharegpu.node.watch.NodeWatch`): :func:`~sharegpu.node.audit.audit` finds a process on a unit its pod holds no
-claim of, an MPS client outside its daemon or at another tenant's, memory above the claim's share, a process of no pod;
-the MPS fault watch finds the daemons whose clients died of a fault; both are told as the agent tells them (a Warning
-Event on each pod concerned, counters, an eviction where ``--evict-on-audit`` asks for it), and a daemon whose clients
-died is checked and restarted if it no longer answers (under the driver's lock).
+claim of, an MPS client outside its daemon or at another tenant's, memory above the claim's share, a process of no pod
+(told on the Node); the pod of ``sharegpu bench``'s Job in sharegpu's namespace, holding no claim, is not audited; the
+MPS fault watch finds the daemons whose clients died of a fault; both are told as the agent tells them (a Warning Event
+on each pod concerned, posted as ``sharegpu-dra-driver``, counters, an eviction where ``--evict-on-audit`` asks for
+it), and a daemon whose clients died is checked and restarted if it no longer answers (under the driver's lock).
 
 What differs from the agent is only where a pod's shares come from: the prepared claims its containers use (the
 checkpoint's devices and units), not an assignment annotation; and the daemon a pod reaches is its claim's. One more
@@ -28,11 +29,14 @@ from sharegpu.model.tenant import MULTI_USER_TENANT, TenantConflict, describe
 from sharegpu.node.audit import Finding, FindingKind, UnitShare
 from sharegpu.node.dra.claims import ClaimPlan
 from sharegpu.node.dra.driver import DraDriver, claim_tenant
-from sharegpu.node.enforcement import PodNotifier
+from sharegpu.node.dra.kube import FIELD_MANAGER
+from sharegpu.node.enforcement import NodeEvents, PodNotifier
 from sharegpu.node.kube import pod_info
 from sharegpu.node.watch import NodeWatch, WatchResult, read_gpus
 
 log = logging.getLogger(__name__)
+
+COMPONENT = FIELD_MANAGER  # the driver's Events name it, as its writes do ("sharegpu-dra-driver")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,16 +113,30 @@ class DraWatch:
     """The audit and the MPS fault watch of a DRA node: the node agent's (:class:`~sharegpu.node.watch.NodeWatch`),
     with its pods' shares taken from the driver's prepared claims."""
 
-    def __init__(self, driver: DraDriver, notifier: PodNotifier | None, *, evict: bool = False) -> None:
-        """``notifier`` posts the Events (and evictions); without it they are logged and counted only."""
+    def __init__(
+        self,
+        driver: DraDriver,
+        notifier: PodNotifier | None,
+        *,
+        evict: bool = False,
+        namespace: str = "",
+        node_events: NodeEvents | None = None,
+    ) -> None:
+        """``notifier`` posts the Events (and evictions), as :data:`COMPONENT`; without it they are logged and
+        counted only. ``node_events`` posts the Event of a process of no pod on the driver's Node (where a notifier
+        is given, as the agent does); ``namespace``: sharegpu's own, where the pod of ``sharegpu bench``'s Job is
+        recognised and not audited (empty: nowhere)."""
         self.driver = driver
         self.notifier = notifier
-        # As before: no bench pod recognised (no namespace), no Node Events, Events posted as the node agent.
         self.node_watch = NodeWatch(
             driver.backend,
             driver.mps,
             notifier,
+            component=COMPONENT,
+            node=driver.node_name,
+            node_events=node_events,
             evict=evict,
+            namespace=namespace,
             lock=driver.lock,  # Prepare and Unprepare change the daemons too
         )
         self.watch = self.node_watch.enforcement
