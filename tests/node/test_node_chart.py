@@ -60,3 +60,14 @@ def test_the_agent_knows_its_namespace_where_the_bench_job_runs_with_the_labels_
     assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert job["metadata"]["namespace"] == ds["metadata"]["namespace"] == "gpu-system"
     assert BENCH_POD_LABELS.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_dra_driver_knows_its_namespace_too() -> None:
+    """The DRA driver runs the same audit (sharegpu.node.watch) and recognises the bench Job's pod the same way: its
+    container gets POD_NAMESPACE as the agent's does, or the exemption matches no pod."""
+    values = {"dra": {"enabled": True}, "bench": {"enabled": True, "nodeName": "gpu-1"}}
+    out = helm.Chart.load(str(CHART)).render(values, name="sg", namespace="gpu-system", is_install=True)
+    docs = [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    ds = next(d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "sg-dra-driver")
+    env = {e["name"]: e for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
