@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from sharegpu.cli import app
@@ -58,3 +64,28 @@ def test_sim_never_overwrites_a_file_that_is_not_its_report_without_force(tmp_pa
     (folder / "report.json").write_text("[1, 2]")
     r = sim(tmp_path, "--out", str(folder))
     assert r.exit_code == 2 and "the JSON report" in r.stderr and (folder / "report.json").read_text() == "[1, 2]"
+
+
+def test_ctrl_c_during_a_parallel_run_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    # As a terminal's Ctrl-C: SIGINT to the whole process group, the command and each of its workers.
+    report = tmp_path / "r.json"
+    args = ["sim", "--seeds", "1-20", "--jobs", "4", "--json", str(report)]
+    code = "import sys; from sharegpu.cli import app; sys.argv[0] = 'sharegpu'; app()"
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stderr=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert p.stderr is not None
+    first = p.stderr.readline().decode()  # "simulating …": the workers are about to start
+    assert first.startswith("simulating"), first
+    time.sleep(2)
+    assert p.poll() is None, "the run ended before the interrupt"
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    text = err.decode()
+    assert p.returncode == 130, text
+    assert "Traceback" not in text and "Error" not in text, text
+    assert text.strip().splitlines() == [f"interrupted: no report written to {report}"], text
+    assert not report.exists() and out == b""
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # no worker outlives the command
+        os.killpg(p.pid, 0)

@@ -214,7 +214,11 @@ def sim(
     # Said before the runs start, so that a long run is never a silent one.
     err_console().print(f"simulating {size}", highlight=False)
     started = time.perf_counter()
-    runs = _run_with_progress(err_console(), exp, jobs)
+    try:
+        runs = _run_with_progress(err_console(), exp, jobs)
+    except KeyboardInterrupt:
+        err_console().print(f"interrupted: no report written to {paths.json}", highlight=False)
+        raise typer.Exit(code=130) from None
     title = f"{exp.name}: {exp.total_gpus} GPUs on {len(exp.nodes)} nodes, {len(exp.tasks)} tasks"
     title += ", replay" if exp.replay else f", tune {exp.tune}"
     if exp.load is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import ExitStack
@@ -151,22 +152,44 @@ def run_experiment(
                 on_done(r)
         return [results[c] for c in combos]
     with ExitStack() as stack:
-        pool = stack.enter_context(ProcessPoolExecutor(max_workers=min(jobs, len(combos))))
+        # Workers ignore Ctrl-C (a terminal sends it to the whole process group): this process alone hears it, and
+        # stops them, so that an interrupt is one line from the command and never a traceback from each worker.
+        pool = stack.enter_context(
+            ProcessPoolExecutor(max_workers=min(jobs, len(combos)), initializer=_ignore_interrupts)
+        )
         queue = stack.enter_context(Manager()).Queue() if on_progress else None
-        futures = {
-            pool.submit(run_one, exp, workload, p, s, reporter(m, p, s, queue) if queue else None, m): (m, p, s)
-            for m, p, s in combos
-        }
-        waiting = set(futures)
-        while waiting:
-            finished, waiting = wait(waiting, timeout=0.2, return_when=FIRST_COMPLETED)
-            while queue is not None and on_progress is not None and not queue.empty():
-                on_progress(*queue.get())
-            for f in finished:
-                results[futures[f]] = r = f.result()
-                if on_done:
-                    on_done(r)
+        try:
+            futures = {
+                pool.submit(run_one, exp, workload, p, s, reporter(m, p, s, queue) if queue else None, m): (m, p, s)
+                for m, p, s in combos
+            }
+            waiting = set(futures)
+            while waiting:
+                finished, waiting = wait(waiting, timeout=0.2, return_when=FIRST_COMPLETED)
+                while queue is not None and on_progress is not None and not queue.empty():
+                    on_progress(*queue.get())
+                for f in finished:
+                    results[futures[f]] = r = f.result()
+                    if on_done:
+                        on_done(r)
+        except KeyboardInterrupt:
+            _stop(pool)
+            raise
     return [results[c] for c in combos]
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool's workers mid-run (they ignore SIGINT): no queued run starts, and the running ones end now."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.join(timeout=5)
 
 
 @dataclass(frozen=True)
