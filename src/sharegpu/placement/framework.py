@@ -9,7 +9,7 @@ and recomputes only nodes whose state changed since (the ledger bumps a node's v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -179,6 +179,34 @@ class Scheduler:
         out._feasible = self._feasible
         out._reasons = self._reasons
         return out
+
+    # ----- warm-up ------------------------------------------------------------------------------------------
+    def warm(self, req: GpuRequest, chunk: int = 1000) -> Iterator[None]:
+        """Fill the caches a first cycle of ``req``'s shape would fill (its per-shape filter on every node, then the
+        policy's per-node scores on every node that passes), one slice of at most ``chunk`` nodes per step: a caller
+        on an event loop yields between steps. Decides nothing and draws from no random generator of this
+        scheduler (plugins that draw get a throwaway one), and every cached row is a function of its node's state
+        and the shape alone, so decisions are the same warmed or not. The tenant is not part of the shape: the
+        tenancy overlay (:func:`tenant_gpus`) is added per cycle on top of what this caches."""
+        f = self._feasibility(req)
+        yield
+        nodes = np.flatnonzero(f.ok)
+        if not len(nodes):
+            return
+        state = CycleState(req, f.usable, np.random.default_rng(0), memo=self.memo)
+        key = req.shape_key()
+        for start in range(0, len(nodes), max(1, chunk)):
+            part = nodes[start : start + chunk]
+            for plugin, _ in self.policy.scorers:
+                if plugin.node_local:
+
+                    def compute(stale: IntArray, plugin: ScorePlugin = plugin) -> IntArray:
+                        return plugin.score(self.ledger, state, stale)
+
+                    self.memo.get(("score", plugin.name, key), part, compute)
+                else:
+                    plugin.score(self.ledger, state, part)  # fills what the plugin memoises per node itself
+            yield
 
     # ----- filter --------------------------------------------------------------------------------------------
     def feasible(self, req: GpuRequest) -> tuple[BoolArray, BoolArray]:

@@ -9,6 +9,7 @@ framework holds its profiles apart from its cache.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.extender.dra_steer import DraSteering
@@ -50,6 +51,32 @@ class Schedulers:
             # Same ledger, new workload: the filter's per-shape results and reasons stay valid.
             self._scheduler = self._scheduler.with_policy(self._make_policy(), self.seed)
         return self._scheduler
+
+    def current(self) -> Scheduler | None:
+        """The scheduler :meth:`placement` would return now without building one: None where none is built yet, the
+        ledger was replaced (a relist) or the workload drifted (a new policy is due). The warm-up asks this, so that
+        when schedulers are built and policies taken stays the decisions' own (warming changes no decision)."""
+        s = self._scheduler
+        if s is None or s.ledger is not self.view.ledger:
+            return None
+        if self.fixed_workload is None and workload_drifted(self._workload_pods, self.view.request_count()):
+            return None
+        return s
+
+    def built_on_ledger(self) -> bool:
+        """Whether a scheduler over the view's ledger now is built (current or with a policy due)."""
+        return self._scheduler is not None and self._scheduler.ledger is self.view.ledger
+
+    def warm_requests(self, limit: int = 256) -> list[GpuRequest]:
+        """One request of each shape (:meth:`GpuRequest.shape_key`) among the pods the view holds, the workload the
+        policy's typical shapes are taken from, the most common first (at most ``limit``)."""
+        counts: Counter[tuple[object, ...]] = Counter()
+        first: dict[tuple[object, ...], GpuRequest] = {}
+        for r in self.view.requests():
+            k = r.shape_key()
+            counts[k] += 1
+            first.setdefault(k, r)
+        return [first[k] for k, _ in counts.most_common(limit)]
 
     def _make_policy(self) -> Policy:
         requests = self.view.requests()

@@ -219,6 +219,7 @@ async def run_extender(
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
     ``elector``, only while it holds the Lease does this replica hold, bind and report ready."""
+    from sharegpu.k8s.extender.warm import keep_warm
     from sharegpu.k8s.serving.server import Listener, Site, probes_only, serve
 
     stop = stop or asyncio.Event()
@@ -231,6 +232,8 @@ async def run_extender(
     if metrics_listen:  # issue 10: /metrics on its own port (a busy port fails the start with an OSError)
         sites.append(Site(extender.metrics.app(), Listener(*metrics_listen), "metrics"))
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
+    # issue 34: every pod shape the view holds scored on every node before the first pod and after each relist
+    tasks.append(asyncio.ensure_future(keep_warm(extender.decisions.schedulers, stop)))
     if preemption is not None:  # issue 19: the leader preempts for GPU room (sharegpu.k8s.controllers.preemption)
         config, disruption = preemption
         registry = extender.metrics.registry
