@@ -6,6 +6,7 @@ Needs a running ../shared/k8s-rig and SHAREGPU_TEST_KUBECONFIG set to its kubeco
     uv run python bench/k8s_load.py                       # 300 pods, one extender
     uv run python bench/k8s_load.py --kill                # the extender SIGKILLed mid-load and restarted
     uv run python bench/k8s_load.py --replicas            # two replicas, the leader SIGKILLed mid-load
+    uv run python bench/k8s_load.py --cluster roomy --pods 150   # eleven nodes of 16 GPUs that hold all 150 pods
 
 Prints one JSON line per run: pods bound and pending, over-allocations found (must be 0), bound pods whose bind no
 extender reported as a success, whether `sharegpu status` agrees, the time to settle and (with --replicas) the
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from rig import (
     KUBECONFIG,
     LOAD_NODES,
+    ROOMY_NODES,
     ReadyProxy,
     Rig,
     audit,
@@ -37,6 +39,9 @@ from rig import (
     wait_for,
 )
 
+# load: five nodes that saturate well under 300 mixed pods; roomy: room for all of mixed_pods(150) (issue 32).
+CLUSTERS = {"load": LOAD_NODES, "roomy": ROOMY_NODES}
+
 
 def bound(rig: Rig, ns: str) -> int:
     return sum(bool(p["spec"].get("nodeName")) for p in rig.pods(ns))
@@ -46,10 +51,10 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     from lightkube.resources.coordination_v1 import Lease
 
     with Rig.open() as rig:
-        for suffix, gpus in LOAD_NODES.items():
+        for suffix, gpus in CLUSTERS[args.cluster].items():
             rig.add_node(suffix, gpus)
-        rig.wait_nodes_published()
-        figures: dict[str, Any] = {"pods": args.pods, "seed": seed, "mode": "single"}
+        rig.wait_nodes_published(120)
+        figures: dict[str, Any] = {"cluster": args.cluster, "pods": args.pods, "seed": seed, "mode": "single"}
         proxy = None
         if args.replicas:
             lease_ns = rig.namespace()
@@ -82,7 +87,7 @@ def run(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 ext.kill()
                 time.sleep(1.0)
                 rig.start_extender(int(url.rsplit(":", 1)[1]), name="extender-restarted")
-        pods = rig.wait_settled(ns)
+        pods = rig.wait_settled(ns, quiet_s=args.quiet_s, timeout=900)
         figures["settled_s"] = round(time.perf_counter() - started, 1)
         result = audit([rig.node(n) for n in rig.nodes], pods)
         figures |= {
@@ -101,6 +106,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pods", type=int, default=300)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--cluster", choices=sorted(CLUSTERS), default="load", help="the nodes (see CLUSTERS)")
+    ap.add_argument(
+        "--quiet-s", type=float, default=6.0, help="settled once no pod was bound for this long (or all are bound)"
+    )
     ap.add_argument("--kill", action="store_true", help="SIGKILL the extender mid-load and restart it")
     ap.add_argument("--replicas", action="store_true", help="two replicas; SIGKILL the leader mid-load")
     args = ap.parse_args()

@@ -142,7 +142,7 @@ def test_150_mixed_pods_that_declare_no_user_all_bind(rig: Rig) -> None:
     ns = rig.namespace()
     started = time.monotonic()
     rig.create_pods(ns, mixed_pods(150))
-    pods = rig.wait_settled(ns, quiet_s=10, timeout=600)
+    pods = rig.wait_settled(ns, quiet_s=60, timeout=600)
     print(
         f"\nmixed load, 150 pods declaring no user, 11x16 GPUs: {bound(rig, ns)} bound in {time.monotonic() - started:.1f}s"
     )
@@ -174,7 +174,9 @@ def test_150_mixed_pods_all_bind_when_the_leader_is_killed_mid_load(rig: Rig) ->
         except AssertionError as e:
             raise AssertionError(f"{e}\n{takeover_report(rig, lease_ns, proxy, killed, follower)}") from None
         takeover_s = time.monotonic() - killed
-        pods = rig.wait_settled(ns, quiet_s=10, timeout=600)
+        # Pods the kube-scheduler tried while no replica was ready wait out its backoff: binds can pause for more than
+        # 6 s after the takeover (bench/k8s_load.py saw 59 of 150 bound at a 6 s quiet, 150 at 120 s, in ~21 s).
+        pods = rig.wait_settled(ns, quiet_s=60, timeout=600)
         print(f"\nfailover, 150 mixed pods declaring no user: took over in {takeover_s:.1f}s, {bound(rig, ns)} bound")
         assert takeover_s <= 15
         assert bound(rig, ns) == 150, [p["metadata"]["name"] for p in pods if not p["spec"].get("nodeName")]
