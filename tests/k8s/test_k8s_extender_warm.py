@@ -142,3 +142,29 @@ def test_warm_requests_one_per_shape_most_common_first() -> None:
     schedulers = Schedulers(view, "sharegpu")
     assert [r.name for r in schedulers.warm_requests()] == ["default/b", "default/a"]
     assert warm_all(schedulers.placement(), schedulers) == 2
+
+
+def test_prioritize_keeps_filters_name_lookup() -> None:
+    """Filter's cached name → index array survives a prioritize of fewer names (issue 34): the next filter of the
+    same list finds it instead of looking every name up again."""
+    from k8s_helpers import pod_obj
+
+    from sharegpu.k8s.extender.decisions import Decisions
+    from sharegpu.kube.schema import ExtenderArgs
+
+    specs = [node_spec(f"n{i}", gpus=2) for i in range(6)]
+    view = ClusterView()
+    view.reset(nodes([node_obj(s) for s in specs]), [])
+    view.synced = True
+    decisions = Decisions(view, policy="bestfit", may_hold=lambda: False)
+    names = [s.name for s in specs]
+    pod = pod_obj("p", compute=10)
+    f = decisions.filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": names}))
+    assert f.NodeNames
+    filters = decisions._names
+    assert filters is not None and filters[1] == names
+    prio = decisions.prioritize(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": names[:1]}))
+    assert [h for h, _ in prio] == names[:1]
+    assert decisions._names is filters  # not replaced by prioritize's list
+    decisions.filter(ExtenderArgs.model_validate({"Pod": pod, "NodeNames": names}))
+    assert decisions._names is filters  # found, not looked up again
