@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,3 +90,21 @@ def test_ctrl_c_during_a_parallel_run_is_one_line_and_exit_130(tmp_path: Path) -
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):  # no worker outlives the command
         os.killpg(p.pid, 0)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(
+    not (REPO.parent / "shared/data/openb/openb_pod_list_default.csv").exists(), reason="the openb trace is not there"
+)
+def test_placement_md_sim_replay_example_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The doc's own command, as written (paths relative to the repository root), checked up to the runs.
+    text = " ".join((REPO / "docs/placement.md").read_text().split())
+    command = re.search(r"`sharegpu (sim [^`]*--arrivals 20000)`", text)
+    assert command is not None, "placement.md has no sim example with --arrivals 20000"
+    started: list[object] = []
+    monkeypatch.setattr("sharegpu.sim.cli.run_experiment", lambda *a, **k: started.append(a) or [])
+    monkeypatch.chdir(REPO)
+    r = runner.invoke(app, [*command.group(1).split(), "--out", str(tmp_path / "o")])
+    assert started, r.output  # every option was accepted and the runs began
