@@ -36,6 +36,7 @@ import numpy as np
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.extender.server import Extender, make_app
 from sharegpu.k8s.extender.warm import warm_all
+from sharegpu.k8s.pod_request import pod_request
 from sharegpu.k8s.serving.server import Listener, Site, serve_bound
 from sharegpu.kube.schema import Node, Pod
 from sharegpu.ledger import Ledger
@@ -73,6 +74,12 @@ def pod_json(req: GpuRequest, uid: str) -> dict[str, Any]:
         },
         "status": {"phase": "Pending"},
     }
+
+
+def key_of(pod: dict[str, Any]) -> tuple[object, ...]:
+    """The shape key of the request the extender reads from ``pod``."""
+    req = pod_request(Pod.model_validate(pod), DEFAULT_CATALOG)
+    return () if req is None else req.shape_key()
 
 
 def placed_pod_json(req: GpuRequest, a: Assignment, uid: str) -> dict[str, Any]:
@@ -329,11 +336,13 @@ def main() -> int:
     # A cycle whose request shape no earlier cycle had is cold: the scheduler filters, scores and explains every node
     # for that shape afresh (its caches are per shape). A running extender has seen its workload's shapes; a
     # benchmark of a thousand cycles meets many for the first time, and those make its p99.
+    # The shape as the extender reads it from the pod (whole percent of compute, etc.), not the trace's request.
+    cycle_keys = [key_of(p) for p in cycle_pods]
     seen_shapes: set[tuple[object, ...]] = set()
     cold: list[bool] = []
-    for r in cycle_reqs:
-        cold.append(r.shape_key() not in seen_shapes)
-        seen_shapes.add(r.shape_key())
+    for k in cycle_keys:
+        cold.append(k not in seen_shapes)
+        seen_shapes.add(k)
 
     app = make_app(ext)
     # The node names are the same every cycle: encoded once, as the kube-scheduler's own cost, not the extender's.
@@ -442,7 +451,7 @@ def main() -> int:
         "warm_up_s": round(warm_s, 2),
         # the first-of-shape cycles whose shape the warm-up did not cover: the cycles still cold
         "cold_cycles_not_warmed": sum(
-            1 for i, r in enumerate(cycle_reqs) if i >= args.warmup and cold[i] and r.shape_key() not in warmed_keys
+            1 for i, k in enumerate(cycle_keys) if i >= args.warmup and cold[i] and k not in warmed_keys
         ),
         "warm_cycle_p50_ms": round(statistics.median(warm_lat), 2) if warm_lat else None,
         "warm_cycle_p99_ms": round(pct(warm_lat, 99), 2) if warm_lat else None,
