@@ -108,3 +108,14 @@ def test_placement_md_sim_replay_example_is_accepted(tmp_path: Path, monkeypatch
     monkeypatch.chdir(REPO)
     r = runner.invoke(app, [*command.group(1).split(), "--out", str(tmp_path / "o")])
     assert started, r.output  # every option was accepted and the runs began
+
+
+def test_a_pod_table_holds_one_string_per_distinct_value(tmp_path: Path) -> None:
+    # 500,000 rows held millions of equal strings ("LS", "Running", "0", ""): about 200 MiB of a 1 GB peak.
+    from sharegpu.sim.openb import read_pod_table
+
+    pods = tmp_path / "pods.csv"
+    pods.write_text(PODS, encoding="utf-8")
+    rows = read_pod_table(pods).rows
+    for column in ("qos", "pod_phase", "gpu_spec", "num_gpu", "cpu_milli"):
+        assert len({id(r[column]) for r in rows}) == len({r[column] for r in rows}), column
