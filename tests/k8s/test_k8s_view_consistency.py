@@ -64,7 +64,7 @@ def test_a_late_watch_event_does_not_take_a_bound_pods_assignment_away() -> None
         assert held(view) == {"default/first": ["GPU-node-a-0"]}
         second = api.put_pod(pod_obj("second", gpu=1))
         assert passed(ext, second, ["node-a"]) == []
-        assert "0 idle GPU" in await bind(ext, second, "node-a")
+        assert "idle GPUs: 0 < 1 asked" in await bind(ext, second, "node-a")
         # The watch catches up: the annotated (unbound) version, then the bound one; the reservation holds throughout.
         for rv_event in api._events:
             if rv_event[1] == "pod" and rv_event[3]["metadata"]["name"] == "first":
@@ -173,7 +173,7 @@ def test_a_binding_applied_whose_answer_was_lost_is_reported_bound() -> None:
         assert held(view) == {"default/train": ["GPU-node-a-0"]}
         late = api.put_pod(pod_obj("late", gpu=1))
         assert passed(ext, late, ["node-a"]) == []
-        assert "0 idle GPU" in await bind(ext, late, "node-a")
+        assert "idle GPUs: 0 < 1 asked" in await bind(ext, late, "node-a")
 
     asyncio.run(main())
 
