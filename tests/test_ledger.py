@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from sharegpu.ledger import (
-    MPS_MAX_CLIENTS,
     MPS_DAEMON_MEMORY_MIB,
-    MpsTenancy,
+    MPS_MAX_CLIENTS,
     GpuMode,
     InvariantViolation,
     Ledger,
     LedgerConflict,
+    MpsTenancy,
     UnknownNode,
     UnknownPod,
     replay,
