@@ -36,6 +36,7 @@ __all__ = [
     "cpu_and_memory",
     "gpu_tenant",
     "pod_request",
+    "same_request",
 ]
 
 PERCENT_MILLI = FULL_MILLI // 100  # compute_milli per percent of a GPU
@@ -210,6 +211,34 @@ def gpu_tenant(pod: Pod) -> str:
         return tenant_of(pod.metadata.namespace, pod.metadata.uid or pod.key, users, pod.spec.host_users)
     except TenantConflict as e:
         raise InvalidPodRequest(str(e)) from None
+
+
+_READ_ANNOTATIONS = (ISOLATION_ANNOTATION, SHARING_ANNOTATION, MIG_PROFILE_ANNOTATION, MODEL_ANNOTATION)
+
+
+def same_request(a: Pod, b: Pod) -> bool:
+    """Whether :func:`pod_request` reads the same from both copies of a pod, so that one's request serves the other.
+
+    A pod's request is read by its watch events, filter and bind alike (five times per pod); this lets the cluster
+    view keep one. The fields compared are all that :func:`pod_request` reads: one it comes to read must be added.
+    """
+    if a is b:
+        return True
+    ma, mb = a.metadata, b.metadata
+    if ma.uid != mb.uid or ma.name != mb.name or ma.namespace != mb.namespace:
+        return False
+    if ma.resource_version and ma.resource_version == mb.resource_version:
+        return True  # one version of one object: the API server's copies are equal
+    sa, sb = a.spec, b.spec
+    return (
+        all(ma.annotations.get(k) == mb.annotations.get(k) for k in _READ_ANNOTATIONS)
+        and sa.host_users == sb.host_users
+        and sa.security_context == sb.security_context
+        and sa.overhead == sb.overhead
+        and sa.resources == sb.resources
+        and sa.containers == sb.containers  # resized in place, their requests change
+        and sa.init_containers == sb.init_containers
+    )
 
 
 def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | None:

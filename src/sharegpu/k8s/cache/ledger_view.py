@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from sharegpu.k8s.cache.assume import AssumeCache, Assumed, KeptRoom, Outcome, Phase, room_ledger_name
 from sharegpu.k8s.dra_objects import is_dra_node
-from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request
+from sharegpu.k8s.pod_request import asks_for_sharegpu, pod_request, same_request
 from sharegpu.kube.api import DELETED
 from sharegpu.kube.informer import Tombstones, older
 from sharegpu.kube.schema import Node, Pod
@@ -130,6 +130,16 @@ class LedgerView:
     def request(self, key: str) -> GpuRequest | None:
         """The parsed sharegpu request of pod ``key`` (None: it asks for none, or it cannot be valid)."""
         return self._requests.get(key)
+
+    def request_of(self, pod: Pod) -> GpuRequest | None:
+        """``pod_request(pod)``, taken from the copy of the pod the view holds where that reads the same (filter and
+        bind see the version the watch brought); raises :class:`InvalidRequest` as ``pod_request`` does."""
+        known = self._requests.get(pod.key)
+        if known is not None:
+            recorded = self._pods.get(pod.key)
+            if recorded is not None and same_request(recorded, pod):
+                return known
+        return pod_request(pod, self.catalog)
 
     def requests(self) -> list[GpuRequest]:
         """The parsed requests of every pod the view holds that asks for sharegpu (the workload seen)."""
@@ -309,6 +319,8 @@ class LedgerView:
             return True
         self._pods[key] = pod
         self._assumed.observed(key, pod)
+        if recorded is not None and key in self._requests and same_request(recorded, pod):
+            return True  # the request read from the last copy stands (a bind or status change touches none of it)
         try:
             req = pod_request(pod, self.catalog)
         except InvalidRequest:

@@ -20,7 +20,6 @@ from sharegpu.k8s.cache.assume import Outcome, Phase
 from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
 from sharegpu.k8s.extender.answers import event_safe
 from sharegpu.k8s.extender.schedulers import Schedulers
-from sharegpu.k8s.pod_request import pod_request
 from sharegpu.kube.api import ClusterApi
 from sharegpu.kube.errors import Conflict, KubeError, NotFound, Unavailable
 from sharegpu.kube.names import InvalidName, check_name
@@ -119,7 +118,7 @@ class Binder:
             self.view.drop_hold(key)
             return ExtenderBindingResult(Error=f"cannot bind {key}: {refused}")
         try:
-            req = pod_request(pod, self.view.catalog)
+            req = self.view.request_of(pod)
         except InvalidRequest as e:
             return ExtenderBindingResult(Error=f"cannot bind {key}: {e}")
         if req is None or not req.wants_gpu:

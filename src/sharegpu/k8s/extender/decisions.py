@@ -32,7 +32,6 @@ import numpy as np
 from sharegpu.k8s.cache.view import NOT_SYNCED, ClusterView
 from sharegpu.k8s.extender.answers import FilterAnswer, Fragments, event_safe, first_each, fragments_of
 from sharegpu.k8s.extender.schedulers import Schedulers
-from sharegpu.k8s.pod_request import pod_request
 from sharegpu.kube.schema import (
     MAX_EXTENDER_PRIORITY,
     ExtenderArgs,
@@ -113,7 +112,7 @@ class Decisions:
             return FilterAnswer.of(ExtenderFilterResult(Error=NO_NODES))
         names = _node_names(args)
         try:
-            req = pod_request(args.Pod, self.view.catalog)
+            req = self.view.request_of(args.Pod)
         except InvalidRequest as e:
             # No node and no preemption can help a request that can never be valid.
             return FilterAnswer.of(self._filtered(args, [], {}, dict.fromkeys(names, str(e))))
@@ -255,7 +254,7 @@ class Decisions:
         """(names as given, their ledger indices (-1: not a sharegpu node), score per name)."""
         names = _node_names(args)
         try:
-            req = pod_request(args.Pod, self.view.catalog)
+            req = self.view.request_of(args.Pod)
         except InvalidRequest:
             req = None
         idx = self._indices(names, "prioritize")
@@ -316,7 +315,7 @@ class Decisions:
     def preempt(self, args: ExtenderPreemptionArgs) -> ExtenderPreemptionResult:
         """Keep the nodes where evicting the victims frees room for the pod (checked on the real ledger, undone)."""
         try:
-            req = pod_request(args.Pod, self.view.catalog)
+            req = self.view.request_of(args.Pod)
         except InvalidRequest:
             return ExtenderPreemptionResult()
         victims: dict[str, MetaVictims] = {}
