@@ -582,10 +582,18 @@ def extender_child(
         tls = ServerTls(Path(cert), Path(key), Path(ca))
         await server.run_extender(
             view, api, "127.0.0.1", port, stop=stop, scheduler_name=SCHEDULER, tls=tls,
-            preemption=(PreemptionConfig(interval_s=2.0), api),
+            preemption=(PreemptionConfig(interval_s=2.0), api), **_as_the_cli(server.run_extender),
         )  # fmt: skip
 
     uvloop.run(main())
+
+
+def _as_the_cli(run_extender: Callable[..., Any]) -> dict[str, Any]:
+    """The options ``sharegpu scheduler-extender`` gives ``run_extender`` beyond the bench's own, where the code being
+    measured has them (the bench also measures older trees, exported with ``git archive``)."""
+    import inspect
+
+    return {"freeze_heap": True} if "freeze_heap" in inspect.signature(run_extender).parameters else {}
 
 
 class _Steps:

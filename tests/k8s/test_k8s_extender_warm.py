@@ -4,6 +4,7 @@ each scheduler the decisions build (after the first list and after a relist) wit
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 import pytest
@@ -130,6 +131,37 @@ def test_keep_warm_builds_at_the_list_warms_and_warms_again_after_a_relist() -> 
         await asyncio.wait_for(task, 2)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_the_serving_process_freezes_the_warmed_heap_and_only_it(freeze: bool) -> None:
+    view = ClusterView()
+    view.reset(nodes([node_obj(node_spec(f"n{i}", gpus=2)) for i in range(4)]), [])
+    view.synced = True
+    reqs = [GpuRequest("default/p", 1, compute_milli=100, cpu_milli=1000)]
+    view.requests = lambda: list(reqs)  # type: ignore[method-assign]
+    view.request_count = lambda: len(reqs)  # type: ignore[method-assign]
+    schedulers = Schedulers(view, "sharegpu")
+    gc.unfreeze()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(keep_warm(schedulers, stop, chunk=5, freeze=freeze))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            s = schedulers.current()
+            if s is not None and s._feasible:
+                break
+        await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 2)
+
+    try:
+        asyncio.run(main())
+        # Frozen: the view's and the warmed scheduler's objects no longer in the collector's generations.
+        assert (gc.get_freeze_count() > 0) is freeze
+    finally:
+        gc.unfreeze()
 
 
 def test_warm_requests_one_per_shape_most_common_first() -> None:

@@ -253,6 +253,7 @@ def scheduler_extender(
                 else None,
                 policy=policy,
                 seed=seed,
+                freeze_heap=True,
             )
         )
     except OSError as e:

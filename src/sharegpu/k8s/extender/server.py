@@ -215,10 +215,12 @@ async def run_extender(
     consolidation: ConsolidationConfig | None = None,  # issue 19 item 2: off unless given (needs preemption)
     policy: str = "sharegpu",
     seed: int = 0,
+    freeze_heap: bool = False,
 ) -> None:
     """Serve the extender (over mutual TLS with ``tls``; ``health``: a plain-HTTP port with only the probes) and
     follow the API server until ``stop`` (or SIGTERM/SIGINT); raises OSError when a port cannot be bound. With an
-    ``elector``, only while it holds the Lease does this replica hold, bind and report ready."""
+    ``elector``, only while it holds the Lease does this replica hold, bind and report ready. ``freeze_heap``: the
+    process serves nothing else (:func:`keep_warm`'s ``freeze``)."""
     from sharegpu.k8s.extender.warm import keep_warm
     from sharegpu.k8s.serving.server import Listener, Site, probes_only, serve
 
@@ -233,7 +235,7 @@ async def run_extender(
         sites.append(Site(extender.metrics.app(), Listener(*metrics_listen), "metrics"))
     tasks = [asyncio.ensure_future(view.follow(api, stop))]
     # issue 34: every pod shape the view holds scored on every node before the first pod and after each relist
-    tasks.append(asyncio.ensure_future(keep_warm(extender.decisions.schedulers, stop)))
+    tasks.append(asyncio.ensure_future(keep_warm(extender.decisions.schedulers, stop, freeze=freeze_heap)))
     if preemption is not None:  # issue 19: the leader preempts for GPU room (sharegpu.k8s.controllers.preemption)
         config, disruption = preemption
         registry = extender.metrics.registry
