@@ -50,7 +50,7 @@ class RecordingApiServer:
 
         async def record(request: Request) -> None:
             self.seen.append({"method": request.method, "path": request.url.path, "headers": dict(request.headers),
-                              "body": await request.body()})  # fmt: skip
+                              "query": dict(request.query_params), "body": await request.body()})  # fmt: skip
 
         async def pod(request: Request) -> Response:
             await record(request)
@@ -104,6 +104,19 @@ def test_over_mutual_tls_a_read_and_a_binding_carry_the_kubeconfigs_certificate_
     assert body["target"] == {"apiVersion": "v1", "kind": "Node", "name": "node-a"}
     assert body["metadata"]["annotations"] == {"sharegpu.io/assignment": '{"gpus": [0]}'}
     assert (body["metadata"]["uid"], body["metadata"]["resourceVersion"]) == ("uid-1", "42")
+    # The body is encoded by hand (issue 34): exactly what lightkube's Binding model encoded, at the same path and
+    # with the same field manager.
+    from lightkube.models.core_v1 import ObjectReference
+    from lightkube.models.meta_v1 import ObjectMeta
+    from lightkube.resources.core_v1 import Pod as KPod
+
+    assert body == KPod.Binding(
+        metadata=ObjectMeta(name="p", namespace="ns", uid="uid-1", resourceVersion="42",
+                            annotations={"sharegpu.io/assignment": '{"gpus": [0]}'}),
+        target=ObjectReference(apiVersion="v1", kind="Node", name="node-a"),
+    ).to_dict()  # fmt: skip
+    assert post["path"] == "/api/v1/namespaces/ns/pods/p/binding"
+    assert post["query"] == {"fieldManager": "sharegpu-scheduler-extender"}
 
 
 def test_a_client_certificate_the_server_does_not_trust_is_an_unknown_outcome_naming_the_server(tmp_path: Path) -> None:

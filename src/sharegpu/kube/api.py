@@ -9,6 +9,7 @@ stand-in that tests and the benchmark use. Objects cross the interface as the py
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -283,24 +284,25 @@ class LightkubeClusterApi:
         annotations: Mapping[str, str] | None = None,
         resource_version: str | None = None,
     ) -> None:
-        from lightkube.models.core_v1 import ObjectReference
-        from lightkube.models.meta_v1 import ObjectMeta
-        from lightkube.resources.core_v1 import Pod as KPod
-
         check_name("node", node)  # the target goes in the body, not the URL: a Binding to a bad name binds to nowhere
-        binding = KPod.Binding(
-            metadata=ObjectMeta(
-                name=name,
-                namespace=namespace,
-                uid=uid or None,
-                resourceVersion=resource_version or None,
-                annotations=dict(annotations) if annotations else None,
-            ),
-            target=ObjectReference(apiVersion="v1", kind="Node", name=node),
-        )
+        meta: dict[str, Any] = {"name": name, "namespace": namespace}
+        if uid:
+            meta["uid"] = uid
+        if resource_version:
+            meta["resourceVersion"] = resource_version
+        if annotations:
+            meta["annotations"] = dict(annotations)
+        body = {"apiVersion": "v1", "kind": "Binding", "metadata": meta,
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}  # fmt: skip
         async with self._binds:
             # The API server answers a Binding with a Status (201), not a Binding.
-            await self.client.post_undecoded(binding, name, namespace, f"bind pod {namespace}/{name} to {node}")
+            await self.client.post_encoded(
+                f"/api/v1/namespaces/{namespace}/pods/{name}/binding",
+                json.dumps(body, separators=(",", ":")).encode(),
+                name,
+                namespace,
+                f"bind pod {namespace}/{name} to {node}",
+            )
 
     # ----- preemption (sharegpu.k8s.controllers.preemption) ----------------------------------------------------------------
     async def evict_pod(self, namespace: str, name: str, uid: str = "") -> None:

@@ -35,6 +35,7 @@ class KubeClient:
         creds = load_credentials(kubeconfig)
         self.server, self.source = creds.server, creds.source
         self.lightkube: AsyncClient = creds.client(field_manager)
+        self._create_params = {"fieldManager": field_manager} if field_manager else {}  # as lightkube's creates
 
     async def get(self, res: Any, name: str, what: str, namespace: str | None = None) -> JsonObject:
         check_path(what, name, namespace)
@@ -180,6 +181,22 @@ class KubeClient:
         except Exception as e:
             raise translate(e, what) from None
 
+    async def post_encoded(self, path: str, body: bytes, name: str, namespace: str, what: str) -> None:
+        """POST ``body`` (an object already encoded as JSON) to the API ``path`` of object ``name`` and read nothing of
+        the answer but its status, as :meth:`post_undecoded` does, without lightkube's object model and request
+        building: for the one write of every pod (its Binding), where they cost about 79 µs of the bind's 0.5 ms
+        (issue 34). ``path`` is relative to the server's URL, which the kubeconfig may give a path of its own."""
+        check_path(what, name, namespace)
+        generic = self.lightkube._client
+        try:
+            request = generic._client.build_request(
+                "POST", path, params=self._create_params, content=body, headers=_JSON_BODY
+            )
+            response = await generic.send(request)  # type: ignore[no-untyped-call]
+            generic.raise_for_status(response)  # type: ignore[no-untyped-call]
+        except Exception as e:
+            raise translate(e, what) from None
+
     async def _send(
         self,
         method: str,
@@ -202,6 +219,9 @@ class KubeClient:
 
     async def close(self) -> None:
         await self.lightkube.close()
+
+
+_JSON_BODY = {"Content-Type": "application/json"}
 
 
 def _patch_headers(patch_type: Any) -> dict[str, str] | None:
