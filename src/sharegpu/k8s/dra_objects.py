@@ -1,4 +1,5 @@
-"""Reading the DRA path's objects: which node is on it, and what a claim's capacity map asks or holds.
+"""Reading the DRA path's objects: which node is on it, what a claim's capacity map asks or holds, and whose MPS
+daemon a claim's pod reaches.
 
 Shared by the cluster cache (which leaves DRA nodes out of the device-plugin ledger and models their claims) and
 ``sharegpu status`` (which shows them).
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sharegpu.kube.quantity import asked_mib, asked_whole, quantity_or_zero
-from sharegpu.kube.schema import ResourceSlice
+from sharegpu.kube.schema import Pod, ResourceSlice
 from sharegpu.model.contract import (
     CAPACITY_COMPUTE,
     CAPACITY_MEMORY,
@@ -21,6 +22,7 @@ from sharegpu.model.contract import (
     SliceDevice,
     read_slice_device,
 )
+from sharegpu.model.tenant import tenant_of
 
 
 def is_dra_node(labels: Mapping[str, str]) -> bool:
@@ -46,3 +48,15 @@ def slice_devices(s: ResourceSlice) -> list[SliceDevice]:
     if s.spec.driver != DRIVER:
         return []
     return [read_slice_device(d.model_dump(by_alias=True, exclude_none=True)) for d in s.spec.devices]
+
+
+def claim_tenant(pod: Pod, claim_name: str) -> str | None:
+    """The MPS tenant of ``pod`` as a user of ResourceClaim ``claim_name`` (:mod:`sharegpu.model.tenant`), from the
+    containers that use the claim only (None: none does; a sidecar that uses no claim decides nothing). The node's
+    DRA driver reads a claim's tenant the same way (``sharegpu.node.dra.driver.claim_tenant``, which the control plane
+    may not import; a test holds the two equal). Raises :class:`~sharegpu.model.tenant.TenantConflict` when those
+    containers declare different UIDs."""
+    users = [(c.name, pod.run_as_user(c)) for c in pod.claim_containers(claim_name)]
+    if not users:
+        return None
+    return tenant_of(pod.metadata.namespace, pod.metadata.uid or pod.key, users, pod.spec.host_users)

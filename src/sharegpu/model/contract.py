@@ -158,6 +158,7 @@ class SliceDevice:
     profile: str  # a MIG device's profile ("" otherwise)
     placement_start: int  # a MIG device's first memory slot (0 otherwise)
     memory: str  # the memory capacity as published, a Kubernetes quantity ("0" when absent)
+    mps_multi_user: bool = False  # the node runs one multi-user MPS daemon per unit (ATTR_MPS_MULTI_USER)
 
 
 def _attr(attrs: Mapping[str, Any], name: str, kind: str) -> Any:
@@ -177,6 +178,7 @@ def read_slice_device(device: Mapping[str, Any]) -> SliceDevice:
         profile=str(_attr(attrs, ATTR_PROFILE, "string") or ""),
         placement_start=int(_attr(attrs, ATTR_PLACEMENT_START, "int") or 0),
         memory=str((capacity.get(CAPACITY_MEMORY) or {}).get("value", "0")),
+        mps_multi_user=_attr(attrs, ATTR_MPS_MULTI_USER, "bool") is True,
     )
 
 

@@ -7,6 +7,14 @@ device-plugin ledger (:mod:`sharegpu.k8s.cache.ledger_view`) and accounted here,
 ledger follows the claims, pods and holds incrementally (a release and a place per change); only a change of a DRA
 node's GPUs (its slices) or of its allocatable cpu and memory rebuilds it. Steering's holds are the assume cache's
 :class:`~sharegpu.k8s.cache.assume.SteerHold` entries: one assume cache for everything this process placed.
+
+MPS daemons are counted as on the device-plugin path (:class:`~sharegpu.ledger.MpsTenancy`: at most the cap per GPU,
+each with its server's memory): an allocated claim's MPS share joins the daemon of its tenant
+(:mod:`sharegpu.model.tenant`), which is the tenant of the first pod in its ``reservedFor`` whose containers use it, as
+the node's driver prepares it (:func:`~sharegpu.k8s.dra_objects.claim_tenant`), or the claim's own where none does;
+on a node whose devices say ``mpsMultiUser`` one daemon per unit serves them all. The allocator counts only the
+claims' capacities, so a claim it put on a GPU that the daemons' servers leave too little memory for is counted up to
+what is left (the GPU is full), and one that opens a daemon beyond the cap is recorded as it is.
 """
 
 from __future__ import annotations
@@ -14,11 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from sharegpu.k8s.cache.assume import AssumeCache, SteerHold
-from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent, is_dra_node, slice_devices
+from sharegpu.k8s.dra_objects import claim_tenant, claimed_mib, claimed_percent, is_dra_node, slice_devices
 from sharegpu.k8s.pod_request import PERCENT_MILLI, cpu_and_memory
 from sharegpu.kube.api import DELETED
 from sharegpu.kube.quantity import capacity_mib, capacity_milli, quantity_or_zero
@@ -29,6 +37,7 @@ from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import DEVICE_TYPE_GPU, DRIVER, mig_profile_token, parse_device_name
 from sharegpu.model.inventory import GpuDevice, NodeSpec
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest, Sharing
+from sharegpu.model.tenant import TenantConflict, own_tenant
 from sharegpu.placement.mechanism import make_share
 
 log = logging.getLogger(__name__)
@@ -59,9 +68,13 @@ class DraLedger:
             str, ResourceSlice
         ] = {}  # name → the driver's slice, as listed (status shows its MIG devices)
         self._nodes: dict[str, tuple[int, int]] = {}  # DRA node → allocatable (cpu milli, memory MiB)
-        self._slices: dict[str, tuple[str, tuple[GpuDevice, ...]]] = {}  # slice → (node, its GPUs)
+        # slice → (node, its GPUs, whether its devices say the node runs one multi-user MPS daemon per unit)
+        self._slices: dict[str, tuple[str, tuple[GpuDevice, ...], bool]] = {}
         self._uses: dict[str, ClaimUse] = {}  # claim key → what its allocation holds
+        self._tenants: dict[str, str] = {}  # claim key → the MPS tenant its accounted allocation was counted under
         self._pods: dict[str, tuple[str, int, int]] = {}  # pod key → (node, cpu, memory) of pods bound to a node
+        # pod key → (UID, claim name → the pod's tenant as a user of it) of the pods that use claims
+        self._pod_tenants: dict[str, tuple[str, dict[str, str]]] = {}
         self._ledger: Ledger | None = None
 
     def counts(self) -> tuple[int, int, int]:
@@ -82,7 +95,9 @@ class DraLedger:
         self.slices.clear()
         self.claims.clear()
         self._uses.clear()
+        self._tenants.clear()
         self._pods.clear()
+        self._pod_tenants.clear()
         self._ledger = None
         for n in nodes:
             self.apply_node("ADDED", n)
@@ -125,8 +140,10 @@ class DraLedger:
             # the pod twice and the allocation would not fit beside its own hold.
             for h in self._assumed.steered_by_claim(key):
                 self.drop_hold(h.uid)
-        if self._uses.get(key) != use:
+        if self._uses.get(key) != use or (use is not None and self._claim_tenant(claim) != self._tenants.get(key)):
             _set(self._uses, key, use)
+            if use is None:
+                self._tenants.pop(key, None)
             self._account(f"claim:{key}", self._claim_assignment(key, use) if use is not None else None)
 
     def apply_pod(self, event: str, pod: Pod) -> None:
@@ -140,18 +157,30 @@ class DraLedger:
             _set(self._pods, key, use_pod)
             a = Assignment(f"pod:{key}", node, (), use_pod[1], use_pod[2]) if use_pod is not None else None
             self._account(f"pod:{key}", a)
+        tenants = None if event == DELETED else _pod_tenants(pod)
+        old = self._pod_tenants.get(key)
+        if old != tenants:
+            _set(self._pod_tenants, key, tenants)
+            # The claims it uses (or used) may be counted under another tenant now.
+            for name in {*(old[1] if old else ()), *(tenants[1] if tenants else ())}:
+                ckey = f"{pod.metadata.namespace}/{name}"
+                claim, use = self.claims.get(ckey), self._uses.get(ckey)
+                if claim is not None and use is not None and self._claim_tenant(claim) != self._tenants.get(ckey):
+                    self._account(f"claim:{ckey}", self._claim_assignment(ckey, use))
 
-    def _parse_slice(self, obj: ResourceSlice) -> tuple[str, tuple[GpuDevice, ...]] | None:
+    def _parse_slice(self, obj: ResourceSlice) -> tuple[str, tuple[GpuDevice, ...], bool] | None:
         if obj.spec.driver != DRIVER:
             return None
         node = obj.node
         gpus = []
+        multi_user = False
         for d in slice_devices(obj):
             if d.type != DEVICE_TYPE_GPU or not self.catalog.known(d.model):
                 continue
             uuid = f"{node}-gpu-{d.index}" if d.uuid is None else d.uuid
             gpus.append(GpuDevice(d.index, uuid, d.model, memory_mib=capacity_mib(quantity_or_zero(d.memory))))
-        return node, tuple(gpus)
+            multi_user = multi_user or d.mps_multi_user
+        return node, tuple(gpus), multi_user
 
     # ----- the ledger ------------------------------------------------------------------------------------------
     def ledger(self, now: float | None = None) -> Ledger:
@@ -164,11 +193,19 @@ class DraLedger:
 
     def _build(self) -> Ledger:
         gpus: dict[str, dict[int, GpuDevice]] = {}
-        for node, devices in self._slices.values():
+        multi_user: set[str] = set()
+        for node, devices, multi in self._slices.values():
             for g in devices:
                 gpus.setdefault(node, {})[g.index] = g
+            if multi:
+                multi_user.add(node)
         specs = [
-            NodeSpec(name, *self._nodes[name], tuple(gpus[name][i] for i in sorted(gpus[name])))
+            NodeSpec(
+                name,
+                *self._nodes[name],
+                tuple(gpus[name][i] for i in sorted(gpus[name])),
+                mps_multi_user=name in multi_user,
+            )
             for name in sorted(gpus)
             if name in self._nodes
         ]
@@ -214,7 +251,31 @@ class DraLedger:
                 shares.append(make_share(led, n, g, req))
             except (ValueError, InvalidRequest) as e:
                 log.debug("claim %s: not modelled on %s: %s", key, use.node, e)
-        return Assignment(f"claim:{key}", use.node, tuple(shares)) if shares else None
+        claim = self.claims.get(key)
+        tenant = self._claim_tenant(claim) if claim is not None else own_tenant(key)
+        self._tenants[key] = tenant
+        if not shares:
+            return None
+        # The tenant goes with MPS shares only, as placement writes it: it names the daemon they join.
+        mps = any(s.sharing is Mechanism.MPS for s in shares)
+        return Assignment(f"claim:{key}", use.node, tuple(shares), tenant=tenant if mps else None)
+
+    def _claim_tenant(self, claim: ResourceClaim) -> str:
+        """The MPS tenant whose daemon serves ``claim``: that of the first pod it is reserved for whose containers use
+        it (the node prepares it for the pods reserved then, and refuses pods of several tenants), or the claim's own
+        where none does (a workload reserving it, or no pod seen), as the node's driver decides."""
+        own = own_tenant(claim.metadata.uid or claim.key)
+        ns, name = claim.metadata.namespace, claim.metadata.name
+        for r in claim.status.reserved_for:
+            if r.resource != "pods":
+                return own
+            seen = self._pod_tenants.get(f"{ns}/{r.name}")
+            if seen is None or (r.uid and seen[0] and seen[0] != r.uid):
+                continue  # not seen yet, or another pod of that name
+            tenant = seen[1].get(name)
+            if tenant is not None:
+                return tenant
+        return own
 
     def _account(self, name: str, a: Assignment | None) -> None:
         """Make the ledger hold ``a`` under ``name`` (nothing: ``a`` is None), replacing what it held there."""
@@ -226,9 +287,15 @@ class DraLedger:
         if a is None or a.node not in led.index:
             return
         if a.pod != name:
-            a = Assignment(name, a.node, a.shares, a.cpu_milli, a.host_memory_mib)
+            a = replace(a, pod=name)
         try:
-            led.place(a, check_health=False)
+            try:
+                led.place(a, check_health=False)
+            except LedgerError:
+                fitted = _within_free_memory(led, a)
+                if fitted is None:
+                    raise
+                led.place(fitted, check_health=False)
         except LedgerError as e:
             # The API objects disagree with the model for a moment (e.g. a slice republished): the decision goes on
             # without this one rather than not at all.
@@ -276,6 +343,38 @@ def _set(store: dict[str, V], key: str, value: V | None) -> None:
         store.pop(key, None)
     else:
         store[key] = value
+
+
+def _within_free_memory(led: Ledger, a: Assignment) -> Assignment | None:
+    """``a`` with each of its MPS shares on a whole GPU cut to the memory the GPU has left beside the daemon it opens
+    (None: nothing to cut). The allocator counts the claims' capacities only: claims may fill a GPU whose MPS servers
+    take memory too, and such a GPU is then full, not one claim less used."""
+    n = led.index[a.node]
+    shares = []
+    for s in a.shares:
+        if s.mechanism is Mechanism.MPS:
+            opens = led.opens_daemon((n, s.gpu_index, None), a.tenant)
+            room = int(led.free_mem[n, s.gpu_index]) - (led.tenancy.daemon_memory_mib if opens else 0)
+            if s.memory_mib > room >= 0:
+                s = replace(s, memory_mib=room)
+        shares.append(s)
+    return replace(a, shares=tuple(shares)) if tuple(shares) != a.shares else None
+
+
+def _pod_tenants(pod: Pod) -> tuple[str, dict[str, str]] | None:
+    """(UID, claim name → the pod's MPS tenant as a user of it) for a pod that uses claims (None: it uses none)."""
+    out: dict[str, str] = {}
+    for pc in pod.spec.resource_claims:
+        name = pod.claim_name(pc)
+        if not name:
+            continue
+        try:
+            tenant = claim_tenant(pod, name)
+        except TenantConflict:
+            tenant = own_tenant(pod.metadata.uid or pod.key)  # the node refuses the claim; counted as the pod alone
+        if tenant is not None:
+            out[name] = tenant
+    return (pod.metadata.uid, out) if out else None
 
 
 def _profile_names(catalog: Catalog) -> dict[str, str]:

@@ -30,17 +30,18 @@ import logging
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from sharegpu.k8s.cache.dra_ledger import DraLedger
-from sharegpu.k8s.dra_objects import claimed_mib, claimed_percent
+from sharegpu.k8s.dra_objects import claim_tenant, claimed_mib, claimed_percent
 from sharegpu.k8s.pod_request import PERCENT_MILLI, cpu_and_memory
 from sharegpu.kube.schema import Pod, ResourceClaim
 from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import ATTR_PROFILE, MIG_CLASS, SHARED_CLASS, WHOLE_CLASS
 from sharegpu.model.request import GpuRequest, InvalidRequest, Sharing
+from sharegpu.model.tenant import TenantConflict, own_tenant
 from sharegpu.placement.dra_steer import dra_steered_policy
 from sharegpu.placement.fragmentation import Workload, workload_drifted
 from sharegpu.placement.framework import Scheduler
@@ -124,6 +125,21 @@ def claim_request(key: str, claims: Iterable[ResourceClaim], cpu_milli: int, hos
         raise NotSteered(f"its request cannot be modelled: {e}") from None
 
 
+def request_tenant(pod: Pod, claims: Iterable[ResourceClaim]) -> str:
+    """The MPS tenant the pod's claim would be prepared into (:func:`~sharegpu.k8s.dra_objects.claim_tenant`): the
+    pod's, as a user of the claim that holds the device request, else the claim's own, as the node's driver decides.
+    Raises :class:`NotSteered` when the containers that use it declare different UIDs (the driver refuses it)."""
+    for c in claims:
+        if not c.spec.devices.requests:
+            continue
+        try:
+            tenant = claim_tenant(pod, c.metadata.name)
+        except TenantConflict as e:
+            raise NotSteered(str(e)) from None
+        return tenant if tenant is not None else own_tenant(c.metadata.uid or c.key)
+    raise NotSteered("its claims request no device")
+
+
 @dataclass(frozen=True, slots=True)
 class Steer:
     """The filter's answer: the node(s) to keep, and why (for the log)."""
@@ -171,7 +187,7 @@ class DraSteering:
                     raise NotSteered(f"claim {ns}/{name} not seen yet")
                 claims.append(c)
             cpu, mem = cpu_and_memory(pod)
-            req = claim_request(pod.key, claims, cpu, mem)
+            req = replace(claim_request(pod.key, claims, cpu, mem), tenant=request_tenant(pod, claims))
         except NotSteered as e:
             return Steer(candidates, str(e))
         uid = pod.metadata.uid or pod.key
@@ -183,7 +199,9 @@ class DraSteering:
         known = idx[idx >= 0]
         cand = np.unique(known[ok[known]])
         if len(cand) == 0:
-            return Steer(candidates, "no candidate fits in sharegpu's model of the DRA nodes")
+            # Why, as the extender says it (e.g. the GPUs with room already run the most MPS daemons a GPU may).
+            why = sched.explain(req, usable).reason
+            return Steer(candidates, f"no candidate fits in sharegpu's model of the DRA nodes: {why}")
         state = sched.cycle(req, usable)
         best = sched.pick(cand, sched.scores(state, cand))
         a = sched.assignment_on(state, best)
