@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.typing import AppWrapper
 from hypercorn.utils import wrap_app
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
+from sharegpu.k8s.serving.h2_direct import direct
 from sharegpu.k8s.serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,20 @@ async def serve_bound(
         t.result()  # a server that failed (not one that was stopped) is the caller's error
 
 
+class _TCPServer(TCPServer):
+    """hypercorn's connection handler, whose HTTP/2 connections write each answer at once (:mod:`h2_direct`): it
+    makes its protocol object in ``run`` and keeps it here."""
+
+    @property
+    def protocol(self) -> ProtocolWrapper:
+        return self._wrapper
+
+    @protocol.setter
+    def protocol(self, wrapper: ProtocolWrapper) -> None:
+        direct(wrapper.protocol)
+        self._wrapper = wrapper
+
+
 async def _serve_site(site: Site, sock: socket.socket, stopping: asyncio.Event) -> None:
     """Accept connections on ``sock`` for hypercorn's connection handler (HTTP/1.1, or HTTP/2 where ALPN chose it)
     until ``stopping``; then requests in flight get GRACE_S and every connection is closed.
@@ -174,7 +190,7 @@ async def _serve_site(site: Site, sock: socket.socket, stopping: asyncio.Event) 
             connections.add(task)
             task.add_done_callback(connections.discard)
         try:
-            await TCPServer(app, loop, config, context, {}, reader, writer)
+            await _TCPServer(app, loop, config, context, {}, reader, writer)
         except (TimeoutError, ConnectionError, ssl.SSLError) as e:
             # The peer's side of a close: no close_notify in time (an idle client at a stop), a reset, bad TLS.
             log.debug("%s: a connection ended uncleanly: %s", site.what, e)
