@@ -302,7 +302,7 @@ class Decisions:
         nodes)."""
         led = self.view.ledger
         for cached in (self._names, self._passed, self._prio_names):
-            if cached is not None and cached[0] is led and cached[1] == names:
+            if cached is not None and cached[0] is led and (cached[1] is names or cached[1] == names):
                 return cached[2]
         idx = np.array([led.index.get(n, -1) for n in names], dtype=np.int64)
         if verb == "filter":
@@ -373,7 +373,7 @@ def _shown(pod: Pod) -> str:
 
 def _node_names(args: ExtenderArgs) -> list[str]:
     if args.NodeNames is not None:
-        return list(args.NodeNames)
+        return args.NodeNames  # read, never changed: the very list object lets _indices know it again
     if args.Nodes is not None:
         return args.Nodes.names()
     return []

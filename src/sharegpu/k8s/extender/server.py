@@ -34,6 +34,7 @@ from sharegpu.k8s.extender.binding import NOT_LEADER, Binder
 from sharegpu.k8s.extender.decisions import HOLD_S, Decisions
 from sharegpu.k8s.extender.leader import LeaderElector
 from sharegpu.k8s.extender.metrics import ClusterMetrics  # issue 10
+from sharegpu.k8s.extender.node_names import ArgsDecoder
 from sharegpu.k8s.serving.body_limit import EXTENDER_MAX_BODY, BodyLimit
 from sharegpu.k8s.serving.tls import ServerTls
 from sharegpu.kube.api import ClusterApi, DisruptionApi
@@ -135,11 +136,14 @@ def make_app(extender: Extender, max_request_bytes: int = EXTENDER_MAX_BODY) -> 
     def verb(
         name: str, model: type[BaseModel], handle: Callable[[BaseModel], Awaitable[BaseModel | FilterAnswer | bytes]]
     ) -> Route:
+        # issue 34: filter and prioritize get the same node list cycle after cycle, recognised by its bytes
+        decode = ArgsDecoder().decode if model is ExtenderArgs else model.model_validate_json
+
         async def endpoint(request: Request) -> Response:
             body = await request.body()
             t0 = time.perf_counter()  # issue 10
             try:
-                args = model.model_validate_json(body)
+                args = decode(body)
             except (ValidationError, ValueError) as e:
                 extender.metrics.error(name, 400)  # issue 10
                 return _bad_request(e, name)
