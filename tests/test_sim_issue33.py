@@ -92,6 +92,54 @@ def test_ctrl_c_during_a_parallel_run_is_one_line_and_exit_130(tmp_path: Path) -
         os.killpg(p.pid, 0)
 
 
+def test_every_process_of_a_parallel_run_starts_with_ctrl_c_blocked(tmp_path: Path) -> None:
+    """The pool's workers (and the progress queue's manager) ignore SIGINT from their very start: they are forked
+    with it blocked, and unblock it once they ignore it. Before, a Ctrl-C between a worker's fork and its initializer
+    killed the worker with a traceback (the test above flaked under load). Each fork is recorded as it happens."""
+    forks = tmp_path / "forks"
+    forks.mkdir()
+    n, p = tmp_path / "nodes.csv", tmp_path / "pods.csv"
+    n.write_text(NODES, encoding="utf-8")
+    p.write_text(PODS, encoding="utf-8")
+    code = (
+        "import os, signal, sys\n"
+        "def mark():\n"
+        f"    with open(os.path.join({str(forks)!r}, str(os.getpid())), 'w') as f:\n"
+        "        f.write(str(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])))\n"
+        "os.register_at_fork(after_in_child=mark)\n"
+        "from sharegpu.cli import app; sys.argv[0] = 'sharegpu'; app()\n"
+    )
+    args = ["sim", "--nodes", str(n), "--pods", str(p), "--seeds", "1-4", "--jobs", "2", "--json", str(tmp_path / "r")]
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    blocked = {f.name: f.read_text() for f in forks.iterdir()}
+    assert len(blocked) >= 2, blocked  # two workers at least
+    assert set(blocked.values()) == {"True"}, blocked
+
+
+def test_stopping_a_pool_mid_run_returns_once_its_manager_thread_has_ended() -> None:
+    """After Ctrl-C the command stops its pool (sim.runner._stop) and exits. The pool's manager thread, left running,
+    closed its wake-up pipe while the interpreter's exit wrote to it: a "Bad file descriptor" traceback after the
+    one line (the Ctrl-C test above flaked so under load). _stop returns once that thread has ended."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from sharegpu.sim.runner import _ignore_interrupts, _stop
+
+    pool = ProcessPoolExecutor(max_workers=2, initializer=_ignore_interrupts)
+    futures = [pool.submit(time.sleep, 60) for _ in range(3)]
+    manager, wakeup = pool._executor_manager_thread, pool._executor_manager_thread_wakeup  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while not all(f.running() for f in futures[:2]):
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.05)
+    started = time.monotonic()
+    _stop(pool)
+    assert time.monotonic() - started < 15  # the running sleeps were ended, not waited for
+    assert manager is not None and not manager.is_alive()
+    assert wakeup._closed  # what the interpreter's exit checks before it writes
+    assert all(f.done() for f in futures)  # none is left to run: cancelled, or failed with the pool
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

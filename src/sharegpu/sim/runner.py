@@ -6,7 +6,7 @@ import dataclasses
 import os
 import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing import Manager
@@ -153,16 +153,25 @@ def run_experiment(
         return [results[c] for c in combos]
     with ExitStack() as stack:
         # Workers ignore Ctrl-C (a terminal sends it to the whole process group): this process alone hears it, and
-        # stops them, so that an interrupt is one line from the command and never a traceback from each worker.
-        pool = stack.enter_context(
-            ProcessPoolExecutor(max_workers=min(jobs, len(combos)), initializer=_ignore_interrupts)
-        )
-        queue = stack.enter_context(Manager()).Queue() if on_progress else None
+        # stops them, so that an interrupt is one line from the command and never a traceback from each worker. They
+        # ignore it from their very start: SIGINT is blocked here while the pool (and the progress queue's manager)
+        # start their processes, which inherit the block, and a worker unblocks it only once it ignores it (a
+        # Ctrl-C between a worker's fork and its initializer printed that worker's traceback). A Ctrl-C that came
+        # meanwhile is heard here when the block is lifted.
+        pool: ProcessPoolExecutor | None = None
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            futures = {
-                pool.submit(run_one, exp, workload, p, s, reporter(m, p, s, queue) if queue else None, m): (m, p, s)
-                for m, p, s in combos
-            }
+            try:
+                pool = stack.enter_context(
+                    ProcessPoolExecutor(max_workers=min(jobs, len(combos)), initializer=_ignore_interrupts)
+                )
+                queue = stack.enter_context(Manager()).Queue() if on_progress else None
+                futures: dict[Future[RunResult], tuple[MpsRule, str, int]] = {}
+                for m, p, s in combos:
+                    progress = reporter(m, p, s, queue) if queue else None
+                    futures[pool.submit(run_one, exp, workload, p, s, progress, m)] = (m, p, s)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
             waiting = set(futures)
             while waiting:
                 finished, waiting = wait(waiting, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -173,23 +182,33 @@ def run_experiment(
                     if on_done:
                         on_done(r)
         except KeyboardInterrupt:
-            _stop(pool)
+            if pool is not None:
+                _stop(pool)
             raise
     return [results[c] for c in combos]
 
 
 def _ignore_interrupts() -> None:
+    """A worker's first act: ignore SIGINT, then lift the block it was started under (run_experiments)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
-    """Stop a pool's workers mid-run (they ignore SIGINT): no queued run starts, and the running ones end now."""
+    """Stop a pool's workers mid-run (they ignore SIGINT): no queued run starts, and the running ones end now.
+
+    Returns once the pool's manager thread has ended too: it notices its workers gone and closes its wake-up pipe,
+    and the interpreter's exit wakes every pool's manager thread through that pipe without a lock (Python 3.11), so
+    the two raced and the command's last words were a traceback ("Bad file descriptor", seen under load)."""
     workers = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # shutdown(wait=False) forgets it
     pool.shutdown(wait=False, cancel_futures=True)
     for w in workers:
         w.terminate()
     for w in workers:
         w.join(timeout=5)
+    if manager is not None:
+        manager.join(timeout=10)
 
 
 @dataclass(frozen=True)
