@@ -184,15 +184,9 @@ def _kubelet_alive(k8s_real: Path) -> bool:
     return True
 
 
-def find_real_node(kubeconfig: Path, k8s_real: Path) -> tuple[RealNode | None, str]:
-    """The rig's running real node, or None and why not (the skip reason)."""
-    if not (k8s_real / "kubelet-node.sh").exists():
-        return None, f"{k8s_real} has no kubelet-node.sh (run ../shared/k8s-rig/install-node.sh)"
-    if not _kubelet_alive(k8s_real):
-        return None, f"no real node runs in {k8s_real} (start it: K8S_REAL={k8s_real} {k8s_real}/kubelet-node.sh start)"
-    config = (k8s_real / "node" / "kubelet-config.yaml").read_text()
-    port = re.search(r"^port:\s*(\d+)", config, re.M)
-    offset = int(port.group(1)) - 10250 if port else int(os.environ.get("K8S_RIG_PORT_OFFSET", "0"))
+def _labelled_nodes(kubeconfig: Path) -> list[dict[str, Any]] | str:
+    """The rig's Nodes that a kubelet of ``kubelet-node.sh`` registered (labelled :data:`REAL_NODE_LABEL`), or why
+    they cannot be listed."""
     out = subprocess.run(
         ["kubectl", "--kubeconfig", str(kubeconfig), "get", "nodes", "-l", f"{REAL_NODE_LABEL}=true", "-o", "json"],
         capture_output=True,
@@ -201,11 +195,64 @@ def find_real_node(kubeconfig: Path, k8s_real: Path) -> tuple[RealNode | None, s
         check=False,
     )
     if out.returncode != 0:
-        return None, f"cannot list the rig's nodes: {out.stderr.strip()}"
-    names = [n["metadata"]["name"] for n in json.loads(out.stdout)["items"]]
+        return f"cannot list the rig's nodes: {out.stderr.strip()}"
+    items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+    return items
+
+
+def _ready(node: dict[str, Any]) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def find_real_node(kubeconfig: Path, k8s_real: Path) -> tuple[RealNode | None, str, bool | None]:
+    """The rig's running real node, or None and why not (the skip reason); and whether the rig's API server has one
+    registered at all (a kubelet of ``kubelet-node.sh`` started on this rig, whether it still runs or not; None: the
+    API server could not be asked)."""
+    listed = _labelled_nodes(kubeconfig)
+    if isinstance(listed, str):
+        return None, listed, None
+    if not listed:
+        return None, NONE_REGISTERED.format(kubeconfig=kubeconfig, k8s_real=k8s_real), False
+    names = [n["metadata"]["name"] for n in listed]
     if len(names) != 1:
-        return None, f"expected one node labelled {REAL_NODE_LABEL}=true, found {names}"
-    return RealNode(names[0], k8s_real, kubeconfig, offset), ""
+        return None, f"expected one node labelled {REAL_NODE_LABEL}=true, found {names}", True
+    if not (k8s_real / "kubelet-node.sh").exists():
+        return None, f"{k8s_real} has no kubelet-node.sh (run ../shared/k8s-rig/install-node.sh)", True
+    if not _kubelet_alive(k8s_real):
+        why = f"no real node runs in {k8s_real} (start it: K8S_REAL={k8s_real} {k8s_real}/kubelet-node.sh start)"
+        return None, why, True
+    if not _ready(listed[0]):
+        return None, f"node {names[0]} is registered but not Ready (see {k8s_real}/logs/kubelet.log)", True
+    config = (k8s_real / "node" / "kubelet-config.yaml").read_text()
+    port = re.search(r"^port:\s*(\d+)", config, re.M)
+    offset = int(port.group(1)) - 10250 if port else int(os.environ.get("K8S_RIG_PORT_OFFSET", "0"))
+    return RealNode(names[0], k8s_real, kubeconfig, offset), "", True
+
+
+# Why the real-node tests skip on a rig that never had a real node: no kubelet registered one with its API server.
+# None of RIG_MISSING_MARKS is in it, so that it stays a skip where SHAREGPU_TEST_K8S_REAL alone is set (a rig without
+# a real node, for the TLS test that needs only the rig's folder).
+NONE_REGISTERED = (
+    "the rig's API server ({kubeconfig}) has no kubelet node (no Node labelled "
+    f"{REAL_NODE_LABEL}=true): these tests run real pods; start one with "
+    "K8S_REAL={k8s_real} {k8s_real}/kubelet-node.sh start (after install-node.sh)"
+)
+
+
+def real_node_or_skip(kubeconfig: Path, k8s_real: Path) -> RealNode:
+    """The rig's real node; a skip, saying why, where it has none; a failure where one must be there: under CI
+    (``.ci/run`` starts one), or where one is registered but does not run (a kubelet that an earlier test broke would
+    otherwise skip every later real-node test and leave the run green). SHAREGPU_TEST_K8S_REAL alone does not ask for
+    one: it names the rig's folder, which the TLS test needs on a rig without a real node too."""
+    import pytest
+
+    node, why, registered = find_real_node(kubeconfig, k8s_real)
+    if node is not None:
+        return node
+    if registered is False and not os.environ.get("CI"):
+        pytest.skip(why)
+    rig_unavailable(f"no real node: {why}")
 
 
 @contextlib.contextmanager
