@@ -1,8 +1,11 @@
 """A pod's sharegpu resources and annotations → a :class:`~sharegpu.model.request.GpuRequest`.
 
 The one parser of the user-facing contract (DESIGN §2), used by the admission webhook, the scheduler extender and
-the cluster view alike. It only reads syntax (Kubernetes quantities, the comma list of models); every rule about
-what a valid request is lives in :class:`GpuRequest`, whose :class:`InvalidRequest` message is passed on unchanged.
+the cluster view alike. It reads syntax (Kubernetes quantities, the comma list of models); every rule about what a
+valid request is lives in :class:`GpuRequest`, whose :class:`InvalidRequest` message is passed on unchanged, except
+the one rule that needs the text as written: GPU memory below :data:`MIN_GPU_MEMORY_MIB` is a forgotten unit, refused
+here with the unit to write, so that the webhook and the extender (for pods in namespaces the webhook skips) refuse it
+alike.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from sharegpu.model.contract import (
 from sharegpu.model.demand import ContainerDemand, pod_demand
 from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest
 from sharegpu.model.tenant import TenantConflict, tenant_of
+from sharegpu.placement.reasons import fmt_mib
 
 __all__ = [
+    "MIN_GPU_MEMORY_MIB",
     "InvalidPodRequest",
     "asks_for_sharegpu",
     "containers_missing_gpu_count",
@@ -40,6 +45,9 @@ __all__ = [
 ]
 
 PERCENT_MILLI = FULL_MILLI // 100  # compute_milli per percent of a GPU
+# GPU memory below this is a forgotten unit ("10" is 10 bytes, bound as 1Mi), not a request: a CUDA context alone
+# takes about 300-500 MiB of GPU memory.
+MIN_GPU_MEMORY_MIB = 256
 
 
 class InvalidPodRequest(InvalidRequest):
@@ -241,6 +249,30 @@ def same_request(a: Pod, b: Pod) -> bool:
     )
 
 
+def _too_little_memory(pod: Pod, memory_mib: int | None) -> str:
+    """Why the pod's GPU memory is too small to be meant ("" when it is not): a plain number is bytes, and so is a
+    number with a decimal suffix (``500m`` is milli: half a byte)."""
+    if memory_mib is None or memory_mib >= MIN_GPU_MEMORY_MIB:
+        return ""
+    texts = [t for c in _gpu_containers(pod) if (t := resource_text(c, MEMORY_RESOURCE))]
+    text = (texts[0] if texts else f"{memory_mib}Mi").strip()
+    value = parse_quantity(text)
+    number = text.rstrip("kMGTPEm")
+    if text.isdigit():
+        size, note, meant = f"only {text} bytes", "", f"{text}Gi"
+    elif text.endswith("m") and value is not None:
+        size = f"{value.normalize():f} bytes"
+        note = "the suffix m is milli (a thousandth), not mebi: "
+        meant = f"{number}Mi"
+    else:
+        size, note, meant = fmt_mib(memory_mib), "", "10Gi"
+    return (
+        f"{MEMORY_RESOURCE} {echo(text)} is {size}, less than the {MIN_GPU_MEMORY_MIB}Mi a GPU workload needs at the "
+        f"least (a CUDA context alone takes about 300 MiB): {note}a number without a unit is bytes; write the unit, "
+        f"e.g. {MEMORY_RESOURCE}: {meant}"
+    )
+
+
 def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | None:
     """The pod's GPU request, or None when it asks for nothing of sharegpu's.
 
@@ -284,7 +316,7 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
     models = _models(ann[MODEL_ANNOTATION], catalog) if MODEL_ANNOTATION in ann else frozenset()
     cpu, host_mem = cpu_and_memory(pod)
     mig = ann.get(MIG_PROFILE_ANNOTATION)
-    return GpuRequest(
+    req = GpuRequest(
         name=pod.key,
         gpu_count=_effective_gpus(pod),
         compute_milli=compute,
@@ -298,3 +330,6 @@ def pod_request(pod: Pod, catalog: Catalog = DEFAULT_CATALOG) -> GpuRequest | No
         tenant=gpu_tenant(pod),
         catalog=catalog,
     )
+    if small := _too_little_memory(pod, req.memory_mib):
+        raise InvalidPodRequest(small)
+    return req

@@ -4,7 +4,8 @@
 pod after every mutating webhook) apply the same rules; only ``/mutate`` changes the pod:
 
 - a request that can never be valid is rejected with the core's own message (:class:`GpuRequest` validation), and so
-  is GPU memory below :data:`MIN_GPU_MEMORY_MIB` (a forgotten unit: ``"10"`` is 10 bytes);
+  is GPU memory below :data:`~sharegpu.k8s.pod_request.MIN_GPU_MEMORY_MIB` (a forgotten unit: ``"10"`` is 10
+  bytes), a rule of the pod parser the extender applies too;
 - an unknown ``sharegpu.io/`` annotation (a typo would silently leave the default in force) or container resource (no
   node offers it: the pod would stay Pending for ever) is refused with the closest known one, and so is a pod that
   asks for ``nvidia.com/`` GPUs besides sharegpu's, ``sharegpu.io/gpu: 0`` (a pod that asks for no GPU), and a
@@ -44,10 +45,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from sharegpu.k8s.pod_request import asks_for_sharegpu, containers_missing_gpu_count, pod_request, resource_text
+from sharegpu.k8s.pod_request import asks_for_sharegpu, containers_missing_gpu_count, pod_request
 from sharegpu.k8s.serving.body_limit import WEBHOOK_MAX_BODY, BodyLimit
 from sharegpu.kube.echo import echo
-from sharegpu.kube.quantity import parse_quantity
 from sharegpu.kube.schema import AdmissionResponse, AdmissionReview, AdmissionStatus, Container, Pod
 from sharegpu.model.catalog import DEFAULT_CATALOG, Catalog
 from sharegpu.model.contract import (
@@ -66,8 +66,7 @@ from sharegpu.model.contract import (
     REQUEST_ANNOTATIONS,
     RESOURCES,
 )
-from sharegpu.model.request import GpuRequest, InvalidRequest
-from sharegpu.placement.reasons import fmt_mib
+from sharegpu.model.request import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +75,6 @@ FORBIDDEN_ENV_PREFIX = MPS_ENV_PREFIX
 # Written on a pod by the extender alone: the assignment, and the fence that moves a pod past a lost Binding's
 # resourceVersion.
 SYSTEM_ANNOTATIONS = (ASSIGNMENT_ANNOTATION, FENCE_ANNOTATION)
-# GPU memory below this is a forgotten unit ("10" is 10 bytes, bound as 1Mi), not a request: a CUDA context alone
-# takes about 300-500 MiB of GPU memory.
-MIN_GPU_MEMORY_MIB = 256
 # The NVIDIA device plugin's resources: a pod that asks for them beside sharegpu.io/gpu needs a node that offers
 # both, which a sharegpu node does not (its GPUs are offered as sharegpu.io/gpu), so it would stay Pending for ever.
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
@@ -200,8 +196,6 @@ def admit_pod(
         return Verdict(False, str(e))
     if req is not None and not req.wants_gpu:
         return Verdict(False, _NO_GPU)
-    if req is not None and (small := _too_little_memory(pod, req)):
-        return Verdict(False, small)
     if pod.spec.scheduler_name != cfg.scheduler_name:
         if not mutate:
             return Verdict(
@@ -364,30 +358,6 @@ def _nvidia_offenders(pod: Pod) -> list[str]:
                 f"pod; ask for {GPU_RESOURCE} alone (with {MEMORY_RESOURCE} or {COMPUTE_RESOURCE} for a share)"
             )
     return found
-
-
-def _too_little_memory(pod: Pod, req: GpuRequest) -> str:
-    """Why the pod's GPU memory is too small to be meant ("" when it is not): a plain number is bytes, and so is a
-    number with a decimal suffix (``500m`` is milli: half a byte)."""
-    if req.memory_mib is None or req.memory_mib >= MIN_GPU_MEMORY_MIB:
-        return ""
-    texts = [t for c in (*pod.spec.init_containers, *pod.spec.containers) if (t := resource_text(c, MEMORY_RESOURCE))]
-    text = (texts[0] if texts else f"{req.memory_mib}Mi").strip()
-    value = parse_quantity(text)
-    number = text.rstrip("kMGTPEm")
-    if text.isdigit():
-        size, note, meant = f"only {text} bytes", "", f"{text}Gi"
-    elif text.endswith("m") and value is not None:
-        size = f"{value.normalize():f} bytes"
-        note = "the suffix m is milli (a thousandth), not mebi: "
-        meant = f"{number}Mi"
-    else:
-        size, note, meant = fmt_mib(req.memory_mib), "", "10Gi"
-    return (
-        f"{MEMORY_RESOURCE} {echo(text)} is {size}, less than the {MIN_GPU_MEMORY_MIB}Mi a GPU workload needs at the "
-        f"least (a CUDA context alone takes about 300 MiB): {note}a number without a unit is bytes; write the unit, "
-        f"e.g. {MEMORY_RESOURCE}: {meant}"
-    )
 
 
 def review(body: AdmissionReview, mutate: bool, cfg: WebhookConfig) -> AdmissionReview:
