@@ -25,7 +25,7 @@ def _names_never_cut() -> None:
     from rich.table import Table
     from typer import rich_utils
 
-    if getattr(rich_utils.Table, "names_never_cut", False):
+    if getattr(getattr(rich_utils, "Table", None), "names_never_cut", False):
         return
 
     class HelpTable(Table):
@@ -36,7 +36,7 @@ def _names_never_cut() -> None:
             for column in self.columns[:-1]:
                 column.no_wrap = True
 
-    rich_utils.Table = HelpTable  # type: ignore[misc]
+    setattr(rich_utils, "Table", HelpTable)  # noqa: B010  (not a name typer exports: mypy refuses the plain form)
 
 
 class _Command(TyperCommand):
