@@ -74,6 +74,6 @@ tricky_keys = st.sampled_from(["NodeNames", '"NodeNames":', "x", "]}", '"NodeNam
 def test_any_sequence_of_bodies_decodes_as_whole_decodes_do(steps: list[tuple[str, dict[str, str], str, str]]) -> None:
     lists: dict[str, list[str] | None] = {"big": BIG, "fewer": BIG[:-1], "none": None, "small": ["n1", "n2"]}
     d = ArgsDecoder()
-    for name, annotations, which, order in steps:
-        body = _body(pod_obj(name, annotations=annotations), lists[which], order)
+    for name, ann, which, order in steps:
+        body = _body(pod_obj(name, annotations=ann), lists[which], order)
         assert d.decode(body).model_dump() == ExtenderArgs.model_validate_json(body).model_dump()
