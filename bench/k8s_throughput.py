@@ -326,12 +326,24 @@ def pct(xs: list[float], p: float) -> float:
 
 
 # The chart's kube-scheduler at --v=2 logs every attempt that does not end bound (klog's pod="ns/name" key).
-_FAILED_ATTEMPT = re.compile(r'"(?:Unable to schedule pod[^"]*|Error scheduling pod; retrying)".*?pod="([^"]+)"')
+_FAILED_ATTEMPT = re.compile(
+    r'^[IEW]\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*?"(?:Unable to schedule pod[^"]*|Error scheduling pod; retrying)"'
+    r'.*?pod="([^"]+)"',
+    re.MULTILINE,
+)
 
 
-def failed_attempts(log: str) -> Counter[str]:
-    """Failed scheduling attempts per pod (namespace/name) in a kube-scheduler's --v=2 log."""
-    return Counter(m.group(1) for m in _FAILED_ATTEMPT.finditer(log))
+def failed_attempts(log: str, after: float | None = None) -> Counter[str]:
+    """Failed scheduling attempts per pod (namespace/name) in a kube-scheduler's --v=2 log; with ``after`` (a Unix
+    time), only those logged after it (klog's header has the time of day, UTC here)."""
+    out: Counter[str] = Counter()
+    for m in _FAILED_ATTEMPT.finditer(log):
+        if after is not None:
+            of_day = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+            if not 0 < (of_day - after) % 86400 < 43200:  # not after it (across midnight too)
+                continue
+        out[m.group(4)] += 1
+    return out
 
 
 def burst_round(rig: Rig, kind: str, items: list[tuple[str, dict[str, Any]]], pids: dict[str, int],
@@ -389,7 +401,8 @@ def burst_round(rig: Rig, kind: str, items: list[tuple[str, dict[str, Any]]], pi
         "stalled": stalled,
     }  # fmt: skip
     if kind == "sharegpu":
-        res |= burst_checks(rig, items, sched_log)
+        last_bind_unix = time.time() - (time.perf_counter() - last_bind)
+        res |= burst_checks(rig, items, sched_log, last_bind_unix)
     for ns in per_ns:
         rig.client.deletecollection(Pod, namespace=ns, grace_period=0)
     for ns in per_ns:
@@ -399,7 +412,9 @@ def burst_round(rig: Rig, kind: str, items: list[tuple[str, dict[str, Any]]], pi
     return res
 
 
-def burst_checks(rig: Rig, items: list[tuple[str, dict[str, Any]]], sched_log: Proc | None) -> dict[str, Any]:
+def burst_checks(
+    rig: Rig, items: list[tuple[str, dict[str, Any]]], sched_log: Proc | None, last_bind: float
+) -> dict[str, Any]:
     """What fits and what was bound, from the API server's objects: every GPU's use recomputed into a fresh ledger
     (``rig.audit``: no over-allocation, no MIG overlap), `sharegpu status` (a view of its own) for the pending pods
     and whether each really cannot fit now, and the kube-scheduler's failed attempts per pod."""
@@ -424,7 +439,12 @@ def burst_checks(rig: Rig, items: list[tuple[str, dict[str, Any]]], sched_log: P
     pending_fits = [p["pod"] for p in pending if p["reason"] == "fits"]
     bound_keys = {f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods if p["spec"].get("nodeName")}
     unbound = ours - bound_keys
-    failed = failed_attempts(sched_log.text()) if sched_log is not None else Counter()
+    log = sched_log.text() if sched_log is not None else ""
+    failed = failed_attempts(log)
+    # A pod that cannot fit is tried again while other pods are bound (each bind is a cluster event that requeues
+    # it); later than the kube-scheduler's longest back-off (10 s) after the last bind, no attempt should follow: a
+    # retry storm or a livelock would go on.
+    after = sum(n for k, n in failed_attempts(log, last_bind + 10.0).items() if k in ours)
     attempts = {k: failed.get(k, 0) + (k in bound_keys) for k in ours}
     why: Counter[str] = Counter()
     for ns in namespaces:
@@ -446,6 +466,7 @@ def burst_checks(rig: Rig, items: list[tuple[str, dict[str, Any]]], sched_log: P
         "max_attempts_bound": max((a for k, a in attempts.items() if k in bound_keys), default=0),
         "max_attempts_pending": max((a for k, a in attempts.items() if k not in bound_keys), default=0),
         "attempts_histogram": dict(sorted(Counter(attempts.values()).items())),
+        "failed_attempts_10s_after_last_bind": after,
         "failed_scheduling_events": sum(why.values()),
         "failed_scheduling_why": dict(why.most_common(3)),
         "extender_binds_refused": ext_log.count("cannot bind"),

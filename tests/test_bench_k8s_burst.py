@@ -4,6 +4,7 @@ onto a cluster too small for it ends with every pod that fits bound and the rest
 
 from __future__ import annotations
 
+import calendar
 import importlib.util
 import json
 import os
@@ -66,6 +67,10 @@ def test_failed_attempts_are_counted_per_pod_from_the_scheduler_log() -> None:
         ]
     )
     assert bench.failed_attempts(log) == Counter({"t1/b0-whole-0049": 2, "t1/b0-whole-0061": 1})
+    after = calendar.timegm((2026, 11, 28, 23, 9, 8, 0, 0, 0))  # klog's time of day is UTC on the rig's machines
+    assert bench.failed_attempts(log, after) == Counter({"t1/b0-whole-0049": 1, "t1/b0-whole-0061": 1})
+    assert bench.failed_attempts(log, after + 3600) == Counter()
+    assert bench.failed_attempts(log, after - 86400 + 10) == Counter({"t1/b0-whole-0061": 1})  # the day before
 
 
 def test_percentile_by_rank() -> None:
@@ -89,6 +94,7 @@ def test_burst_onto_a_cluster_too_small_binds_every_pod_that_fits(tmp_path: Path
     assert share["pending"] > 0 and share["bound"] == share["fits"] == 40 - share["pending"]
     assert set(share["pending_reasons"]) == {"gpu-busy"}, share["pending_reasons"]  # no GPU with room left
     assert share["over_allocations"] == [] and share["status_disagreements"] == [] and share["idle_gpus"] == 0
+    assert share["failed_attempts_10s_after_last_bind"] == 0
     assert {x["kind"]: x["bound"] for x in report["rounds"] if x["kind"] != "sharegpu"} == {
         "plain": 40,
         "plain-fast": 40,
