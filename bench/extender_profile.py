@@ -336,8 +336,9 @@ def instrument(view: Any = None, api: Any = None) -> None:
     Decisions._feasibility = timed_sync(Decisions._feasibility, "{verb}: feasibility (per-shape filter)")  # type: ignore[method-assign]
     Decisions._choose = timed_sync(Decisions._choose, "{verb}: scores and pick")  # type: ignore[method-assign]
     Decisions._hold = timed_sync(Decisions._hold, "{verb}: hold (GPU choice, ledger)")  # type: ignore[method-assign]
-    decisions.pod_request = timed_sync(decisions.pod_request, "{verb}: pod_request")
-    binding.pod_request = timed_sync(binding.pod_request, "{verb}: pod_request")
+    if hasattr(decisions, "pod_request"):  # trees before issue 34's cut 2 parse the pod in filter and in bind
+        decisions.pod_request = timed_sync(decisions.pod_request, "{verb}: pod_request")
+        binding.pod_request = timed_sync(binding.pod_request, "{verb}: pod_request")
     ClusterMetrics.record = timed_sync(ClusterMetrics.record, "{verb}: metrics record")  # type: ignore[method-assign]
 
     original_bind = Extender.bind
@@ -355,6 +356,8 @@ def instrument(view: Any = None, api: Any = None) -> None:
     server.make_app = make_app
 
     if view is not None:
+        if hasattr(view, "request_of"):  # since issue 34's cut 2: the view's kept request, read again only if changed
+            view.request_of = timed_sync(view.request_of, "{verb}: pod_request")
         view.reserve = timed_sync(view.reserve, "{verb}: ledger reserve and settle")
         view.settle = timed_sync(view.settle, "{verb}: ledger reserve and settle")
         pod_apply = view.apply_pod
@@ -449,10 +452,9 @@ def extender_child(
 ) -> None:
     """Serve the extender as ``sharegpu scheduler-extender`` does (uvloop, mutual TLS offering HTTP/2, preemption on,
     INFO logging into a file), instrumented; answer the bench's commands on ``conn``."""
-    # bench/ is first on the path of a script run from it, and bench/priority.py would shadow the ``priority``
-    # package that hypercorn's HTTP/2 needs.
+    # bench/ is first on the path of a script run from it: none of its scripts may shadow a package the extender
+    # imports (bench/priority.py once shadowed hypercorn's ``priority``; it is bench/priority_replay.py now).
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-    sys.modules.pop("priority", None)
     import logging
 
     import uvloop
@@ -486,7 +488,9 @@ def extender_child(
         return Timed(original_preemption(*a, **k), step=lambda dt: METER.add(None, "preemption controller", dt))
 
     server.run_preemption = run_preemption
-    original_tcp = serving.TCPServer
+    # The connection handler the serving module calls: its own subclass since issue 34's direct HTTP/2 answers.
+    handler = "_TCPServer" if hasattr(serving, "_TCPServer") else "TCPServer"
+    original_tcp = getattr(serving, handler)
 
     def tcp_server(*a: Any, **k: Any) -> Awaitable[Any]:
         def step(dt: float) -> None:
@@ -494,7 +498,7 @@ def extender_child(
 
         return Timed(_Steps(original_tcp(*a, **k)), step=step)
 
-    serving.TCPServer = tcp_server
+    setattr(serving, handler, tcp_server)
     from hypercorn.protocol.h2 import H2Protocol
 
     original_send_task = H2Protocol.send_task

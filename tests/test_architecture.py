@@ -269,3 +269,25 @@ def test_the_cache_builds_no_scheduler() -> None:
     for rel, tree, _ in _modules():
         if rel.startswith("k8s/cache/"):
             assert not _calls(tree, "Scheduler") and not _calls(tree, "make_policy"), rel
+
+
+def test_no_bench_script_shadows_an_installed_package() -> None:
+    """A script run from bench/ has bench/ first on its path: bench/priority.py once shadowed the ``priority`` package
+    that hypercorn's HTTP/2 imports, and the extender failed to import in the benches."""
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != bench]
+    try:
+        shadowing = []
+        for script in sorted(bench.glob("*.py")):
+            loaded = sys.modules.get(script.stem)
+            if loaded is not None:  # imported already: by a bench test (the script itself) or as a package
+                if Path(getattr(loaded, "__file__", "") or "").resolve().parent != bench:
+                    shadowing.append(script.stem)
+            elif importlib.util.find_spec(script.stem) is not None:
+                shadowing.append(script.stem)
+    finally:
+        sys.path[:] = saved
+    assert shadowing == [], f"bench/ scripts named as installed packages: {shadowing}"

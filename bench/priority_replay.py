@@ -1,7 +1,7 @@
 """Priorities, preemption and consolidation in the simulator (issue 19): how long high-priority pods wait, and at what
 cost, with and without each feature, against FGD and the `sharegpu` policy without them, side by side in one run.
 
-Usage: uv run python bench/priority.py [--trace default] [--seeds 42,43] [--arrivals 20000] [--load 2.0]
+Usage: uv run python bench/priority_replay.py [--trace default] [--seeds 42,43] [--arrivals 20000] [--load 2.0]
            [--high 0.2] [--max-moves 2] [--jobs 2] [--plot docs/priority.png]
 
 Workload: the openb trace redrawn with its pods' lifetimes, arriving so that the GPU busy on average is --load × the
