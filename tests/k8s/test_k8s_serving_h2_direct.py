@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from tls_helpers import make_pki_or_skip
+from tls_helpers import make_pki_or_skip, wait_answering
 
 from proc_helpers import free_port
 from sharegpu.k8s.serving.server import Listener, ServerTls, Site, serve
@@ -65,12 +65,7 @@ def _run(tmp_path: Path, calls: Any) -> Any:
         ctx = ssl.create_default_context(cafile=str(pki.ca))
         try:
             async with httpx.AsyncClient(http2=True, verify=ctx, timeout=10) as client:
-                for _ in range(100):  # until it listens
-                    try:
-                        await client.get(f"https://127.0.0.1:{port}/small/0")
-                        break
-                    except httpx.ConnectError:
-                        await asyncio.sleep(0.05)
+                await wait_answering(client, f"https://127.0.0.1:{port}/small/0")
                 return await calls(client, f"https://127.0.0.1:{port}")
         finally:
             stop.set()

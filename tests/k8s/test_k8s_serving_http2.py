@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from tls_helpers import make_pki_or_skip
+from tls_helpers import make_pki_or_skip, wait_answering
 
 from proc_helpers import free_port
 from sharegpu.k8s.serving.server import Listener, ServerTls, Site, serve
@@ -40,12 +40,7 @@ def test_one_http2_connection_carries_more_than_a_thousand_requests_with_some_in
         ports: set[int] = set()
         try:
             async with httpx.AsyncClient(http2=True, verify=ctx, timeout=10) as client:
-                for _ in range(100):  # until it listens
-                    try:
-                        await client.get(f"https://127.0.0.1:{port}/echo/0")
-                        break
-                    except httpx.ConnectError:
-                        await asyncio.sleep(0.05)
+                await wait_answering(client, f"https://127.0.0.1:{port}/echo/0")
                 for start in range(0, 1500, 50):  # 50 at a time in flight on the one connection
                     answers = await asyncio.gather(
                         *(client.get(f"https://127.0.0.1:{port}/echo/{n}") for n in range(start, start + 50))

@@ -3,11 +3,13 @@ and a second CA with its own client pair (a client the server must refuse)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx2
 import pytest
 
 
@@ -67,3 +69,13 @@ def make_pki(d: Path, server_names: str = "IP:127.0.0.1,DNS:localhost") -> Pki:
     rogue_ca = _ca(d, "rogue-ca")
     rogue = _leaf(d, "rogue", rogue_ca, "sharegpu-scheduler", "extendedKeyUsage=clientAuth\n")
     return Pki(ca[0], *server, *client, rogue_ca[0], *rogue)
+
+
+async def wait_answering(client: httpx2.AsyncClient, url: str) -> None:
+    """Until a server started beside the test (its socket bound in a task of the same event loop) answers ``url``."""
+    for _ in range(100):
+        try:
+            await client.get(url)
+            return
+        except httpx2.ConnectError:
+            await asyncio.sleep(0.05)
