@@ -53,6 +53,7 @@ from rig import KUBECONFIG, LOAD_NODES, SCHEDULER_NAME, Proc, Rig, audit, status
 from sharegpu.model.catalog import DEFAULT_CATALOG
 from sharegpu.model.contract import INVENTORY_ANNOTATION
 from sharegpu.model.inventory import NodeSpec
+from sharegpu.placement.reasons import ReasonKind
 from sharegpu.sim.openb import load_nodes
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openb"
@@ -436,7 +437,7 @@ def burst_checks(
     ]
     report = status_json(rig)
     pending = [p for p in report["pending"] if p["pod"] in ours]
-    pending_fits = [p["pod"] for p in pending if p["reason"] == "fits"]
+    pending_fits = [p["pod"] for p in pending if p["reason"] == ReasonKind.FITS]
     bound_keys = {f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods if p["spec"].get("nodeName")}
     unbound = ours - bound_keys
     log = sched_log.text() if sched_log is not None else ""
@@ -454,7 +455,7 @@ def burst_checks(
     ext_log = "".join(p.text() for p in rig.procs if p.name.startswith("extender"))
     by_kind = Counter(k.split("/", 1)[1].split("-")[1] for k in unbound)
     return {
-        "fits": len(bound_keys & ours) + len(pending_fits),
+        "with_room": len(bound_keys & ours) + len(pending_fits),  # the pods that fit: bound, or judged to fit
         "pending": len(unbound),
         "pending_by_kind": dict(by_kind),
         "pending_reasons": dict(Counter(p["reason"] for p in pending)),
@@ -544,7 +545,7 @@ def burst_summary(args: argparse.Namespace, n_nodes: int, gpus: int, results: li
         summary[kind] = {k: med(kind, k) for k in ("pods_per_s", "create_to_bind_p50_ms", "create_to_bind_p99_ms",
                                                    "bound", "first_create_to_last_bind_s")}  # fmt: skip
     summary["sharegpu"] |= {
-        "bound_of_fits": [f"{x['bound']}/{x['fits']}" for x in share],
+        "bound_of_fits": [f"{x['bound']}/{x['with_room']}" for x in share],
         "pending": [x["pending"] for x in share],
         "max_attempts_bound": max(x["max_attempts_bound"] for x in share),
         "over_allocations": sum(len(x["over_allocations"]) for x in share),
@@ -557,7 +558,7 @@ def burst_summary(args: argparse.Namespace, n_nodes: int, gpus: int, results: li
         r = x["round"]
         if x["over_allocations"]:
             violations.append(f"round {r}: over-allocated: {x['over_allocations']}")
-        if x["pending_that_fit"] or x["bound"] < x["fits"]:
+        if x["pending_that_fit"] or x["bound"] < x["with_room"]:
             violations.append(f"round {r}: pods that fit left pending: {x['pending_that_fit']}")
         if x["pending_by_kind"].get("whole") and x["idle_gpus"]:
             violations.append(

@@ -91,7 +91,7 @@ def test_burst_onto_a_cluster_too_small_binds_every_pod_that_fits(tmp_path: Path
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
     (share,) = [x for x in report["rounds"] if x["kind"] == "sharegpu"]
-    assert share["pending"] > 0 and share["bound"] == share["fits"] == 40 - share["pending"]
+    assert share["pending"] > 0 and share["bound"] == share["with_room"] == 40 - share["pending"]
     assert set(share["pending_reasons"]) == {"gpu-busy"}, share["pending_reasons"]  # no GPU with room left
     assert share["over_allocations"] == [] and share["status_disagreements"] == [] and share["idle_gpus"] == 0
     assert share["failed_attempts_10s_after_last_bind"] == 0
