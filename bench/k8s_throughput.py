@@ -437,7 +437,7 @@ def burst_checks(
     ]
     report = status_json(rig)
     pending = [p for p in report["pending"] if p["pod"] in ours]
-    pending_fits = [p["pod"] for p in pending if p["reason"] == ReasonKind.FITS]
+    pending_fits = [p["pod"] for p in pending if p["reason"] == ReasonKind.FITS.value]
     bound_keys = {f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in pods if p["spec"].get("nodeName")}
     unbound = ours - bound_keys
     log = sched_log.text() if sched_log is not None else ""
