@@ -131,7 +131,9 @@ class Verdict:
 
 
 # The node agent's record of each MIG instance it made (sharegpu.node.mig logs it when the backend answers).
-CREATED_MIG = re.compile(r"created MIG instance (MIG-[0-9a-f-]+) \((\S+) at slot (\d+)\) on GPU (\d+)")
+# "kept": an instance made by an earlier run of the agent, logged by the next one (a run killed between making an
+# instance and logging it leaves the instance to the next run).
+CREATED_MIG = re.compile(r"(?:created|kept) MIG instance (MIG-[0-9a-f-]+) \((\S+) at slot (\d+)\) on GPU (\d+)")
 
 
 def mig_instances(rig: Rig, node: str) -> dict[str, tuple[int, str, int]]:

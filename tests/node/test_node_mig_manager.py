@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,19 @@ def test_restarted_manager_knows_its_instances_from_the_state_file(tmp_path: Pat
     sim4.set_mig_mode(0, True)
     sim4.create_mig_instance(0, "3g.40gb", 0)
     assert mig4.reconcile(set(), {}).destroyed == ()
+
+
+def test_a_new_run_logs_each_instance_of_ours_made_before_it_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An agent killed between making an instance and logging it: the next run names the instance, with its place
+    (the real-node restart test reads the node's log to know where each instance sits)."""
+    caplog.set_level(logging.INFO, logger="sharegpu.node.mig")
+    sim, mig, state = _setup("gpus: [{model: H100-80GB, mig: true, migInstances: [{profile: 1g.10gb, start: 6}]}]")
+    made = mig.ensure(0, sim.devices()[0].uuid, MigSlot("3g.40gb", 0))
+    assert "created MIG instance" in caplog.text and "kept MIG instance" not in caplog.text
+
+    caplog.clear()
+    again = MigManager(sim, state)  # the next run, over the same GPU and state
+    again.ensure(0, sim.devices()[0].uuid, MigSlot("3g.40gb", 0))
+    again.reconcile({MigNeed(0, 0, "3g.40gb")}, {})
+    kept = [r.getMessage() for r in caplog.records if "kept MIG instance" in r.getMessage()]
+    assert kept == [f"kept MIG instance {made.uuid} (3g.40gb at slot 0) on GPU 0, made by sharegpu before this start"]

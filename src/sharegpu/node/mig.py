@@ -49,6 +49,7 @@ class MigManager:
         self._catalog = catalog
         self._needs: set[MigNeed] = set()
         self._non_mig_users: dict[int, set[str]] = {}  # GPU index → who uses it without MIG, for messages
+        self._told: set[str] = set()  # instances of ours this run has logged (made, or found made before it)
 
     def is_managed(self, mig_uuid: str) -> bool:
         return mig_uuid in self._state.managed_mig
@@ -64,6 +65,7 @@ class MigManager:
         self._needs.add(need)
         for inst in self._backend.mig_instances(gpu_index):
             if inst.start == slot.start and inst.profile == slot.profile:
+                self._tell_kept(inst)
                 return inst
         return self._create(need)
 
@@ -86,6 +88,7 @@ class MigManager:
                 continue
             wanted = {n for n in needs if n.gpu_index == dev.index}
             for inst in present:
+                self._tell_kept(inst)
                 if MigNeed(dev.index, inst.start, inst.profile) not in wanted and self._destroy_if_free(inst):
                     destroyed.append(inst)
             have = {(i.start, i.profile) for i in self._backend.mig_instances(dev.index)} if dev.mig_enabled else set()
@@ -105,6 +108,16 @@ class MigManager:
         return MigReport(tuple(created), tuple(destroyed), tuple(errors))
 
     # ----- internals ------------------------------------------------------------------------------------------
+    def _tell_kept(self, inst: MigInstanceInfo) -> None:
+        """Log, once per run, an instance of ours made before this run: an agent killed between making an instance
+        and logging it would otherwise leave the instance a container uses named nowhere in the node's log."""
+        if inst.uuid not in self._told and self.is_managed(inst.uuid):
+            self._told.add(inst.uuid)
+            log.info(
+                "kept MIG instance %s (%s at slot %d) on GPU %d, made by sharegpu before this start",
+                inst.uuid, inst.profile, inst.start, inst.gpu_index,
+            )  # fmt: skip
+
     def _width(self, model_name: str, profile: str) -> int:
         try:
             return self._catalog.get(model_name).profile(profile).memory_slots
@@ -147,6 +160,7 @@ class MigManager:
         except BackendError as e:
             raise MigError(f"{where}: the driver refused: {e}") from None
         self._state.add_managed_mig(inst.uuid)
+        self._told.add(inst.uuid)
         log.info(
             "created MIG instance %s (%s at slot %d) on GPU %d", inst.uuid, inst.profile, inst.start, inst.gpu_index
         )
