@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+from collections.abc import Iterator
 
 import pytest
 from k8s_helpers import node_obj, node_spec, nodes
 
 from sharegpu.k8s.cache.view import ClusterView
 from sharegpu.k8s.extender.schedulers import Schedulers
-from sharegpu.k8s.extender.warm import keep_warm, warm_all
+from sharegpu.k8s.extender.warm import POLL_S, keep_warm, warm_all
 from sharegpu.ledger import Ledger
 from sharegpu.model.request import GpuRequest
 from sharegpu.placement.fragmentation import Workload
@@ -162,6 +163,35 @@ def test_the_serving_process_freezes_the_warmed_heap_and_only_it(freeze: bool) -
         assert (gc.get_freeze_count() > 0) is freeze
     finally:
         gc.unfreeze()
+
+
+def test_a_failing_warm_up_is_logged_once_and_the_task_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    view = ClusterView()
+    view.reset(nodes([node_obj(node_spec(f"n{i}", gpus=2)) for i in range(4)]), [])
+    view.synced = True
+    reqs = [GpuRequest("default/p", 1, compute_milli=100, cpu_milli=1000)]
+    view.requests = lambda: list(reqs)  # type: ignore[method-assign]
+    view.request_count = lambda: len(reqs)  # type: ignore[method-assign]
+    schedulers = Schedulers(view, "sharegpu")
+
+    def broken(self: Scheduler, req: GpuRequest, chunk: int) -> Iterator[None]:
+        raise RuntimeError("boom")
+        yield
+
+    async def main() -> bool:
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(keep_warm(schedulers, stop, chunk=5))
+        await asyncio.sleep(POLL_S * 3)
+        alive = not task.done()
+        stop.set()
+        await asyncio.wait_for(task, 2)
+        return alive
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "warm", broken)
+        assert asyncio.run(main())  # still watching for the next scheduler
+    failures = [r for r in caplog.records if "warming pod shapes failed" in r.getMessage()]
+    assert len(failures) == 1 and "boom" in (failures[0].exc_text or "")
 
 
 def test_warm_requests_one_per_shape_most_common_first() -> None:

@@ -61,14 +61,21 @@ async def keep_warm(
             started = time.perf_counter()
             reqs = schedulers.warm_requests()
             done = True
-            for r in reqs:
-                for _ in sched.warm(r, chunk):
-                    await asyncio.sleep(0)
-                    if stop.is_set() or schedulers.current() is not sched:
-                        done = False
+            try:
+                for r in reqs:
+                    for _ in sched.warm(r, chunk):
+                        await asyncio.sleep(0)
+                        if stop.is_set() or schedulers.current() is not sched:
+                            done = False
+                            break
+                    if not done:
                         break
-                if not done:
-                    break
+            except Exception:
+                # Warming only saves time: a failure leaves the cycles cold (they compute what warming would have),
+                # said once per scheduler, and the task goes on watching for the next one.
+                log.exception("warming pod shapes failed; the first cycle of each shape will be cold")
+                warmed = sched
+                continue
             if done:
                 warmed = sched
                 if freeze:
