@@ -134,15 +134,20 @@ def test_keep_warm_builds_at_the_list_warms_and_warms_again_after_a_relist() -> 
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("freeze", [False, True])
-def test_the_serving_process_freezes_the_warmed_heap_and_only_it(freeze: bool) -> None:
+def _listed_schedulers() -> Schedulers:
+    """The decisions' schedulers over a listed view of four nodes whose pods have one shape."""
     view = ClusterView()
     view.reset(nodes([node_obj(node_spec(f"n{i}", gpus=2)) for i in range(4)]), [])
     view.synced = True
     reqs = [GpuRequest("default/p", 1, compute_milli=100, cpu_milli=1000)]
     view.requests = lambda: list(reqs)  # type: ignore[method-assign]
     view.request_count = lambda: len(reqs)  # type: ignore[method-assign]
-    schedulers = Schedulers(view, "sharegpu")
+    return Schedulers(view, "sharegpu")
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_the_serving_process_freezes_the_warmed_heap_and_only_it(freeze: bool) -> None:
+    schedulers = _listed_schedulers()
     gc.unfreeze()
 
     async def main() -> None:
@@ -166,13 +171,7 @@ def test_the_serving_process_freezes_the_warmed_heap_and_only_it(freeze: bool) -
 
 
 def test_a_failing_warm_up_is_logged_once_and_the_task_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    view = ClusterView()
-    view.reset(nodes([node_obj(node_spec(f"n{i}", gpus=2)) for i in range(4)]), [])
-    view.synced = True
-    reqs = [GpuRequest("default/p", 1, compute_milli=100, cpu_milli=1000)]
-    view.requests = lambda: list(reqs)  # type: ignore[method-assign]
-    view.request_count = lambda: len(reqs)  # type: ignore[method-assign]
-    schedulers = Schedulers(view, "sharegpu")
+    schedulers = _listed_schedulers()
 
     def broken(self: Scheduler, req: GpuRequest, chunk: int) -> Iterator[None]:
         raise RuntimeError("boom")

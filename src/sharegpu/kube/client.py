@@ -2,8 +2,9 @@
 
 Objects come back as plain JSON (``dict``), as the API server wrote them: lightkube's typed models cost more to decode
 (and to turn back into dicts) than the rest of the extender's work per watch event, and they drop the fields they do
-not know. Requests are built by lightkube (URLs, selectors, authentication) and carried by
-:mod:`sharegpu.kube.transport`. Every method takes ``what`` — what the caller was doing, said for a person ("read
+not know. Requests are built by lightkube (URLs, selectors, authentication), except the one write
+of every pod, its Binding, whose body is encoded once by its caller (:meth:`KubeClient.post_encoded`), and carried
+by :mod:`sharegpu.kube.transport`. Every method takes ``what`` — what the caller was doing, said for a person ("read
 node n1") — and raises :class:`~sharegpu.kube.errors.KubeError` (a subclass that says what to do) on any failure.
 Every name and namespace that goes into a URL is checked first (:func:`sharegpu.kube.names.check_path`): one that
 Kubernetes would not accept raises :class:`~sharegpu.kube.names.InvalidName` before any request is built.
