@@ -290,7 +290,9 @@ class NodeAgent:
                 mps_limits[key] = MpsLimits.of_share(s.compute_milli, s.memory_mib, together).union(mps_limits.get(key))
         for key, limits in granted_mps.items():
             mps_limits[key] = limits.union(mps_limits.get(key))
-        errors += await self.mps.reconcile(set(mps_limits), mps_limits)
+        errors += await self.mps.reconcile(
+            set(mps_limits), mps_limits, holders=self._mps_holders(assignments, pods, instances)
+        )
         # Forget a pod's allocations only when two lists in a row lack it and no recent grant is its: a list
         # that predates the pod (or lags behind it) must not make its containers allocatable again.
         keep = {p.uid for p in pods} | {g.pod_uid for g in recent}
@@ -302,6 +304,24 @@ class NodeAgent:
                 errors.append(str(e))
         self._absent_before = absent
         return errors
+
+    @staticmethod
+    def _mps_holders(
+        assignments: list[Assignment], pods: list[PodInfo], instances: dict[MigNeed, str]
+    ) -> dict[str, set[str]]:
+        """Per GPU or MIG instance (``instances``: the node's, by place), the UIDs of the live pods assigned an MPS
+        share there: a unit's legacy daemon (:meth:`~sharegpu.node.mps.MpsManager.recover`) is kept while one it
+        served before the upgrade is among them."""
+        uid_of = {p.key: p.uid for p in pods if not p.finished}
+        out: dict[str, set[str]] = {}
+        for a in assignments:
+            for s in a.shares:
+                if a.pod not in uid_of or s.sharing is not Mechanism.MPS:
+                    continue
+                unit = s.gpu_uuid if s.mig is None else instances.get(MigNeed(s.gpu_index, s.mig.start, s.mig.profile))
+                if unit is not None:
+                    out.setdefault(unit, set()).add(uid_of[a.pod])
+        return out
 
     async def _drop_orphan_specs(self) -> None:
         """CDI specs of device-plugin allocations that the state does not know (a pod gone while the agent was down,

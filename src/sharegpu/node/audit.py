@@ -10,7 +10,9 @@ clients), ties each process to its pod (``/proc/<pid>/cgroup``) and reports what
 - ``mps-other-tenant``: a pod's MPS client connected to the daemon of another tenant (:mod:`sharegpu.model.tenant`)
   than its own: it shares a server, and a fault domain, with pods that were never meant to be its neighbours (and
   waits on them where they run as another user). The daemon is told by the pipe directory the process reaches
-  it by (:meth:`~sharegpu.node.backends.base.GpuBackend.mps_pipe_dir`); where that cannot be read, nothing is claimed;
+  it by (:meth:`~sharegpu.node.backends.base.GpuBackend.mps_pipe_dir`); where that cannot be read, nothing is claimed.
+  A unit's legacy daemon (one daemon per unit, from an agent before tenants, adopted after an upgrade) is the own
+  daemon of every pod it may serve (``served``), whatever their tenants: they were its clients before the upgrade;
 - ``memory-over-share``: a pod's processes on a unit use more memory than its share and their CUDA contexts
   (:func:`context_allowance_mib`) together (shares with a memory figure);
 - ``no-pod``: a process on the GPU that belongs to no pod (the MPS servers themselves excepted).
@@ -42,7 +44,7 @@ from sharegpu.node.backends.base import (
     is_mps_server_name,
 )
 from sharegpu.node.kube import PodInfo
-from sharegpu.node.mps import DaemonKey
+from sharegpu.node.mps import DaemonKey, tenant_words
 
 # What a process holds on the GPU beyond its own data: its CUDA context, its libraries' workspaces and its allocator's
 # rounding, which NVML counts as the process's memory and no share does (an MPS client's pinned-memory limit holds its
@@ -228,6 +230,7 @@ def audit(
     mps_known: Mapping[int, bool],
     tenants: Mapping[str, str] | None = None,
     exempt: Collection[str] = (),
+    served: Mapping[str, Collection[DaemonKey]] | None = None,
 ) -> tuple[Finding, ...]:
     """The findings of one reading.
 
@@ -235,7 +238,8 @@ def audit(
     ``mps_known``: per GPU index, whether the driver answered the MPS-aware query (a bypass can only be told then);
     ``tenants``: per pod UID, the tenant whose daemon serves it on this node (a client of another tenant's daemon is
     told; a pod missing here is not checked); ``exempt``: pod UIDs whose processes are sharegpu's own use of the GPUs
-    (:func:`bench_pods`), never a finding.
+    (:func:`bench_pods`), never a finding; ``served``: per pod UID, the daemons beside its tenant's whose clients it
+    may have (a unit's legacy daemon, for the pods it served before an upgrade).
     """
     findings: list[Finding] = []
     per_pod_unit: dict[tuple[str, str], list[ProcView]] = {}
@@ -264,7 +268,13 @@ def audit(
         )
     for (uid, unit), ps in sorted(per_pod_unit.items()):
         findings += _pod_findings(
-            pods[uid], unit, ps, shares.get(uid, ()), mps_known.get(ps[0].gpu_index, False), (tenants or {}).get(uid)
+            pods[uid],
+            unit,
+            ps,
+            shares.get(uid, ()),
+            mps_known.get(ps[0].gpu_index, False),
+            (tenants or {}).get(uid),
+            (served or {}).get(uid, ()),
         )
     return tuple(findings)
 
@@ -276,6 +286,7 @@ def _pod_findings(
     held: tuple[UnitShare, ...],
     mps_known: bool,
     tenant: str | None = None,
+    served: Collection[DaemonKey] = (),
 ) -> list[Finding]:
     """The findings of one pod's processes on one unit."""
     pids = tuple(sorted(p.pid for p in ps))
@@ -309,14 +320,14 @@ def _pod_findings(
                 )
             )
     foreign = [p for p in ps if p.role is Role.MPS_CLIENT and p.daemon is not None and tenant is not None]
-    foreign = [p for p in foreign if p.daemon is not None and p.daemon.tenant != tenant]
+    foreign = [p for p in foreign if p.daemon is not None and p.daemon.tenant != tenant and p.daemon not in served]
     for other in sorted({p.daemon for p in foreign if p.daemon is not None}):
         which = tuple(sorted(p.pid for p in foreign if p.daemon == other))
         out.append(
             finding(
                 FindingKind.MPS_OTHER_TENANT,
                 f"process(es) {_pids(which)} of this pod on {share.label} are clients of the MPS daemon of "
-                f"{describe(other.tenant)}, not of its own ({describe(tenant or '')}): they share that server and its "
+                f"{tenant_words(other.tenant)}, not of its own ({describe(tenant or '')}): they share that server and its "
                 "fault domain with pods of another tenant; check the pod's volumes and CUDA_MPS_PIPE_DIRECTORY (only "
                 "its own daemon's pipe directory is mounted for it)",
                 which,

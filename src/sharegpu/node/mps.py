@@ -9,6 +9,12 @@ are started when a grant first needs them, health-checked on every reconcile, re
 when their tenant has no client pod left on the unit. In multi-user mode (an administrator's opt-in, Volta or later)
 a unit runs one ``-M`` daemon for every user instead.
 
+An agent (or DRA driver) from before tenants ran one daemon per unit for every pod, at ``<root>/<unit UUID>/pipe`` and
+``.../log``. After an upgrade such a daemon still serves the containers started before it: the manager adopts it as
+the unit's *legacy* daemon (:data:`LEGACY_TENANT`), gives it no new client, keeps it while a holder of an MPS share on
+its unit at adoption (a pod, or a DRA claim) still holds one, then stops it and removes its directory; one that no
+longer answers is removed at once (:meth:`MpsManager.recover`, :meth:`MpsManager.reconcile`).
+
 Limits are set on the daemon, not only in the client's environment: right after a daemon starts, and whenever
 its tenant's shares on the unit change, the manager sends it ``set_default_active_thread_percentage`` and
 ``set_default_device_pinned_mem_limit`` (and the per-server forms for servers already running). A daemon's clients
@@ -50,6 +56,22 @@ class MpsError(NodeError):
     """An MPS daemon cannot be started or stopped; the message carries what the daemon said."""
 
 
+# The tenant key of a unit's daemon of the layout before tenants (one daemon per unit, for every pod, at
+# <root>/<unit>/pipe): no pod's tenant (model.tenant keys are "", "*multi-user", "<ns>/uid-<n>" or "pod/<id>").
+LEGACY_TENANT = "*before-tenants"
+# In <root>/<unit>/ beside a legacy daemon's pipe and log: the holders it may serve, fixed when it was first adopted,
+# so that an agent restarted meanwhile does not count holders that came after the upgrade (their containers never
+# reached it).
+LEGACY_HOLDERS_FILE = "legacy-holders.json"
+
+
+def tenant_words(tenant: str) -> str:
+    """Whose daemon a tenant key names, in words (the legacy daemon's too)."""
+    if tenant == LEGACY_TENANT:
+        return "every pod started before the upgrade (the unit's one daemon of the layout before tenants)"
+    return describe(tenant)
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class DaemonKey:
     """One daemon: the unit it serves and the tenant whose clients it serves there."""
@@ -58,7 +80,12 @@ class DaemonKey:
     tenant: str  # sharegpu.model.tenant key (MULTI_USER_TENANT for a multi-user daemon)
 
     def __str__(self) -> str:
-        return f"{self.unit_uuid} ({describe(self.tenant)})"
+        return f"{self.unit_uuid} ({tenant_words(self.tenant)})"
+
+    @property
+    def legacy(self) -> bool:
+        """The unit's daemon of the layout before tenants, adopted after an upgrade: it takes no new client."""
+        return self.tenant == LEGACY_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +168,14 @@ class MpsDaemonStatus:
     tenant: str = NO_TENANT
 
 
+@dataclass(frozen=True, slots=True)
+class _LegacyEnd:
+    """Why a unit's legacy daemon goes, and whether it still runs (then it is stopped; else only its directory goes)."""
+
+    running: bool
+    why: str
+
+
 TENANT_FILE = "tenant"  # in a daemon's directory: the tenant it serves (a directory name cannot be read back as one)
 
 
@@ -154,10 +189,16 @@ class MpsManager:
         self._running: set[DaemonKey] = set()
         self._restarts: dict[DaemonKey, int] = {}
         self._limits: dict[DaemonKey, MpsLimits] = {}  # what each running daemon was last told
+        # Adopted daemons of the layout before tenants, by unit: the holders each may serve (None: not fixed yet; the
+        # next reconcile that names the unit's holders fixes them).
+        self._legacy: dict[str, frozenset[str] | None] = {}
         self._lock = asyncio.Lock()  # Allocate and the reconcile loop must not start one daemon twice
 
     def tenant_key(self, tenant: str) -> str:
-        """The daemon that serves ``tenant`` on this node: its own, or the one multi-user daemon."""
+        """The daemon that serves ``tenant`` on this node: its own, or the one multi-user daemon (a legacy daemon's key
+        stays its own in either mode)."""
+        if tenant == LEGACY_TENANT:
+            return tenant
         return MULTI_USER_TENANT if self.multi_user else tenant
 
     def key(self, unit_uuid: str, tenant: str) -> DaemonKey:
@@ -167,6 +208,8 @@ class MpsManager:
         if not unit_uuid or "/" in unit_uuid or unit_uuid.startswith("."):
             raise MpsError(f"{unit_uuid!r} is not a GPU or MIG UUID")
         tenant = self.tenant_key(tenant)
+        if tenant == LEGACY_TENANT:  # the layout before tenants: the unit's one daemon right in its directory
+            return MpsDaemonSpec(unit_uuid, self.root / unit_uuid / "pipe", self.root / unit_uuid / "log", tenant)
         base = self.root / unit_uuid / tenant_dir(tenant)
         return MpsDaemonSpec(unit_uuid, base / "pipe", base / "log", tenant, tenant == MULTI_USER_TENANT)
 
@@ -190,8 +233,21 @@ class MpsManager:
                     found[DaemonKey(unit.name, tenant)] = entry
         return found
 
+    def _legacy_on_disk(self) -> list[str]:
+        """The units with a daemon directory of the layout before tenants (``<root>/<unit>/pipe``)."""
+        if not self.root.is_dir():
+            return []
+        return [
+            unit.name
+            for unit in sorted(self.root.iterdir())
+            if not unit.name.startswith(".") and (unit / "pipe").is_dir()
+        ]
+
     async def recover(self) -> set[DaemonKey]:
-        """After a restart: adopt the daemons that still answer, so their clients are not disturbed."""
+        """After a restart: adopt the daemons that still answer, so their clients are not disturbed.
+
+        A daemon of the layout before tenants that still answers is adopted as its unit's legacy daemon (it keeps its
+        clients, gets no new one); the directory of one that no longer answers is removed."""
         found: set[DaemonKey] = set()
         async with self._lock:
             for key, entry in self._on_disk().items():
@@ -200,9 +256,94 @@ class MpsManager:
                 if await self._daemon.healthy(spec):
                     self._running.add(key)
                     found.add(key)
+            for unit in self._legacy_on_disk():
+                spec = self.spec(unit, LEGACY_TENANT)
+                if not await self._daemon.healthy(spec):
+                    self._remove_legacy(unit)
+                    log.info(
+                        "removed the directory of the MPS daemon of the layout before tenants for %s: the daemon no "
+                        "longer answers",
+                        unit,
+                    )
+                    continue
+                self._running.add(spec.key)
+                self._legacy[unit] = self._read_legacy_holders(unit)
+                found.add(spec.key)
+                log.info(
+                    "adopted the MPS daemon of the layout before tenants for %s: its clients from before the upgrade "
+                    "keep it, new clients go to their tenant's daemon, and it is stopped once no pod it served is left",
+                    unit,
+                )
         if found:
             log.info("adopted running MPS daemons for %s", ", ".join(str(k) for k in sorted(found)))
         return found
+
+    def legacy(self) -> dict[DaemonKey, frozenset[str] | None]:
+        """The adopted daemons of the layout before tenants, each with the holders of MPS shares it may serve (pod
+        UIDs on the device-plugin path, claim UIDs on the DRA path; None: not fixed yet, any holder on its unit)."""
+        return {DaemonKey(unit, LEGACY_TENANT): serves for unit, serves in sorted(self._legacy.items())}
+
+    def _read_legacy_holders(self, unit: str) -> frozenset[str] | None:
+        path = self.root / unit / LEGACY_HOLDERS_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None  # adopted for the first time: fixed by the next reconcile
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s): the legacy daemon's holders are taken from the next reconcile", path, e)
+            return None
+        if not isinstance(data, list) or not all(isinstance(h, str) for h in data):
+            log.warning(
+                "%s is not a list of holders: the legacy daemon's holders are taken from the next reconcile", path
+            )
+            return None
+        return frozenset(data)
+
+    async def _legacy_done(self, unit: str, holders: Mapping[str, Iterable[str]] | None) -> _LegacyEnd | None:
+        """Whether the legacy daemon of ``unit`` is done: None while it is kept.
+
+        It is kept while it answers and one of the holders of an MPS share on its unit when it was adopted still holds
+        one there (``holders``: per unit, the holders now; None: the caller does not say, and it is kept)."""
+        if not await self._daemon.healthy(self.spec(unit, LEGACY_TENANT)):
+            return _LegacyEnd(False, "it no longer answers (its clients ended with it)")
+        if holders is None:
+            return None
+        now = frozenset(holders.get(unit, ()))
+        serves = self._legacy.get(unit)
+        if serves is None:
+            # The first reconcile after its adoption: whoever holds an MPS share on the unit now may be its client
+            # (started before the upgrade); holders that come later get their tenant's daemon only.
+            serves = self._legacy[unit] = now
+            try:
+                (self.root / unit / LEGACY_HOLDERS_FILE).write_text(json.dumps(sorted(serves)) + "\n")
+            except OSError as e:
+                log.warning("cannot record the legacy MPS daemon's holders for %s: %s", unit, e.strerror or e)
+        if serves & now:
+            return None
+        return _LegacyEnd(True, "no pod it served before the upgrade holds an MPS share on the unit any more")
+
+    async def _retire_legacy(self, unit: str, running: bool, why: str) -> None:
+        """Stop (where it still ``running``) the legacy daemon of ``unit`` and remove its directory; raises
+        :class:`MpsError` where it refuses to quit (it stays adopted, and is tried again next reconcile)."""
+        spec = self.spec(unit, LEGACY_TENANT)
+        if running:
+            await self._daemon.stop(spec)
+        self._remove_legacy(unit)
+        self._running.discard(spec.key)
+        self._limits.pop(spec.key, None)
+        self._legacy.pop(unit, None)
+        log.info(
+            "%s the MPS daemon of the layout before tenants for %s: %s", "stopped" if running else "removed", unit, why
+        )
+
+    def _remove_legacy(self, unit: str) -> None:
+        """A legacy daemon's pipe and log directories and holders file; its unit's directory too, where now empty."""
+        unit_dir = self.root / unit
+        shutil.rmtree(unit_dir / "pipe", ignore_errors=True)
+        shutil.rmtree(unit_dir / "log", ignore_errors=True)
+        (unit_dir / LEGACY_HOLDERS_FILE).unlink(missing_ok=True)
+        if unit_dir.is_dir() and not any(unit_dir.iterdir()):
+            unit_dir.rmdir()
 
     def daemon_of_pipe(self, pipe_dir: str | None) -> DaemonKey | None:
         """The running daemon whose pipe directory ``pipe_dir`` is, or None. ``pipe_dir`` is a path as a process's
@@ -210,10 +351,16 @@ class MpsManager:
         the filesystem that holds the state directory: it is matched by its last parts,
         ``<root name>/<unit>/<tenant dir>/pipe``."""
         parts = [p for p in (pipe_dir or "").split("/") if p]
-        if len(parts) < 4 or parts[-1] != "pipe" or parts[-4] != self.root.name:
+        if len(parts) < 3 or parts[-1] != "pipe":
             return None
-        unit, name = parts[-3], parts[-2]
-        return next((k for k in self._running if k.unit_uuid == unit and tenant_dir(k.tenant) == name), None)
+        if len(parts) >= 4 and parts[-4] == self.root.name:
+            unit, name = parts[-3], parts[-2]
+            found = next((k for k in self._running if k.unit_uuid == unit and tenant_dir(k.tenant) == name), None)
+            if found is not None:
+                return found
+        # The layout before tenants: ``<root name>/<unit>/pipe``, the unit's legacy daemon.
+        legacy = DaemonKey(parts[-2], LEGACY_TENANT)
+        return legacy if parts[-3] == self.root.name and legacy in self._running else None
 
     def limits(self, key: DaemonKey) -> MpsLimits | None:
         """The limits daemon ``key`` enforces now (None: none set, or no daemon)."""
@@ -232,6 +379,11 @@ class MpsManager:
         """
         spec = self.spec(unit_uuid, tenant)
         key = spec.key
+        if key.legacy:
+            raise MpsError(
+                f"the MPS daemon of the layout before tenants for {unit_uuid} takes no new client: ask for the "
+                "daemon of the client's tenant"
+            )
         async with self._lock:
             if key in self._running and not await self._daemon.healthy(spec):
                 self._restarts[key] = self._restarts.get(key, 0) + 1
@@ -263,11 +415,15 @@ class MpsManager:
         needed: Iterable[DaemonKey],
         limits: Mapping[DaemonKey, MpsLimits] | None = None,
         keep: Iterable[DaemonKey] = (),
+        holders: Mapping[str, Iterable[str]] | None = None,
     ) -> list[str]:
         """Start or restart the ``needed`` daemons and stop the others; returns the errors met.
 
         ``limits`` are the exact limits per daemon (the largest share of its tenant on its unit); ``keep`` names
         daemons that must not be stopped although ``needed`` lacks them (Allocate just handed them out).
+        ``holders``: per unit, who holds an MPS share on it now (pod UIDs, or claim UIDs), which decides how long a
+        legacy daemon is kept (:meth:`recover`): while it answers and a holder it may serve is still there (None:
+        kept, the caller does not say).
         """
         wanted = {self.key(k.unit_uuid, k.tenant) for k in needed}
         exact = {self.key(k.unit_uuid, k.tenant): v for k, v in (limits or {}).items()}
@@ -279,8 +435,16 @@ class MpsManager:
                 errors.append(str(e))
         wanted |= {self.key(k.unit_uuid, k.tenant) for k in keep}
         async with self._lock:
+            for unit in sorted(self._legacy):
+                done = await self._legacy_done(unit, holders)
+                if done is None:
+                    continue
+                try:
+                    await self._retire_legacy(unit, done.running, done.why)
+                except MpsError as e:
+                    errors.append(f"stopping the MPS daemon of the layout before tenants for {unit}: {e}")
             on_disk = self._on_disk()
-            for key in sorted((self._running | set(on_disk)) - wanted):
+            for key in sorted({k for k in self._running | set(on_disk) if not k.legacy} - wanted):
                 spec = self.spec_of(key)
                 try:
                     if key in self._running or await self._daemon.healthy(spec):
@@ -298,6 +462,21 @@ class MpsManager:
         for message in errors:
             log.warning("MPS reconcile: %s", message)
         return errors
+
+    async def after_fault(self, key: DaemonKey) -> None:
+        """Daemon ``key`` after its clients died of a fault: checked, and where it no longer answers restarted with
+        the limits it enforced (an Allocate that widened them meanwhile is kept); a healthy one keeps its state (its
+        server serves the next client once the faulting clients have exited, as the H200's did). A legacy daemon
+        that no longer answers is removed, never restarted: its clients ended with it, new ones go to their
+        tenant's daemon. Raises :class:`MpsError` where a daemon cannot be restarted."""
+        if key not in self._running:
+            return
+        if key.legacy:
+            async with self._lock:
+                if key in self._running and not await self._daemon.healthy(self.spec_of(key)):
+                    await self._retire_legacy(key.unit_uuid, False, "it no longer answers after a fault of its clients")
+            return
+        await self.ensure(key.unit_uuid, key.tenant, self.limits(key))
 
     def running(self) -> frozenset[DaemonKey]:
         """The daemons this manager started or adopted and has not stopped."""

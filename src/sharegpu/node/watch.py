@@ -10,6 +10,9 @@ the rest the same on both:
   (:func:`~sharegpu.node.audit.bench_pods`, in sharegpu's namespace only, holding no share);
 - the MPS fault watch per daemon: each daemon's logs (:class:`~sharegpu.node.mps_faults.MpsLogWatch`), its server
   (:class:`~sharegpu.node.mps_faults.ServerWatch`) and the backend's Xid events;
+- a unit's legacy daemon (the one daemon per unit of an agent from before tenants, adopted after an upgrade:
+  :meth:`~sharegpu.node.mps.MpsManager.legacy`) serves the pods that held an MPS share there when it was adopted,
+  whatever their tenants: their clients there are its clients (no ``mps-other-tenant``), and its faults are theirs;
 - :class:`~sharegpu.node.enforcement.EnforcementWatch` to tell both (Events on the pods concerned, labelled with the
   path's component; a process of no pod on the Node; counts; evictions where asked);
 - a daemon whose clients died of a fault is checked, and restarted if it no longer answers.
@@ -114,12 +117,15 @@ class NodeWatch:
         shares: Mapping[str, tuple[UnitShare, ...]],
         tenants: Mapping[str, str],
         extra: Iterable[Finding] = (),
+        holders: Mapping[str, Iterable[str]] | None = None,
     ) -> WatchResult:
         """One pass: audit, fault watch, telling, restarts.
 
         ``readings`` and ``views``: :func:`read_gpus`'s; ``live``: the node's pods that hold what they were given
         (not finished); ``shares``: per pod UID, the units it holds; ``tenants``: per pod UID, the tenant of the MPS
-        daemon that serves it (pods with MPS shares, one tenant each); ``extra``: findings the path made itself.
+        daemon that serves it (pods with MPS shares, one tenant each); ``extra``: findings the path made itself;
+        ``holders``: per pod UID, the holders of MPS shares it stands for as the path told the
+        :class:`~sharegpu.node.mps.MpsManager` (the DRA path's claim UIDs; None: each pod is its own, by UID).
         """
         readings = list(readings)
         by_uid = {p.uid: p for p in live}
@@ -130,11 +136,32 @@ class NodeWatch:
         for uid in bench - self._bench_seen:
             log.info("pod %s is sharegpu bench's: its use of the GPUs is not audited", by_uid[uid].key)
         self._bench_seen = bench
-        found = {f.key: f for f in audit(procs, by_uid, shares, known, tenants, exempt=bench)}
+        legacy = self._legacy_pods(shares, holders)
+        served: dict[str, set[DaemonKey]] = {}
+        for key, pods in legacy.items():
+            for uid in pods:
+                served.setdefault(uid, set()).add(key)
+        found = {f.key: f for f in audit(procs, by_uid, shares, known, tenants, exempt=bench, served=served)}
         found |= {f.key: f for f in extra}
         await self.enforcement.findings(found.values())
-        faults = await self._faults(procs, by_uid, shares, tenants)
+        faults = await self._faults(procs, by_uid, shares, tenants, legacy)
         return WatchResult(tuple(found.values()), tuple(faults), tuple(await self._restart(faults)))
+
+    def _legacy_pods(
+        self, shares: Mapping[str, tuple[UnitShare, ...]], holders: Mapping[str, Iterable[str]] | None
+    ) -> dict[DaemonKey, dict[str, int]]:
+        """Per legacy daemon, the pods it may serve (pod UID → GPU index): those with an MPS share on its unit that
+        are (or use) one of the holders it was adopted with (any, while those are not fixed yet)."""
+        out: dict[DaemonKey, dict[str, int]] = {}
+        for key, serves in self.mps.legacy().items():
+            for uid, held in shares.items():
+                ids = {uid} if holders is None else set(holders.get(uid, ()))
+                if serves is not None and not serves & ids:
+                    continue
+                for s in held:
+                    if s.sharing is Mechanism.MPS and s.unit_uuid == key.unit_uuid:
+                        out.setdefault(key, {})[uid] = s.gpu_index
+        return out
 
     async def _faults(
         self,
@@ -142,8 +169,10 @@ class NodeWatch:
         by_uid: Mapping[str, PodInfo],
         shares: Mapping[str, tuple[UnitShare, ...]],
         tenants: Mapping[str, str],
+        legacy: Mapping[DaemonKey, Mapping[str, int]],
     ) -> list[MpsFault]:
-        """The MPS fault watch, per daemon: a fault is told to the pods of the daemon it came from only."""
+        """The MPS fault watch, per daemon: a fault is told to the pods of the daemon it came from only (a legacy
+        daemon's: ``legacy``, the pods it may serve)."""
         sharers_now: dict[DaemonKey, dict[str, PodInfo]] = {}
         daemons_now: dict[DaemonKey, int] = {}
         for uid, held in shares.items():
@@ -154,6 +183,10 @@ class NodeWatch:
                     key = self.mps.key(s.unit_uuid, tenants[uid])
                     sharers_now.setdefault(key, {})[uid] = by_uid[uid]
                     daemons_now[key] = s.gpu_index
+        for key, pods in legacy.items():
+            for uid, gpu_index in pods.items():
+                sharers_now.setdefault(key, {})[uid] = by_uid[uid]
+                daemons_now[key] = gpu_index
         # Pods whose clients just died may be finished already: those of the last pass are told too.
         daemons = self._daemons_before | daemons_now
         sharers = {k: [*(self._sharers_before.get(k, {}) | sharers_now.get(k, {})).values()] for k in daemons}
@@ -188,13 +221,8 @@ class NodeWatch:
         errors: list[str] = []
         async with self._lock or contextlib.nullcontext():
             for f in faults:
-                if f.daemon not in self.mps.running():
-                    continue
                 try:
-                    # A daemon that no longer answers is restarted with the limits it enforced (grow: an Allocate
-                    # that widened them meanwhile is kept); a healthy one keeps its state: its server serves the next
-                    # client once the faulting clients have exited (the H200's daemon did).
-                    await self.mps.ensure(f.unit_uuid, f.tenant, self.mps.limits(f.daemon))
+                    await self.mps.after_fault(f.daemon)
                 except MpsError as e:
                     errors.append(f"after a fault on {f.daemon}: {e}")
         return errors

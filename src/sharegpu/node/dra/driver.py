@@ -433,15 +433,19 @@ class DraDriver:
         except BackendError as e:
             log.warning("MIG reconcile failed: %s", e)
         daemons: dict[DaemonKey, list[DevicePlan]] = {}
-        for devices in self._daemon_devices().values():
+        # Per unit, the claims with an MPS share on it: a unit's legacy daemon (the driver's one daemon per unit before
+        # tenants) is kept while a claim prepared into it before the upgrade is still prepared (its CDI spec mounts it).
+        holders: dict[str, set[str]] = {}
+        for uid, devices in self._daemon_devices().items():
             for key, d in devices:
                 daemons.setdefault(key, []).append(d)
+                holders.setdefault(key.unit_uuid, set()).add(uid)
         limits: dict[DaemonKey, MpsLimits] = {}
         for key, ds in daemons.items():
             milli = sum(d.compute_percent * 10 for d in ds)
             for d in ds:
                 limits[key] = MpsLimits.of_share(d.compute_percent * 10, d.memory_mib, milli).union(limits.get(key))
-        await self._mps.reconcile(set(limits), limits)
+        await self._mps.reconcile(set(limits), limits, holders=holders)
         in_use = {d.gpu_uuid for d, _ in prepared if d.mechanism is Mechanism.TIME_SLICING}
         for gpu in sorted(self._sliced - in_use):
             try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sharegpu.kube.schema import Pod
 from sharegpu.model.assignment import Mechanism
@@ -46,6 +46,9 @@ class ClaimUse:
     shares: Mapping[str, tuple[UnitShare, ...]]  # pod UID → the units of the prepared claims its containers use
     tenants: Mapping[str, str]  # pod UID → the tenant of the MPS daemon its claims reach (pods with one such tenant)
     findings: tuple[Finding, ...] = ()  # pods whose MPS claim was prepared into another tenant's daemon
+    # pod UID → the UIDs of its prepared MPS claims: the holders the driver names to its MpsManager (a unit's legacy
+    # daemon serves the pods of the claims prepared into it before an upgrade)
+    claims: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 def claim_use(pods: Iterable[Pod], claims: Iterable[tuple[ClaimPlan, tuple[str, ...]]], multi_user: bool) -> ClaimUse:
@@ -58,6 +61,7 @@ def claim_use(pods: Iterable[Pod], claims: Iterable[tuple[ClaimPlan, tuple[str, 
     shares: dict[str, tuple[UnitShare, ...]] = {}
     tenants: dict[str, set[str]] = {}
     findings: list[Finding] = []
+    mps_claims: dict[str, set[str]] = {}
     for pod in pods:
         uid, ns = pod.metadata.uid, pod.metadata.namespace
         held: list[UnitShare] = []
@@ -73,6 +77,7 @@ def claim_use(pods: Iterable[Pod], claims: Iterable[tuple[ClaimPlan, tuple[str, 
                 if d.mechanism is not Mechanism.MPS:
                     continue
                 tenants.setdefault(uid, set()).add(plan.tenant)
+                mps_claims.setdefault(uid, set()).add(plan.uid)
                 if not multi_user and (why := _other_tenant(pod, plan)):
                     findings.append(
                         Finding(
@@ -89,7 +94,7 @@ def claim_use(pods: Iterable[Pod], claims: Iterable[tuple[ClaimPlan, tuple[str, 
         if held:
             shares[uid] = tuple(dict.fromkeys(held))  # a claim named by two entries counts once
     one = {uid: next(iter(ts)) for uid, ts in tenants.items() if len(ts) == 1}
-    return ClaimUse(shares, one, tuple(findings))
+    return ClaimUse(shares, one, tuple(findings), {uid: frozenset(c) for uid, c in mps_claims.items()})
 
 
 def _other_tenant(pod: Pod, plan: ClaimPlan) -> str:
@@ -149,7 +154,9 @@ class DraWatch:
         use = claim_use(alive, [(p, checkpoint.units[uid]) for uid, p in checkpoint.claims.items()], mps.multi_user)
         readings, views = read_gpus(self.driver.backend, mps)
         live = [pod_info(p) for p in alive]
-        result = await self.node_watch.check(readings, views, live, use.shares, use.tenants, use.findings)
+        result = await self.node_watch.check(
+            readings, views, live, use.shares, use.tenants, use.findings, holders=use.claims
+        )
         for message in result.errors:
             log.warning("%s", message)
         return result
