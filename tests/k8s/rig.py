@@ -97,13 +97,14 @@ class Proc:
         self._log.close()
 
     def text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # a stopped process's log was closed by stop(), and is still read by dump()
+            self._log.flush()
         return self.log.read_text(errors="replace")
 
 
 class ExtenderProc(Proc):
-    def __init__(self, name: str, argv: list[str], log: Path, health: str) -> None:
-        super().__init__(name, argv, log)
+    def __init__(self, name: str, argv: list[str], log: Path, health: str, env: dict[str, str] | None = None) -> None:
+        super().__init__(name, argv, log, env)
         self.health = health  # plain-HTTP base URL of /healthz and /readyz
 
 
@@ -339,10 +340,11 @@ class Rig:
         )  # fmt: skip
         node.agent = self.spawn(f"agent-{node.name}", argv, env={"SHAREGPU_STATE_DIR": str(state)})
 
-    def attach_real_node(self, real: Any, gpus: list[dict[str, Any]]) -> str:
+    def attach_real_node(self, real: Any, gpus: list[dict[str, Any]], env: dict[str, str] | None = None) -> str:
         """Serve the rig's real node (``realnode.RealNode``: a real kubelet and containerd) with a node agent on the
         simulated backend, exactly as the chart's DaemonSet would: the kubelet's device-plugin directory, its
-        pod-resources socket and containerd's CDI directory. The Node object is the kubelet's: never deleted here."""
+        pod-resources socket and containerd's CDI directory. The Node object is the kubelet's: never deleted here.
+        ``env``: more of the agent's environment (``PYTHONPATH`` at another version's ``src`` runs that version)."""
         node = RigNode(real.name, gpus, real.plugin_dir)
         self.nodes[real.name] = node
         self.real_nodes.add(real.name)
@@ -362,11 +364,12 @@ class Rig:
             "--cdi-dir", str(real.cdi_dir),
             "--metrics-listen", "",
         )  # fmt: skip
-        node.agent = self.spawn(f"agent-{real.name}", argv, env={"SHAREGPU_STATE_DIR": str(state)})
+        node.agent = self.spawn(f"agent-{real.name}", argv, env={**(env or {}), "SHAREGPU_STATE_DIR": str(state)})
         return real.name
 
-    def restart_real_agent(self, name: str, kill: bool = True) -> None:
-        """Stop the real node's agent (SIGKILL, or SIGTERM) and start it again on the same state."""
+    def restart_real_agent(self, name: str, kill: bool = True, env: dict[str, str] | None = None) -> None:
+        """Stop the real node's agent (SIGKILL, or SIGTERM) and start it again on the same state (``env``: more of
+        its environment, as for :meth:`attach_real_node`)."""
         node = self.nodes[name]
         assert node.agent is not None
         if kill:
@@ -374,7 +377,9 @@ class Rig:
         else:
             node.agent.stop()
         node.agent = self.spawn(
-            f"agent-{name}-{len(self.procs)}", node.agent.argv, env={"SHAREGPU_STATE_DIR": str(self.real_state[name])}
+            f"agent-{name}-{len(self.procs)}",
+            node.agent.argv,
+            env={**(env or {}), "SHAREGPU_STATE_DIR": str(self.real_state[name])},
         )
 
     def wait_nodes_published(self, timeout: float = 60.0) -> None:
@@ -412,10 +417,16 @@ class Rig:
         return self._pki
 
     def start_extender(
-        self, port: int = 0, *extra: str, name: str = "extender", ready: bool = True
+        self,
+        port: int = 0,
+        *extra: str,
+        name: str = "extender",
+        ready: bool = True,
+        env: dict[str, str] | None = None,
     ) -> tuple[ExtenderProc, str]:
         """``sharegpu scheduler-extender`` as the chart runs it: mutual TLS on ``port`` (only the scheduler's client
-        certificate is served), the probes alone on a plain-HTTP port. Returns it and its HTTPS URL."""
+        certificate is served), the probes alone on a plain-HTTP port (``env``: more of its environment). Returns it
+        and its HTTPS URL."""
         port = port or free_port()
         health = free_port()
         argv = sharegpu_argv(
@@ -423,7 +434,7 @@ class Rig:
             "--health-listen", f"127.0.0.1:{health}", "--tls-cert", str(self.pki.server_crt),
             "--tls-key", str(self.pki.server_key), "--client-ca", str(self.pki.ca), *extra,
         )  # fmt: skip
-        p = ExtenderProc(name, argv, self.work / f"{name}.log", health=f"http://127.0.0.1:{health}")
+        p = ExtenderProc(name, argv, self.work / f"{name}.log", health=f"http://127.0.0.1:{health}", env=env)
         self.procs.append(p)
         url = f"https://127.0.0.1:{port}"
         if ready:
