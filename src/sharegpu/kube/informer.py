@@ -220,28 +220,36 @@ class Informer:
         rng = random.Random()
         current = [True]  # False once these watches are given up: a late event of theirs is not applied
 
-        async def follow(source: Source[Any]) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def follow(source: Source[Any], last: list[float]) -> None:
             events = source.watch(versions[source.kind], rng.randint(lo, hi))
             order = self._order[source.kind]
             try:
-                while True:
-                    try:
-                        event, obj = await asyncio.wait_for(anext(events), idle_s)
-                    except StopAsyncIteration:
-                        raise WatchEnded(f"the {source.kind} watch ended") from None
-                    except TimeoutError:
-                        raise WatchEnded(f"no {source.kind} event for {idle_s:g}s") from None
+                async for event, obj in events:
+                    last[0] = loop.time()
                     if not current[0]:
                         return
                     if order.admits(event, *source.identity(obj)):
                         source.apply(event, obj)
+                raise WatchEnded(f"the {source.kind} watch ended")
             finally:
                 close = getattr(events, "aclose", None)
                 if close is not None:
                     with contextlib.suppress(Exception):
                         await close()
 
-        tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(follow(s)) for s in self.sources]
+        async def silent(kind: str, last: list[float]) -> None:
+            # One timer per watch, not one per event: a bound on each event's wait (asyncio.wait_for) made a task
+            # and a timer for every pod event the extender reads (issue 34).
+            while (left := last[0] + idle_s - loop.time()) > 0:
+                await asyncio.sleep(left)
+            raise WatchEnded(f"no {kind} event for {idle_s:g}s")
+
+        tasks: list[asyncio.Future[Any]] = []
+        for s in self.sources:
+            last = [loop.time()]
+            tasks += [asyncio.ensure_future(follow(s, last)), asyncio.ensure_future(silent(s.kind, last))]
         tasks += [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._relist.wait())]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
