@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,7 @@ from sharegpu.model.inventory import NodeSpec
 from sharegpu.model.request import GpuRequest, Isolation, Sharing
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import Scheduler, Unschedulable
-from sharegpu.placement.mechanism import make_share, usable_gpus
+from sharegpu.placement.mechanism import UsablePlan, make_share, usable_gpus
 from sharegpu.placement.policies import PolicyContext, make_policy
 from test_fast_paths import random_cluster, random_request
 
@@ -49,15 +50,23 @@ def request(rnd: random.Random, name: str) -> GpuRequest:
 
 def offer_and_place(seed: int, cap: int) -> tuple[int, int]:
     """Random requests of random tenants: each GPU the filter offers is tried in the ledger, then the scheduler's
-    choice is placed. Returns how many offers were tried and how many steps ended with a unit at the cap."""
+    choice is placed; the per-shape filter is checked to be the same whoever's tenant asks. Returns how many offers
+    were tried and how many steps ended with a unit at the cap."""
     rnd = random.Random(seed)
     nodes = cluster(rnd)
     ledger = Ledger(nodes, tenancy=MpsTenancy(daemons_per_unit=cap))
     reqs = [dataclasses.replace(request(rnd, f"p{i}"), tenant=rnd.choice(TENANTS)) for i in range(40)]
     sched = Scheduler(ledger, make_policy("sharegpu", PolicyContext(Workload.from_requests(reqs))))
     offered = at_cap = 0
+    every_node = np.arange(len(nodes), dtype=np.int64)
     for req in reqs:
         usable = usable_gpus(ledger, req)
+        # The per-shape filter is cached for every pod of the shape, whoever asked first: it may not depend on the
+        # tenant (a tenant's own units at the cap are added per cycle, by tenant_gpus, on top of it).
+        shape = UsablePlan.of(ledger, req).usable(ledger, req, every_node)
+        for other in TENANTS:
+            them = dataclasses.replace(req, tenant=other)
+            assert (UsablePlan.of(ledger, them).usable(ledger, them, every_node) == shape).all(), (req, other)
         if req.gpu_count == 1:
             for n, g in zip(*usable.nonzero(), strict=True):
                 share = make_share(ledger, int(n), int(g), req)
