@@ -707,19 +707,26 @@ def test_a_multi_user_node_runs_one_daemon_per_unit_for_every_tenant() -> None:
     assert int(ledger.free_mem[0, 0]) == mem_of("H100-80GB") - 3 * GIB - MPS_DAEMON_MEMORY_MIB
 
 
-def test_running_clients_above_the_cap_are_recorded_and_the_unit_open_to_their_tenants_only() -> None:
-    # Placed under a larger cap (an extender restarted with a smaller one): they exist, so they are accounted for.
+@pytest.mark.parametrize("in_mig", [False, True], ids=["gpu", "mig-instance"])
+def test_running_clients_above_the_cap_are_recorded_and_the_unit_open_to_their_tenants_only(in_mig: bool) -> None:
+    # Placed under a larger cap (an extender restarted with a smaller one): they exist, so they are accounted for,
+    # on a whole GPU as in a MIG instance (issue 33: a mixed record kept only its first tenant there, unseen).
+    def share(compute: int, memory: int) -> GpuShare:
+        return mig("n", 0, "7g.80gb", 0, Mechanism.MPS, compute, memory) if in_mig else mps("n", 0, compute, memory)
+
     ledger = Ledger([mk_node("n", "H100-80GB")], tenancy=MpsTenancy(daemons_per_unit=1))
-    ledger.place(asg("old-a", "n", mps("n", 0, 300, 10 * GIB), tenant=A), check_health=False)
-    ledger.place(asg("old-b", "n", mps("n", 0, 200, 20 * GIB), tenant=B), check_health=False)
+    ledger.place(asg("old-a", "n", share(300, 10 * GIB), tenant=A), check_health=False)
+    ledger.place(asg("old-b", "n", share(200, 20 * GIB), tenant=B), check_health=False)
     ledger.check_invariants()
-    conflict(ledger, asg("new", "n", mps("n", 0, 100, GIB), tenant=C), "already runs 1 MPS daemons")
-    ok(ledger, asg("new", "n", mps("n", 0, 100, GIB), tenant=B))
+    unit = (0, 0, 0 if in_mig else None)
+    assert ledger.unit_tenants[unit] == {A: 1, B: 1} and unit in ledger.full_units
+    conflict(ledger, asg("new", "n", share(100, GIB), tenant=C), "already runs 1 MPS daemons")
+    ok(ledger, asg("new", "n", share(100, GIB), tenant=B))
     ledger.release("old-a")
     ledger.release("old-b")
     ledger.release("new")
     ledger.check_invariants()
-    ok(ledger, asg("new", "n", mps("n", 0, 100, GIB), tenant=C))
+    ok(ledger, asg("new", "n", share(100, GIB), tenant=C))
 
 
 def test_an_assignment_from_before_tenants_is_read_as_its_pods_tenant() -> None:
