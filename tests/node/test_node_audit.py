@@ -653,6 +653,22 @@ def test_fault_signals_within_the_window_are_one_incident() -> None:
     asyncio.run(main())
 
 
+def test_an_xid_naming_a_mig_instance_is_not_told_to_the_one_mps_instance_beside_it() -> None:
+    """Issue 33: an Xid naming MIG instance A (exclusive, or shared without MPS) was told to the pods of MPS instance
+    B on the same GPU. With B the GPU's only daemon nothing masks it (with two, the several-daemons rule would)."""
+
+    async def main() -> None:
+        watch = EnforcementWatch(FakeNotifier(), fault_window_s=60, clock=lambda: 0.0)
+        b = DaemonKey("MIG-b", U1000)
+        p = pod("p", None, uid="u")
+        assert await watch.faults([], [XidEvent(1, "MIG-a", 31)], {b: 1}, {b: [p]}) == []
+        # The same Xid naming B is its fault, told to its pod.
+        (f,) = await watch.faults([], [XidEvent(1, "MIG-b", 31)], {b: 1}, {b: [p]})
+        assert (f.daemon, f.pods) == (b, ("default/p",))
+
+    asyncio.run(main())
+
+
 class SmErrorNvml(FakeNvml):
     """A driver whose per-process utilisation query fails with ``sm_error`` (None: answers as FakeNvml does)."""
 
