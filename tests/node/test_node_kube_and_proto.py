@@ -4,11 +4,13 @@ import asyncio
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from sharegpu.k8s.pod_request import pod_request
+from sharegpu.k8s.pod_request import InvalidPodRequest, gpu_tenant, pod_request
 from sharegpu.kube.schema import Node, Pod
+from sharegpu.model.tenant import TenantConflict
 from sharegpu.node.kube import LightkubeApi, node_info, pod_info
 from sharegpu.node.proto.generate import PROTO, generate
 
@@ -80,6 +82,48 @@ def test_the_node_counts_gpus_as_the_control_plane_does_limits_then_requests() -
     assert counts(pod({"requests": {"sharegpu.io/gpu": "2"}})) == (2, 2)
     assert counts(pod({"limits": {"sharegpu.io/gpu": "3"}, "requests": {"sharegpu.io/gpu": "1"}})) == (3, 3)
     assert counts(pod({})) == (0, None)
+
+
+def _tenant_pod(containers: list[dict[str, Any]], **spec: Any) -> Pod:
+    return Pod.model_validate(
+        {"metadata": {"name": "p", "namespace": "ml", "uid": "u-1"}, "spec": {"containers": containers, **spec}}
+    )
+
+
+def _gpu(name: str, user: int | None = None, gpus: str = "1") -> dict[str, Any]:
+    c: dict[str, Any] = {"name": name, "resources": {"limits": {"sharegpu.io/gpu": gpus}}}
+    if user is not None:
+        c["securityContext"] = {"runAsUser": user}
+    return c
+
+
+@pytest.mark.parametrize(
+    ("pod", "tenant"),
+    [
+        (_tenant_pod([_gpu("a", 1000), _gpu("b", 1000)]), "ml/uid-1000"),
+        # Issue 33: one declared and one undeclared GPU container is a tenant of its own, on the node too (the
+        # declared user's daemon would serve a container that runs as its image's user).
+        (_tenant_pod([_gpu("a", 1000), _gpu("b")]), "pod/u-1"),
+        (_tenant_pod([_gpu("a"), _gpu("b")]), "pod/u-1"),
+        (_tenant_pod([_gpu("a", 1000), _gpu("log", 0, gpus="0")]), "ml/uid-1000"),  # a sidecar without a GPU
+        (_tenant_pod([_gpu("a")], securityContext={"runAsUser": 1000}), "ml/uid-1000"),
+        (_tenant_pod([_gpu("a", 1000)], initContainers=[_gpu("warm")]), "pod/u-1"),
+        (_tenant_pod([_gpu("a", 1000)], hostUsers=False), "pod/u-1"),
+        (_tenant_pod([_gpu("a", 1000), _gpu("b", 0)]), None),  # refused on both sides
+    ],
+)
+def test_the_node_reads_a_pods_tenant_as_the_control_plane_does(pod: Pod, tenant: str | None) -> None:
+    """PodInfo.tenant picks the pod's MPS daemon on a device-plugin node; pod_request.gpu_tenant wrote the tenant the
+    extender placed the pod under. They must agree on every pod, or a pod runs beside tenants it was never placed
+    with."""
+    if tenant is None:
+        with pytest.raises(InvalidPodRequest, match="different Unix users"):
+            gpu_tenant(pod)
+        with pytest.raises(TenantConflict, match="different Unix users"):
+            _ = pod_info(pod).tenant
+        return
+    assert gpu_tenant(pod) == tenant
+    assert pod_info(pod).tenant == tenant
 
 
 @pytest.mark.skipif(
