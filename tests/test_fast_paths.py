@@ -12,14 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger
-from sharegpu.model.assignment import Assignment, Mechanism
+from sharegpu.ledger import MPS_MAX_CLIENTS, GpuMode, Ledger, LedgerConflict, MpsTenancy
+from sharegpu.model.assignment import Assignment, GpuShare, Mechanism, MigSlot
 from sharegpu.model.catalog import GIB
-from sharegpu.model.inventory import NodeSpec, sim_gpus
-from sharegpu.model.request import GpuRequest, InvalidRequest, Isolation, Sharing
+from sharegpu.model.inventory import GpuDevice, NodeSpec, sim_gpus
+from sharegpu.model.request import FULL_MILLI, GpuRequest, InvalidRequest, Isolation, Sharing
 from sharegpu.placement.fragmentation import Workload
 from sharegpu.placement.framework import BoolArray, CycleState, Decision, Scheduler, Unschedulable
-from sharegpu.placement.mechanism import Route, mig_choice, route_for, share_modes, usable_gpus
+from sharegpu.placement.mechanism import Route, mig_profiles_for, route_for, share_modes, usable_gpus
 from sharegpu.placement.policies import PolicyContext, make_policy
 from sharegpu.placement.reasons import FilterReason, NodeRoom, RoomArrays, node_kinds, node_reason
 from sharegpu.sim.openb import TraceTask
@@ -122,8 +122,50 @@ def reference_usable(ledger: Ledger, req: GpuRequest) -> BoolArray:
                     )
                 )
             elif route == Route.MIG:
-                out[n, g] = mig_choice(ledger, n, g, req) is not None
+                out[n, g] = mig_room(ledger, n, g, req)
     return out
+
+
+FRESH_TENANT = "reference/a-tenant-that-runs-nowhere"
+
+
+def mig_room(ledger: Ledger, n: int, g: int, req: GpuRequest) -> bool:
+    """Whether the filter lets a MIG share of ``req`` onto GPU (n, g), asked of the ledger itself (not of placement's
+    mig_choice, the code under test): some share, in a new instance at any valid start or in an instance already
+    there, that a copy of the ledger takes. The per-shape filter is the same for every tenant, so an MPS share is
+    tried as a tenant that runs nowhere (it needs room for a daemon of its own, under the cap); where its own tenant
+    runs a daemon on an instance of the GPU at the cap, it is also tried as itself (tenant_gpus' overlay)."""
+    model = ledger.gpu_model(n, g)
+    mps = (req.isolation is Isolation.MEMORY or req.sharing is Sharing.MPS) and req.gpu_count == 1
+    inner = Mechanism.MPS if mps else Mechanism.EXCLUSIVE
+    shares = []
+    for profile in mig_profiles_for(req, model):
+        if not mps:
+            compute, memory = FULL_MILLI, profile.memory_mib
+        elif req.compute_milli is None:
+            compute = FULL_MILLI if req.memory_mib is None else -(-req.memory_mib * FULL_MILLI // profile.memory_mib)
+            memory = req.memory_mib or 0
+        else:
+            compute = -(-req.compute_milli * model.compute_slices // profile.compute_slices)
+            memory = req.memory_mib or 0
+        compute = max(1, min(FULL_MILLI, compute))
+        uuid = ledger.nodes[n].gpus[g].uuid
+        shares += [
+            GpuShare(g, uuid, Mechanism.MIG, compute, memory, MigSlot(profile.name, s), inner) for s in profile.starts
+        ]
+    tenants: list[str | None] = [FRESH_TENANT] if mps else [None]
+    key = ledger.tenant_key(n, req.tenant)
+    if mps and any(u[:2] == (n, g) and key in ledger.unit_tenants[u] for u in ledger.full_units):
+        tenants.append(req.tenant)
+    trial = ledger.copy()
+    for tenant in tenants:
+        for share in shares:
+            try:
+                trial.place(Assignment("reference-trial", ledger.nodes[n].name, (share,), 0, 0, tenant))
+            except LedgerConflict:
+                continue
+            return True
+    return False
 
 
 def reference_decide(sched: Scheduler, req: GpuRequest) -> Decision | None:
@@ -168,6 +210,74 @@ def test_memoised_decisions_equal_decisions_from_scratch(seed: int, policy: str)
         )
         sched.ledger.place(fast.assignment)
     sched.ledger.check_invariants()
+
+
+MIG_LAYOUTS = {
+    "H100-80GB": [(), (), (("3g.40gb", 0), ("3g.40gb", 4)), (("1g.10gb", 0), ("2g.20gb", 2), ("3g.40gb", 4))],
+    "A100-40GB": [(), (), (("3g.20gb", 0), ("3g.20gb", 4)), (("7g.40gb", 0),)],
+}
+
+
+def mig_cluster(rnd: random.Random) -> list[NodeSpec]:
+    """MIG-capable GPUs, some with instances an administrator keeps (joined, never removed)."""
+    nodes = []
+    for i in range(rnd.randint(1, 3)):
+        model = rnd.choice(sorted(MIG_LAYOUTS))
+        gpus = tuple(
+            GpuDevice(
+                g,
+                f"GPU-m{i}-{g}",
+                model,
+                rnd.random() > 0.05,
+                tuple(MigSlot(*s) for s in rnd.choice(MIG_LAYOUTS[model])),
+            )
+            for g in range(rnd.choice([1, 2]))
+        )
+        nodes.append(NodeSpec(f"m{i}", 96_000, 256 * GIB, gpus))
+    return nodes
+
+
+def mig_request(rnd: random.Random, name: str) -> GpuRequest:
+    """Mostly small MPS shares inside MIG instances (so instances fill, reach the daemon cap and are joined), now
+    and then a MIG instance of its own or any request."""
+    pick = rnd.random()
+    if pick < 0.15:
+        return random_request(rnd, name)
+    tenant = rnd.choice([None, "ns/uid-1000", "pod/a", "pod/b", "pod/c"])
+    if pick < 0.3:
+        return GpuRequest(
+            name, 1, sharing=Sharing.MIG, isolation=Isolation.HARDWARE, memory_mib=rnd.choice([None, 9 * GIB])
+        )
+    return GpuRequest(
+        name,
+        1,
+        compute_milli=rnd.choice([None, 50, 100, 300]),
+        # Whole GiB, and an instance's memory exactly or short of its daemon's 66 MiB: where a share fits a profile's
+        # memory only without a daemon of its own.
+        memory_mib=rnd.choice([None, None, GIB, 4 * GIB, 9 * GIB, 10 * GIB - 100, 10 * GIB, 20 * GIB - 100]),
+        sharing=Sharing.MIG,
+        isolation=Isolation.MEMORY,
+        tenant=tenant,
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from([1, 2, 16]))
+def test_the_mig_filter_is_what_the_ledger_takes(seed: int, cap: int) -> None:
+    """Issue 33: the reference's MIG rule was placement's own mig_choice, the code under test. Here it is the
+    ledger's answer (mig_room), on clusters where MIG instances fill, are kept empty, and reach the daemon cap."""
+    rnd = random.Random(seed)
+    ledger = Ledger(mig_cluster(rnd), tenancy=MpsTenancy(daemons_per_unit=cap))
+    reqs = [mig_request(rnd, f"p{i}") for i in range(60)]
+    sched = Scheduler(ledger, make_policy("bestfit", PolicyContext(Workload.from_requests(reqs))))
+    for req in reqs:
+        if ledger.assignments and rnd.random() < 0.15:
+            ledger.release(rnd.choice(sorted(ledger.assignments)))
+        np.testing.assert_array_equal(sched.feasible(req)[1], reference_usable(ledger, req), err_msg=str(req))
+        d = sched.decide(req)
+        if isinstance(d, Decision):
+            ledger.place(d.assignment)
+    ledger.check_invariants()
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
