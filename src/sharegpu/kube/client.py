@@ -112,7 +112,7 @@ class KubeClient:
                 if response.status_code >= 400:
                     await response.aread()
                     generic.handle_response("list", response, br)
-                async for line in _lines(response.aiter_bytes()):
+                async for line in response.aiter_lines():
                     event = json.loads(line)
                     obj = event.get("object") or {}
                     if event.get("type") == "ERROR":
@@ -233,23 +233,3 @@ def _fields(fields: Mapping[str, Any] | None) -> str | None:
     from lightkube.core.selector import build_selector
 
     return build_selector(dict(fields), for_fields=True) if fields else None
-
-
-async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The non-empty lines of a watch's body, as bytes (``json.loads`` reads them as they are): httpx's ``aiter_lines``
-    decoded every chunk to text and split it again in Python, a cost on every pod event the extender reads (issue
-    34). A watch event is one line of JSON; a line may span chunks, and a chunk may hold several lines."""
-    pending = b""
-    async for chunk in chunks:
-        if b"\n" not in chunk:
-            pending += chunk
-            continue
-        *lines, rest = chunk.split(b"\n")
-        if pending:
-            lines[0] = pending + lines[0]
-        pending = rest
-        for line in lines:
-            if line.strip():
-                yield line
-    if pending.strip():
-        yield pending
