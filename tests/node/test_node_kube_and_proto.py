@@ -150,6 +150,23 @@ def test_lightkube_api_against_a_real_server() -> None:
                 await api.patch_node_metadata(name, {"sharegpu.io/test": None}, {})
                 assert "sharegpu.io/test" not in (await api.get_node(name)).labels
                 assert all(p.node_name == name for p in await api.pods_on_node(name))
+                # A finding of no pod is told on the Node where `kubectl describe node` looks (issue 33): it searches
+                # every namespace for the Node's name and kind, no namespace, and the name as the UID (as the
+                # kubelet records its own Node events).
+                await api.create_node_event(name, "GpuAuditNoPod", "pid 7 holds GPU 0 and belongs to no pod", "agent")
+                from lightkube.resources.core_v1 import Event
+
+                fields = {
+                    "involvedObject.kind": "Node",
+                    "involvedObject.name": name,
+                    "involvedObject.namespace": "",
+                    "involvedObject.uid": name,
+                }
+                found = [e async for e in raw.list(Event, namespace="*", fields=fields)]
+                assert [(e.reason, e.type, e.source.component if e.source else None) for e in found] == [
+                    ("GpuAuditNoPod", "Warning", "agent")
+                ]
+                assert found[0].message == "pid 7 holds GPU 0 and belongs to no pod"
             finally:
                 await raw.delete(Node, name)
                 await raw.close()
