@@ -82,6 +82,22 @@ def test_a_pod_not_known_for_the_bench_is_audited(
     asyncio.run(main())
 
 
+def test_a_pod_with_the_bench_labels_that_asks_a_sharegpu_gpu_is_audited(tmp_path: Path) -> None:
+    """The bench's Job asks no sharegpu.io/gpu: a pod that does is a workload whatever its labels (the audit found
+    that dropping this condition survived every test)."""
+
+    async def main() -> None:
+        sim, g, kube, agent = _node(tmp_path, namespace=NS)
+        wearer = kube.add(
+            pod("sg-bench-x7k2p", None, namespace=NS, gpus=(1,), phase="Running", labels=BENCH_POD_LABELS)
+        )
+        sim.add_process(4001, g[0], 9000, wearer.uid)
+        await agent.reconcile_once()
+        assert [(f.kind, f.pod) for f in agent.snapshot.findings] == [(FindingKind.WRONG_UNIT, wearer.name)]
+
+    asyncio.run(main())
+
+
 def test_a_process_of_no_pod_is_told_on_the_node_once_with_what_to_do(tmp_path: Path) -> None:
     async def main() -> None:
         sim, g, kube, agent = _node(tmp_path, FakeNotifier())
