@@ -68,7 +68,7 @@ LEGACY_HOLDERS_FILE = "legacy-holders.json"
 def tenant_words(tenant: str) -> str:
     """Whose daemon a tenant key names, in words (the legacy daemon's too)."""
     if tenant == LEGACY_TENANT:
-        return "every pod started before the upgrade (the unit's one daemon of the layout before tenants)"
+        return "the pods started before the upgrade: the unit's one daemon of the layout before tenants"
     return describe(tenant)
 
 
