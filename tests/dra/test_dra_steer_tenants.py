@@ -173,10 +173,13 @@ def test_the_control_plane_reads_a_claims_tenant_as_the_node_driver_does(pod: di
 @given(st.lists(st.integers(min_value=0, max_value=9), min_size=1, max_size=24))
 def test_steered_claims_never_put_more_daemons_on_a_gpu_than_the_cap(users: list[int]) -> None:
     # Pods of up to ten tenants (UID 0-8, or 9: the image's user, a tenant per pod), 5 % each, a cap of 3 daemons per
-    # GPU: each steered pod's claim is then allocated where steering said, as the allocator's first fit would.
+    # GPU: each steered pod's claim is then allocated as the allocator does, tenant-blind: on the kept node's
+    # lowest-indexed GPU with capacity (compute here: 1Gi claims never fill a GPU's memory), which must be the GPU
+    # steering predicted.
     cap = 3
     s = state({"a": False, "b": False}, daemons=cap, gpus=2)
     placed: dict[tuple[str, int], set[str]] = {}  # (node, GPU) → the tenants of the claims allocated there
+    claimed: dict[tuple[str, int], int] = {}  # (node, GPU) → the compute % its claims consume
     for i, u in enumerate(users):
         uid = None if u == 9 else u
         name = f"p{i}"
@@ -185,10 +188,13 @@ def test_steered_claims_never_put_more_daemons_on_a_gpu_than_the_cap(users: list
         got = s.steer(Pod.model_validate(user_pod(name, name, uid)), ["a", "b"])
         if got.assignment is None:
             continue  # nothing fits in the model: not steered
+        node = got.keep[0]
+        first_fit = next(g for g in range(2) if claimed.get((node, g), 0) + 5 <= 100)
         (share,) = got.assignment.shares
-        where = (got.keep[0], f"gpu-{share.gpu_index}")
-        s.apply("claim", "MODIFIED", reserved(claim(name, "1Gi", "5", allocated=where), name))
-        placed.setdefault((got.keep[0], share.gpu_index), set()).add(
+        assert share.gpu_index == first_fit, (node, share.gpu_index, first_fit, placed)
+        claimed[(node, first_fit)] = claimed.get((node, first_fit), 0) + 5
+        s.apply("claim", "MODIFIED", reserved(claim(name, "1Gi", "5", allocated=(node, f"gpu-{first_fit}")), name))
+        placed.setdefault((node, first_fit), set()).add(
             own_tenant(f"uid-{name}") if uid is None else user_tenant("ml", uid)
         )
         led: Ledger = s.ledger()
@@ -197,3 +203,23 @@ def test_steered_claims_never_put_more_daemons_on_a_gpu_than_the_cap(users: list
         for (node, g), tenants in placed.items():
             assert set(led.unit_tenants[(led.index[node], g, None)]) == tenants
         led.check_invariants()
+
+
+def test_a_node_whose_first_fit_gpu_is_at_the_cap_is_not_picked_for_a_new_tenant() -> None:
+    """The allocator knows no tenants: on the node steering leaves, it takes the lowest-indexed GPU with capacity. On
+    a, GPU 0 runs the two daemons the cap allows (uid 1000's, an undeclared pod's) with most of its capacity free,
+    and GPU 1 runs uid 2000's: sharegpu would pack a new tenant onto a's GPU 1, but the allocator would put it on GPU 0,
+    a third daemon. So a new tenant goes to b; a tenant of GPU 0's daemons, or of GPU 1's alone, still packs onto a."""
+    s = state({"a": False, "b": False}, daemons=2, gpus=2)
+    allocate(s, "t0", 1000, "a", gpu=0)
+    allocate(s, "t1", None, "a", gpu=0)
+    allocate(s, "t2", 2000, "a", gpu=1)
+    led = s.ledger()
+    assert led.daemons_on((led.index["a"], 0, None)) == 2
+    assert steer_new(s, "new", 3000, ["a", "b"]) == ["b"]
+    assert steer_new(s, "joins", 1000, ["a", "b"]) == ["a"]  # first fit is GPU 0, where its daemon runs
+    # Where a is the only candidate, steering passes it and says why.
+    s.apply("claim", "ADDED", claim("lone", "1Gi", "5"))
+    got = s.steer(Pod.model_validate(user_pod("lone", "lone", 4000)), ["a"])
+    assert got.keep == ["a"] and got.assignment is None
+    assert "allocator's first fit is a GPU that already runs 2 MPS daemon(s)" in got.why, got.why

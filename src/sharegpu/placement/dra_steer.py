@@ -17,15 +17,38 @@ from dataclasses import dataclass
 import numpy as np
 
 from sharegpu.ledger import Ledger
+from sharegpu.model.request import GpuRequest
 from sharegpu.placement.dra_allocator import FirstFitGpus
 from sharegpu.placement.fragmentation import Workload
-from sharegpu.placement.framework import CycleState, IntArray, Policy
+from sharegpu.placement.framework import BoolArray, CycleState, IntArray, Policy
+from sharegpu.placement.mechanism import UsablePlan, capped_gpus
 from sharegpu.placement.plugins.refined import RefinedFgdScore
 
 
 def first_fit_gpu(usable: np.ndarray) -> IntArray:
     """(K,) index of the first usable GPU of each row of a (K,G) mask (0 where none is usable)."""
     out: IntArray = np.argmax(usable, axis=1).astype(np.int64)
+    return out
+
+
+def beyond_cap(ledger: Ledger, req: GpuRequest, usable: np.ndarray, nodes: IntArray) -> BoolArray:
+    """(K,) for each of ``nodes``: whether the allocator's first fit there would open a daemon beyond the cap. The
+    allocator knows no tenants: it takes the lowest-indexed GPU with capacity for the share, which may be one that
+    already runs the most MPS daemons a GPU may (none of them the share's tenant's) and that sharegpu's ``usable``
+    (N,G) therefore leaves out. On the other nodes its first fit is the first usable GPU, as
+    :class:`FirstFitSharegpuScore` scores it."""
+    out: BoolArray = np.zeros(len(nodes), dtype=bool)
+    capped = capped_gpus(ledger, req, UsablePlan.of(ledger, req))
+    if not capped or req.gpu_count != 1:
+        return out
+    rows = usable[nodes]
+    first = first_fit_gpu(rows)
+    some: BoolArray = np.asarray(rows.any(axis=1), dtype=bool)
+    where = {int(n): i for i, n in enumerate(nodes)}
+    for n, g in capped:
+        i = where.get(n)
+        if i is not None and not usable[n, g] and (not some[i] or g < first[i]):
+            out[i] = True
     return out
 
 

@@ -340,16 +340,36 @@ def tenant_gpus(ledger: Ledger, req: GpuRequest, plan: UsablePlan) -> list[tuple
             if via_mig and mig_choice(ledger, n, g, req) is not None:
                 out.append((n, g))
             continue
-        if (
-            plan.route[mid] == _SHARE
-            and plan.mps_limit[mid]
-            and ledger.mode[n, g] == GpuMode.MPS
-            and ledger.free_milli[n, g] >= plan.compute[mid]
-            and ledger.free_mem[n, g] >= plan.memory
-            and ledger.clients[n, g] < MPS_MAX_CLIENTS
-        ):
+        if _mps_room(ledger, plan, n, g):
             out.append((n, g))
     return out
+
+
+def capped_gpus(ledger: Ledger, req: GpuRequest, plan: UsablePlan) -> list[tuple[int, int]]:
+    """Whole GPUs (node, GPU) at the daemon cap where a share of ``req``'s shape has room by capacity alone, whoever
+    its tenant: closed to a tenant that runs no daemon there, yet what an allocator that knows no tenants (the DRA
+    path's first fit) may still take."""
+    if not req.may_use_mps or not ledger.full_units:
+        return []
+    return sorted(
+        (n, g)
+        for n, g, start in ledger.full_units
+        if start is None and ledger.present[n, g] and ledger.healthy[n, g] and _mps_room(ledger, plan, n, g)
+    )
+
+
+def _mps_room(ledger: Ledger, plan: UsablePlan, n: int, g: int) -> bool:
+    """Whether GPU ``g`` of node ``n``, shared through MPS, has room for one more client of ``plan``'s share (its
+    compute, memory and the client limit), its daemons aside."""
+    mid = int(ledger.model_id[n, g])
+    return bool(
+        plan.route[mid] == _SHARE
+        and plan.mps_limit[mid]
+        and ledger.mode[n, g] == GpuMode.MPS
+        and ledger.free_milli[n, g] >= plan.compute[mid]
+        and ledger.free_mem[n, g] >= plan.memory
+        and ledger.clients[n, g] < MPS_MAX_CLIENTS
+    )
 
 
 def usable_gpus(ledger: Ledger, req: GpuRequest, nodes: npt.NDArray[np.int64] | None = None) -> BoolMatrix:

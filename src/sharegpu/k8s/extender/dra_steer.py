@@ -42,7 +42,7 @@ from sharegpu.model.assignment import Assignment
 from sharegpu.model.contract import ATTR_PROFILE, MIG_CLASS, SHARED_CLASS, WHOLE_CLASS
 from sharegpu.model.request import GpuRequest, InvalidRequest, Sharing
 from sharegpu.model.tenant import TenantConflict, own_tenant
-from sharegpu.placement.dra_steer import dra_steered_policy
+from sharegpu.placement.dra_steer import beyond_cap, dra_steered_policy
 from sharegpu.placement.fragmentation import Workload, workload_drifted
 from sharegpu.placement.framework import Scheduler
 
@@ -202,6 +202,14 @@ class DraSteering:
             # Why, as the extender says it (e.g. the GPUs with room already run the most MPS daemons a GPU may).
             why = sched.explain(req, usable).reason
             return Steer(candidates, f"no candidate fits in sharegpu's model of the DRA nodes: {why}")
+        beyond = beyond_cap(led, req, usable, cand)
+        if beyond.all():
+            return Steer(
+                candidates,
+                f"on every candidate the allocator's first fit is a GPU that already runs "
+                f"{led.tenancy.daemons_per_unit} MPS daemon(s), the most a GPU may, none of this pod's tenant",
+            )
+        cand = cand[~beyond]
         state = sched.cycle(req, usable)
         best = sched.pick(cand, sched.scores(state, cand))
         a = sched.assignment_on(state, best)
