@@ -38,8 +38,10 @@ def beyond_cap(ledger: Ledger, req: GpuRequest, usable: np.ndarray, nodes: IntAr
     (N,G) therefore leaves out. On the other nodes its first fit is the first usable GPU, as
     :class:`FirstFitSharegpuScore` scores it."""
     out: BoolArray = np.zeros(len(nodes), dtype=bool)
+    if req.gpu_count != 1 or not req.may_use_mps or not ledger.full_units:
+        return out  # the common case, at no cost: no GPU is at the cap
     capped = capped_gpus(ledger, req, UsablePlan.of(ledger, req))
-    if not capped or req.gpu_count != 1:
+    if not capped:
         return out
     rows = usable[nodes]
     first = first_fit_gpu(rows)
