@@ -32,6 +32,18 @@ DEFAULT_DAEMONS_PER_UNIT = 16
 # GPU memory an MPS server takes of its unit before any client: 66 MiB on an H200, driver 580 (NVML's process list,
 # ../shared/gpu-evidence/h200-2026-11-26). Each daemon of a unit has its server, so each one counts.
 MPS_DAEMON_MEMORY_MIB = 66
+MAX_DAEMON_MEMORY_MIB = 4096  # a server takes tens of MiB; more is a typo (GiB meant as MiB)
+
+
+def daemon_memory_problem(mib: int) -> str | None:
+    """What is wrong with ``mib`` as the GPU memory an MPS daemon's server takes (None: nothing), in words a flag's
+    message can start with."""
+    if 0 <= mib <= MAX_DAEMON_MEMORY_MIB:
+        return None
+    return (
+        f"{mib} is out of range: 0 to {MAX_DAEMON_MEMORY_MIB:,} MiB of GPU memory an MPS daemon's server takes (an "
+        f"H200's took {MPS_DAEMON_MEMORY_MIB}; bench/gpu_node_check.py measures a GPU's)"
+    )
 
 
 @dataclass(frozen=True, slots=True)

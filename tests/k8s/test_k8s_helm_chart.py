@@ -142,10 +142,10 @@ def test_consolidation_is_turned_on_with_its_rate() -> None:
     assert "--consolidation" in args and "--consolidation-moves-per-minute=2" in args
 
 
-def test_the_mps_daemon_cap_goes_to_the_extender_and_the_status_page_alike() -> None:
+def test_the_mps_daemon_cap_and_memory_go_to_the_extender_and_the_status_page_alike() -> None:
     """Issue 32: both build a ledger that counts MPS daemons per GPU; a status page that counted with another cap
     than the extender's would say why pods wait wrongly."""
-    from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT
+    from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT, MPS_DAEMON_MEMORY_MIB
 
     def args(values: dict[str, Any]) -> tuple[list[str], list[str]]:
         deployments = by_kind(render(values | {"statusPage": {"enabled": True}}), "Deployment")
@@ -155,6 +155,9 @@ def test_the_mps_daemon_cap_goes_to_the_extender_and_the_status_page_alike() -> 
 
     assert all(f"--mps-daemons-per-gpu={DEFAULT_DAEMONS_PER_UNIT}" in a for a in args({}))
     assert all("--mps-daemons-per-gpu=4" in a for a in args({"extender": {"mpsDaemonsPerGpu": 4}}))
+    # So does each daemon's server memory (measured per GPU and driver; the default is the H200's).
+    assert all(f"--mps-daemon-memory={MPS_DAEMON_MEMORY_MIB}" in a for a in args({}))
+    assert all("--mps-daemon-memory=80" in a for a in args({"extender": {"mpsDaemonMemoryMiB": 80}}))
 
 
 def test_webhook_is_served_with_a_certificate_the_api_server_trusts(default_docs: list[dict[str, Any]]) -> None:

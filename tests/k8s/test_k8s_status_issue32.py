@@ -194,3 +194,23 @@ def test_status_counts_with_the_cap_it_is_given_and_refuses_one_out_of_range(tmp
                 result.output.split()
             ), result.output
             assert "Traceback" not in result.output
+
+
+def test_status_counts_each_daemon_with_the_memory_it_is_given_and_refuses_one_out_of_range(tmp_path: Path) -> None:
+    server = FakeApiServer()
+    try:
+        kc = write(tmp_path / "kc", server.url)
+        result = CliRunner().invoke(app, ["status", "--kubeconfig", str(kc), "--json", "--mps-daemon-memory", "80"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["summary"]["mps_daemon_memory_mib"] == 80
+        result = CliRunner().invoke(app, ["status", "--kubeconfig", str(kc), "--json"])
+        assert json.loads(result.output)["summary"]["mps_daemon_memory_mib"] == MPS_DAEMON_MEMORY_MIB
+    finally:
+        server.close()
+    for command in (["status"], ["scheduler-extender", "--plain-http"]):
+        for bad in ("-1", "4097"):
+            result = CliRunner().invoke(app, [*command, "--mps-daemon-memory", bad])
+            assert result.exit_code == 2 and f"--mps-daemon-memory {bad} is out of range: 0 to 4,096 MiB" in " ".join(
+                result.output.split()
+            ), result.output
+            assert "Traceback" not in result.output

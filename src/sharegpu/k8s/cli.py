@@ -22,7 +22,13 @@ from sharegpu.kube.api import LightkubeClusterApi
 from sharegpu.kube.errors import ConfigError, KubeError
 from sharegpu.kube.kubeconfig import KUBECONFIG_HELP, quiet_http_logging
 from sharegpu.kube.quantity import MIB
-from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT, MPS_MAX_CLIENTS, MpsTenancy
+from sharegpu.ledger import (
+    DEFAULT_DAEMONS_PER_UNIT,
+    MPS_DAEMON_MEMORY_MIB,
+    MPS_MAX_CLIENTS,
+    MpsTenancy,
+    daemon_memory_problem,
+)
 from sharegpu.model.contract import DEFAULT_SCHEDULER_NAME
 from sharegpu.placement.policies import POLICIES, UnknownPolicy
 
@@ -79,15 +85,25 @@ MPS_DAEMONS_HELP = (
 )
 
 
-def mps_tenancy(daemons_per_gpu: int) -> MpsTenancy:
-    """The ledgers' MPS tenancy from ``--mps-daemons-per-gpu``; raises :class:`SetupError` out of range."""
+MPS_DAEMON_MEMORY_HELP = (
+    f"GPU memory (MiB) each MPS daemon's server takes of its GPU or MIG instance, counted beside its pods' shares: "
+    f"{MPS_DAEMON_MEMORY_MIB} as NVML listed on an H200 (driver 580); bench/gpu_node_check.py measures your GPUs'. "
+    "Give the extender and `sharegpu status` the same."
+)
+
+
+def mps_tenancy(daemons_per_gpu: int, daemon_memory_mib: int = MPS_DAEMON_MEMORY_MIB) -> MpsTenancy:
+    """The ledgers' MPS tenancy from ``--mps-daemons-per-gpu`` and ``--mps-daemon-memory``; raises
+    :class:`SetupError` out of range."""
     if not 1 <= daemons_per_gpu <= MPS_MAX_CLIENTS:
         raise SetupError(
             f"--mps-daemons-per-gpu {daemons_per_gpu} is out of range: 1 to {MPS_MAX_CLIENTS} daemons a GPU or MIG "
             f"instance (each serves at least one client, and an MPS unit takes at most {MPS_MAX_CLIENTS}), e.g. "
             f"{DEFAULT_DAEMONS_PER_UNIT}"
         )
-    return MpsTenancy(daemons_per_unit=daemons_per_gpu)
+    if problem := daemon_memory_problem(daemon_memory_mib):
+        raise SetupError(f"--mps-daemon-memory {problem}")
+    return MpsTenancy(daemons_per_unit=daemons_per_gpu, daemon_memory_mib=daemon_memory_mib)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -192,6 +208,9 @@ def scheduler_extender(
         help="Most pods consolidation moves (evicts) in any minute.",
     ),
     mps_daemons_per_gpu: int = typer.Option(DEFAULT_DAEMONS_PER_UNIT, "--mps-daemons-per-gpu", help=MPS_DAEMONS_HELP),
+    mps_daemon_memory: int = typer.Option(
+        MPS_DAEMON_MEMORY_MIB, "--mps-daemon-memory", metavar="MIB", help=MPS_DAEMON_MEMORY_HELP
+    ),
 ) -> None:
     """Serve the kube-scheduler extender (filter, prioritize, bind, preempt) on the simulator's ledger and policies."""
     from sharegpu.k8s.cache.view import ClusterView
@@ -219,7 +238,7 @@ def scheduler_extender(
                 f"--consolidation-moves-per-minute {consolidation_moves_per_minute} must be 1 or more, e.g. 4"
             )
         check_policy(policy)
-        tenancy = mps_tenancy(mps_daemons_per_gpu)
+        tenancy = mps_tenancy(mps_daemons_per_gpu, mps_daemon_memory)
         view = ClusterView(scheduler_name=scheduler_name, follow_dra=dra_steering, tenancy=tenancy)
         log.info("scheduler extender for %s, policy %s: loading credentials", scheduler_name, policy)
         api = LightkubeClusterApi(kubeconfig)
@@ -316,6 +335,9 @@ def status(
         None, "--serve", help="HOST:PORT to serve the live read-only status page on (e.g. 127.0.0.1:8080)."
     ),
     mps_daemons_per_gpu: int = typer.Option(DEFAULT_DAEMONS_PER_UNIT, "--mps-daemons-per-gpu", help=MPS_DAEMONS_HELP),
+    mps_daemon_memory: int = typer.Option(
+        MPS_DAEMON_MEMORY_MIB, "--mps-daemon-memory", metavar="MIB", help=MPS_DAEMON_MEMORY_HELP
+    ),
 ) -> None:
     """Show every sharegpu GPU: model, mechanism, used memory and compute, MIG layout, the MPS daemons (tenants and
     their clients) and the pods sharing it."""
@@ -334,7 +356,7 @@ def status(
             raise SetupError(f"--interval {interval:g} must be between 0.2 and 3600 seconds")
         if serve is not None:
             addr = parse_listen(serve, "--serve")
-        tenancy = mps_tenancy(mps_daemons_per_gpu)
+        tenancy = mps_tenancy(mps_daemons_per_gpu, mps_daemon_memory)
     except SetupError as e:
         raise _fail(str(e)) from None
     try:

@@ -14,7 +14,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from sharegpu.ledger import DEFAULT_DAEMONS_PER_UNIT, MPS_DAEMON_MEMORY_MIB, MPS_MAX_CLIENTS
+from sharegpu.ledger import (
+    DEFAULT_DAEMONS_PER_UNIT,
+    MAX_DAEMON_MEMORY_MIB,
+    MPS_DAEMON_MEMORY_MIB,
+    MPS_MAX_CLIENTS,
+    daemon_memory_problem,
+)
 from sharegpu.placement.policies import POLICIES, UnknownPolicy, parse_policies
 from sharegpu.sim.engine import RunResult
 from sharegpu.sim.mps_rules import DEFAULT_RULE, MpsRule, UnknownRule, parse_rules, run_label
@@ -48,7 +54,6 @@ MAX_MOVES = 16
 MAX_LOAD = 10.0
 MAX_ARRIVALS = 1_000_000
 DEFAULT_ARRIVALS = 20_000
-MAX_DAEMON_MEMORY = 4096  # MiB: a server takes tens of MiB; more is a typo (GiB meant as MiB)
 
 
 class UsageError(Exception):
@@ -153,7 +158,7 @@ def sim(
         None,
         "--mps-daemon-memory",
         metavar="MIB",
-        help=f"GPU memory each MPS daemon's server takes of its unit, under every rule, 0 to {MAX_DAEMON_MEMORY:,} "
+        help=f"GPU memory each MPS daemon's server takes of its unit, under every rule, 0 to {MAX_DAEMON_MEMORY_MIB:,} "
         f"MiB. Default: {MPS_DAEMON_MEMORY_MIB}, what NVML listed for the server on an H200 (driver 580), the "
         "extender's; 0 leaves it out.",
     ),
@@ -344,11 +349,8 @@ def _mps(
             f"--mps-daemons-per-gpu {daemons} is out of range: 1 to {MPS_MAX_CLIENTS} daemons a unit (each serves at "
             f"least one client, and an MPS unit takes at most {MPS_MAX_CLIENTS}); 1 is --mps-rule one-user"
         )
-    if daemon_memory is not None and not 0 <= daemon_memory <= MAX_DAEMON_MEMORY:
-        raise UsageError(
-            f"--mps-daemon-memory {daemon_memory} is out of range: 0 to {MAX_DAEMON_MEMORY:,} MiB of GPU memory an "
-            f"MPS daemon's server takes (an H200's took {MPS_DAEMON_MEMORY_MIB})"
-        )
+    if daemon_memory is not None and (problem := daemon_memory_problem(daemon_memory)):
+        raise UsageError(f"--mps-daemon-memory {problem}")
     given = [flag for flag, value in (("--users", users), ("--undeclared", undeclared)) if value is not None]
     if given and not any(rule.draws_tenants for rule in rules):
         raise UsageError(
