@@ -329,6 +329,36 @@ def test_dra_pods_are_packed_where_sharegpu_says_not_spread(rig: Rig) -> None:
     _assert_not_over_allocated(rig, ns)
 
 
+def test_the_allocators_first_fit_never_opens_a_daemon_beyond_the_cap_on_a_steered_node(rig: Rig) -> None:
+    """Issue 32, on the real allocator: it knows no tenants and takes the first GPU with capacity. With a cap of two
+    MPS daemons a GPU and pods that declare no user (each a tenant of its own), two shares fill one node's GPU 0 to
+    the cap; a third tenant must not be steered to that node (sharegpu would pack it onto its GPU 1, the allocator
+    would put it on GPU 0 as a third daemon) but to the other node. Once every node's first fit is at the cap,
+    steering says so and passes them all."""
+    _classes(rig)
+    for suffix in ("a", "b"):
+        _dra_node(rig, suffix)
+    _, url = rig.start_extender(0, "--dra-steering", "--mps-daemons-per-gpu", "2")
+    rig.start_scheduler(url, values=STEERING)
+    ns = rig.namespace()
+    ext = next(p for p in rig.procs if p.name == "extender")
+    wait_for(lambda: "DRA: 2 node(s)" in ext.text(), "the extender to follow the DRA nodes", 30)
+    for i in range(4):  # one at a time: each claim is seen allocated before the next pod is steered
+        _claim_and_pod(rig, ns, f"t{i}", "10Gi", 10)
+        wait_for(lambda i=i: f"t{i}" in _placed(rig, ns), f"pod t{i} bound", 60)
+    placed = _placed(rig, ns)
+    _assert_where_said(ext.text(), placed, set(placed))  # the extender's first fit is the allocator's, every time
+    tenants = Counter(placed.values())
+    assert sorted(tenants.values()) == [2, 2] and {d for _, d in placed.values()} == {"gpu-0"}, placed  # two GPUs at the cap
+    assert placed["t0"][0] == placed["t1"][0] != placed["t2"][0] == placed["t3"][0], placed
+
+    _claim_and_pod(rig, ns, "t4", "10Gi", 10)
+    wait_for(lambda: "t4" in _placed(rig, ns), "pod t4 bound", 60)
+    assert re.search(r"DRA pod \S+/t4 not steered: on every candidate the allocator's first fit is a GPU that already "
+                     r"runs 2 MPS daemon\(s\)", ext.text()), ext.text()[-2000:]  # fmt: skip
+    _assert_not_over_allocated(rig, ns)
+
+
 def test_a_pod_steering_cannot_judge_is_placed_as_the_stock_scheduler_would(rig: Rig) -> None:
     """A pod of the profile without claims and a claim of a class steering does not know pass every node."""
     _classes(rig)
