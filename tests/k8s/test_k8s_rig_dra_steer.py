@@ -349,7 +349,8 @@ def test_the_allocators_first_fit_never_opens_a_daemon_beyond_the_cap_on_a_steer
     placed = _placed(rig, ns)
     _assert_where_said(ext.text(), placed, set(placed))  # the extender's first fit is the allocator's, every time
     tenants = Counter(placed.values())
-    assert sorted(tenants.values()) == [2, 2] and {d for _, d in placed.values()} == {"gpu-0"}, placed  # two GPUs at the cap
+    # Two GPUs at the cap, one on each node.
+    assert sorted(tenants.values()) == [2, 2] and {d for _, d in placed.values()} == {"gpu-0"}, placed
     assert placed["t0"][0] == placed["t1"][0] != placed["t2"][0] == placed["t3"][0], placed
 
     _claim_and_pod(rig, ns, "t4", "10Gi", 10)
