@@ -178,6 +178,30 @@ def test_a_binding_applied_whose_answer_was_lost_is_reported_bound() -> None:
     asyncio.run(main())
 
 
+def test_a_bind_whose_pod_the_watch_showed_bound_before_its_answer_is_not_left_in_flight() -> None:
+    """The watch may deliver the pod bound before the binder has handled the Binding's answer (the view leaves a bind
+    in progress alone then). Once the answer is handled, nothing else would end the bind's entry on a node whose
+    pods' status never changes again: the pod stayed "in flight" for good, and so was never a victim of preemption
+    (the rig's preemption burst then waited for room that was never made)."""
+
+    async def main() -> None:
+        api, view, ext = make([node_spec("node-a", gpus=1)])
+        p = api.put_pod(pod_obj("train", gpu=1))
+        view.apply_pod("ADDED", Pod.model_validate(p))
+        real_bind = api.bind_pod
+
+        async def bind_then_watch(*args: Any, **kw: Any) -> None:
+            await real_bind(*args, **kw)
+            view.apply_pod(MODIFIED, Pod.model_validate(api.pods["default/train"]))  # before the answer is handled
+
+        api.bind_pod = bind_then_watch  # type: ignore[method-assign]
+        assert await bind(ext, p, "node-a") == ""
+        assert not view.in_flight("default/train") and view.phase("default/train") is None
+        assert held(view) == {"default/train": ["GPU-node-a-0"]}  # now held by its own assignment annotation
+
+    asyncio.run(main())
+
+
 def test_a_binding_lost_on_its_way_is_sent_again() -> None:
     async def main() -> None:
         api, view, ext = make([node_spec("node-a", gpus=1)])

@@ -232,6 +232,19 @@ class AssumeCache:
             self._entries[key] = replace(entry, phase=Phase.BOUND if outcome is Outcome.BOUND else Phase.UNKNOWN, rv=rv)
         return True
 
+    def seen_bound(self, key: str, pod: Pod) -> None:
+        """Pod ``key``'s BOUND entry ends where ``pod``, the copy the view already holds, shows it bound as this
+        process bound it: the watch event that ends such an entry (:meth:`observed`) came while the Binding was still
+        being written, and may be the last event the pod ever has (a node whose pods' status never changes)."""
+        entry = self._entries.get(key)
+        if (
+            entry is not None
+            and entry.phase is Phase.BOUND
+            and (not entry.uid or entry.uid == pod.metadata.uid)
+            and pod.spec.node_name == entry.assignment.node
+        ):
+            del self._entries[key]
+
     def forget(self, key: str) -> None:
         """Pod ``key`` is gone: its entry goes, except a Binding being written, which settles without the pod."""
         entry = self._entries.get(key)

@@ -536,6 +536,8 @@ class LedgerView:
         """
         if not self._assumed.settle(key, outcome, rv):
             pod = None  # deleted while binding: it holds nothing, and no copy of it may come back
+        elif (seen := self._pods.get(key)) is not None:
+            self._assumed.seen_bound(key, seen)  # the watch showed it bound before the Binding's answer came
         if pod is not None:
             self._ingest_pod(pod)
         if self._ledger is not None:
