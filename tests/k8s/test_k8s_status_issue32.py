@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from k8s_helpers import LoopbackServer, node_obj, node_spec, nodes, pod_obj, pods, with_assignment
 from memory_api import MemoryClusterApi
 from rich.console import Console
@@ -176,41 +177,31 @@ def test_watch_shows_a_daemon_as_its_first_client_arrives_and_its_clients_as_mor
     asyncio.run(main())
 
 
-def test_status_counts_with_the_cap_it_is_given_and_refuses_one_out_of_range(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flag", "given", "key", "default", "bad", "range_words"),
+    [
+        ("--mps-daemons-per-gpu", 3, "mps_daemons_per_gpu", DEFAULT_DAEMONS_PER_UNIT, ("0", "49"), "1 to 48"),
+        ("--mps-daemon-memory", 80, "mps_daemon_memory_mib", MPS_DAEMON_MEMORY_MIB, ("-1", "4097"), "0 to 4,096 MiB"),
+    ],
+)
+def test_status_counts_with_the_tenancy_it_is_given_and_refuses_a_figure_out_of_range(
+    tmp_path: Path, flag: str, given: int, key: str, default: int, bad: tuple[str, ...], range_words: str
+) -> None:
+    """The MPS daemon cap and each daemon's memory: what status counts with, as the extender does."""
     server = FakeApiServer()
     try:
         kc = write(tmp_path / "kc", server.url)
-        result = CliRunner().invoke(app, ["status", "--kubeconfig", str(kc), "--json", "--mps-daemons-per-gpu", "3"])
+        result = CliRunner().invoke(app, ["status", "--kubeconfig", str(kc), "--json", flag, str(given)])
         assert result.exit_code == 0, result.output
-        assert json.loads(result.output)["summary"]["mps_daemons_per_gpu"] == 3
+        assert json.loads(result.output)["summary"][key] == given
         result = CliRunner().invoke(app, ["status", "--kubeconfig", str(kc), "--json"])
-        assert json.loads(result.output)["summary"]["mps_daemons_per_gpu"] == DEFAULT_DAEMONS_PER_UNIT
+        assert json.loads(result.output)["summary"][key] == default
     finally:
         server.close()
     for command in (["status"], ["scheduler-extender", "--plain-http"]):
-        for bad in ("0", "49"):
-            result = CliRunner().invoke(app, [*command, "--mps-daemons-per-gpu", bad])
-            assert result.exit_code == 2 and f"--mps-daemons-per-gpu {bad} is out of range: 1 to 48" in " ".join(
-                result.output.split()
-            ), result.output
-            assert "Traceback" not in result.output
-
-
-def test_status_counts_each_daemon_with_the_memory_it_is_given_and_refuses_one_out_of_range(tmp_path: Path) -> None:
-    server = FakeApiServer()
-    try:
-        kc = write(tmp_path / "kc", server.url)
-        result = CliRunner().invoke(app, ["status", "--kubeconfig", str(kc), "--json", "--mps-daemon-memory", "80"])
-        assert result.exit_code == 0, result.output
-        assert json.loads(result.output)["summary"]["mps_daemon_memory_mib"] == 80
-        result = CliRunner().invoke(app, ["status", "--kubeconfig", str(kc), "--json"])
-        assert json.loads(result.output)["summary"]["mps_daemon_memory_mib"] == MPS_DAEMON_MEMORY_MIB
-    finally:
-        server.close()
-    for command in (["status"], ["scheduler-extender", "--plain-http"]):
-        for bad in ("-1", "4097"):
-            result = CliRunner().invoke(app, [*command, "--mps-daemon-memory", bad])
-            assert result.exit_code == 2 and f"--mps-daemon-memory {bad} is out of range: 0 to 4,096 MiB" in " ".join(
+        for value in bad:
+            result = CliRunner().invoke(app, [*command, flag, value])
+            assert result.exit_code == 2 and f"{flag} {value} is out of range: {range_words}" in " ".join(
                 result.output.split()
             ), result.output
             assert "Traceback" not in result.output
